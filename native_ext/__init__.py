@@ -1,0 +1,1 @@
+"""Native kernels for Kiln's training engine: Cython (CPU) and, later, the CUDA library."""

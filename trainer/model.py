@@ -1,0 +1,391 @@
+"""DecoderOnlyTransformer: one Llama-family decoder with explicit forward/backward passes.
+
+Dimension letters: B batch, T time, N = B*T rows, C model width, H query heads, KV
+key/value heads, g = H/KV, D head size, F feed-forward width, V vocabulary.
+Parameter names are Hugging Face Llama's. The q/k/v projections of a block share one
+fused [(H+2KV)*D, C] matrix and gate/up share one [2F, C] matrix; the named parameters
+are row views into them, so one matrix product serves three (or two) projections.
+"""
+
+import numpy as np
+from scipy.linalg import blas as scipy_blas
+
+from native_ext import kernels
+from trainer import attention
+from trainer.config import TransformerConfig
+from trainer.parameters import Parameter, ParameterList
+
+IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
+
+
+def accumulate_weight_grad(grad, dy, x, accumulate):
+    """grad [M,K] (=|+=) dy.T [M,N] @ x [N,K], in place through BLAS when accumulating."""
+    if accumulate:
+        # grad.T is Fortran-ordered [K,M]: grad.T += x.T @ dy, with C = 1*A*B + 1*C in place
+        scipy_blas.sgemm(1.0, x.T, dy.T, beta=1.0, c=grad.T, trans_b=1, overwrite_c=1)
+    else:
+        np.matmul(dy.T, x, out=grad)
+
+
+class _Block:
+    """The arrays of one decoder block; the named Parameters are views into them."""
+
+    def __init__(self, index, config):
+        C, F, D = config.model_width, config.feed_forward_width, config.head_dimension
+        H, KV = config.head_count, config.kv_heads
+        prefix = f"model.layers.{index}."
+        self.qkv = np.zeros(((H + 2 * KV) * D, C), dtype=np.float32)  # [(H+2KV)D, C]
+        self.gate_up = np.zeros((2 * F, C), dtype=np.float32)  # [2F, C]
+        self.o = Parameter(prefix + "self_attn.o_proj.weight", np.zeros((C, H * D), np.float32), None)
+        self.down = Parameter(prefix + "mlp.down_proj.weight", np.zeros((C, F), np.float32), None)
+        self.ln1 = Parameter(prefix + "input_layernorm.weight", np.ones(C, np.float32), None)
+        self.ln2 = Parameter(prefix + "post_attention_layernorm.weight", np.ones(C, np.float32), None)
+        q_rows, kv_rows = H * D, KV * D
+        self.q = Parameter(prefix + "self_attn.q_proj.weight", self.qkv[:q_rows], None)
+        self.k = Parameter(prefix + "self_attn.k_proj.weight", self.qkv[q_rows:q_rows + kv_rows], None)
+        self.v = Parameter(prefix + "self_attn.v_proj.weight", self.qkv[q_rows + kv_rows:], None)
+        self.gate = Parameter(prefix + "mlp.gate_proj.weight", self.gate_up[:F], None)
+        self.up = Parameter(prefix + "mlp.up_proj.weight", self.gate_up[F:], None)
+        self.qkv_grad = None
+        self.gate_up_grad = None
+
+    def parameters(self):
+        # Hugging Face Llama order within a block
+        return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.ln1, self.ln2]
+
+    def allocate_grads(self):
+        H = self.q.value.shape[0]
+        KVD = self.k.value.shape[0]
+        F = self.gate.value.shape[0]
+        self.qkv_grad = np.zeros_like(self.qkv)
+        self.gate_up_grad = np.zeros_like(self.gate_up)
+        self.q.grad = self.qkv_grad[:H]
+        self.k.grad = self.qkv_grad[H:H + KVD]
+        self.v.grad = self.qkv_grad[H + KVD:]
+        self.gate.grad = self.gate_up_grad[:F]
+        self.up.grad = self.gate_up_grad[F:]
+        for p in (self.o, self.down, self.ln1, self.ln2):
+            p.grad = np.zeros_like(p.value)
+
+
+class DecoderOnlyTransformer:
+    """A Llama-family decoder that owns its buffers; use it as a context manager."""
+
+    def __init__(self, config: TransformerConfig):
+        if not isinstance(config, TransformerConfig):
+            raise TypeError("config must be a TransformerConfig")
+        self.config = config
+        C, V = config.model_width, config.vocabulary_size
+        self._embed = Parameter("model.embed_tokens.weight", np.zeros((V, C), np.float32), None)
+        self._blocks = [_Block(i, config) for i in range(config.block_count)]
+        self._norm = Parameter("model.norm.weight", np.ones(C, np.float32), None)
+        self._lm_head = None if config.tie_embeddings else Parameter(
+            "lm_head.weight", np.zeros((V, C), np.float32), None)
+        self._base = [self._embed]
+        for block in self._blocks:
+            self._base.extend(block.parameters())
+        self._base.append(self._norm)
+        if self._lm_head is not None:
+            self._base.append(self._lm_head)
+        self._by_name = {p.name: p for p in self._base}
+        self._base_trainable = True
+        self._grads_allocated = False
+        self._closed = False
+        self._initialize(config.initializer_seed)
+        self._rope_cos, self._rope_sin = self._rope_tables()
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+    def close(self):
+        """Release every buffer; the model cannot be used afterwards."""
+        self._closed = True
+        self._blocks = []
+        self._base = []
+        self._by_name = {}
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the model has been closed; construct a new one")
+
+    # -- parameters -----------------------------------------------------------------
+
+    def _initialize(self, seed):
+        rng = np.random.default_rng(seed)
+        std = self.config.initializer_range
+        for p in self._base:
+            if p.value.ndim == 2:
+                p.value[...] = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
+
+    def _rope_tables(self):
+        D = self.config.head_dimension
+        inv_freq = 1.0 / (self.config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+        angles = np.outer(np.arange(self.config.maximum_context, dtype=np.float64), inv_freq)
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)  # [P, D/2]
+
+    def parameters(self) -> ParameterList:
+        """The complete, ordered base parameter list (a context manager)."""
+        self._check_open()
+        self._ensure_base_grads()
+        return ParameterList(self._base, owner=self, kind="base")
+
+    def _ensure_base_grads(self):
+        if self._grads_allocated:
+            return
+        for block in self._blocks:
+            block.allocate_grads()
+        for p in (self._embed, self._norm, self._lm_head):
+            if p is not None:
+                p.grad = np.zeros_like(p.value)
+        self._grads_allocated = True
+
+    def _optimizable(self, kind):
+        """The complete list an optimizer of `kind` ("base" or "adapter") must own."""
+        if kind == "base":
+            return self._base
+        raise ValueError(f"this model has no {kind} parameters")
+
+    @property
+    def gradient_pending(self) -> bool:
+        return any(p.pending for p in self._base)
+
+    def clear_pending(self):
+        for p in self._base:
+            p.pending = False
+
+    def state_dict(self) -> dict:
+        """{name: copy of the values} for every base parameter, in order."""
+        self._check_open()
+        return {p.name: p.value.copy() for p in self._base}
+
+    def load_state_dict(self, mapping: dict):
+        """Set base parameter values by name; every name and shape is checked first."""
+        self._check_open()
+        missing = [p.name for p in self._base if p.name not in mapping]
+        unknown = sorted(set(mapping) - set(self._by_name))
+        if missing or unknown:
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unknown {unknown[:5]}")
+        for p in self._base:
+            value = np.asarray(mapping[p.name])
+            if value.shape != p.shape:
+                raise ValueError(f"{p.name}: shape {value.shape} does not match {p.shape}")
+        for p in self._base:
+            p.value[...] = np.asarray(mapping[p.name], dtype=np.float32)
+
+    @property
+    def output_weight(self) -> np.ndarray:
+        return (self._lm_head or self._embed).value
+
+    # -- forward ----------------------------------------------------------------------
+
+    def _check_tokens(self, tokens, name="tokens"):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"{name} must be [batch, time], got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"{name} must be integers, got {tokens.dtype}")
+        B, T = tokens.shape
+        if T < 1 or T > self.config.maximum_context:
+            raise ValueError(f"{name} time {T} outside 1..maximum_context {self.config.maximum_context}")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocabulary_size:
+            raise ValueError(f"{name} ids must lie in [0, {self.config.vocabulary_size})")
+        return np.ascontiguousarray(tokens, dtype=np.int64)
+
+    def _block_forward(self, block, x, B, T):
+        cfg = self.config
+        H, KV, D = cfg.head_count, cfg.kv_heads, cfg.head_dimension
+        g, N = H // KV, B * T
+        h1 = np.empty_like(x)  # [N,C]
+        rstd1 = np.empty(N, np.float32)
+        kernels.rmsnorm_forward(x, block.ln1.value, cfg.norm_epsilon, h1, rstd1)
+        qkv = np.matmul(h1, block.qkv.T)  # [N,(H+2KV)D]
+        qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
+        q = np.empty((B, KV, T, g, D), np.float32)
+        k = np.empty((B, KV, T, 1, D), np.float32)
+        kernels.rope_forward(qkv4[:, :, :H], self._rope_cos, self._rope_sin, 0, q)
+        kernels.rope_forward(qkv4[:, :, H:H + KV], self._rope_cos, self._rope_sin, 0, k)
+        v = np.ascontiguousarray(qkv4[:, :, H + KV:].transpose(0, 2, 1, 3))  # [B,KV,T,D]
+        q3, k3, v3 = q.reshape(B * KV, T * g, D), k.reshape(B * KV, T, D), v.reshape(B * KV, T, D)
+        scale = 1.0 / np.sqrt(D)
+        if cfg.attention_algorithm == "dense":
+            att, saved = attention.dense_forward(q3, k3, v3, scale, g)
+        else:
+            att, saved = attention.tiled_forward(q3, k3, v3, scale, g, cfg.attention_block_size)
+        attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
+        x_mid = np.matmul(attn, block.o.value.T)  # [N,C]
+        x_mid += x
+        h2 = np.empty_like(x)
+        rstd2 = np.empty(N, np.float32)
+        kernels.rmsnorm_forward(x_mid, block.ln2.value, cfg.norm_epsilon, h2, rstd2)
+        gate_up = np.matmul(h2, block.gate_up.T)  # [N,2F]
+        act = np.empty((N, cfg.feed_forward_width), np.float32)
+        kernels.swiglu_forward(gate_up, act)
+        x_out = np.matmul(act, block.down.value.T)  # [N,C]
+        x_out += x_mid
+        cache = dict(x=x, h1=h1, rstd1=rstd1, q=q3, k=k3, v=v3, att=att, saved=saved,
+                     attn=attn, x_mid=x_mid, h2=h2, rstd2=rstd2, gate_up=gate_up, act=act)
+        return x_out, cache
+
+    def _hidden(self, tokens, keep_caches):
+        """Token ids [B,T] -> final normed hidden [N,C] and what backward needs."""
+        B, T = tokens.shape
+        x = self._embed.value[tokens.reshape(-1)]  # [N,C]
+        caches, inputs = [], []
+        for block in self._blocks:
+            inputs.append(x)
+            x, cache = self._block_forward(block, x, B, T)
+            if keep_caches and self.config.activation_checkpointing == "none":
+                caches.append(cache)
+        hidden = np.empty_like(x)
+        rstd = np.empty(x.shape[0], np.float32)
+        kernels.rmsnorm_forward(x, self._norm.value, self.config.norm_epsilon, hidden, rstd)
+        return hidden, dict(tokens=tokens, B=B, T=T, block_inputs=inputs, caches=caches,
+                            last=x, final_rstd=rstd)
+
+    def logits(self, tokens) -> np.ndarray:
+        """Float32 logits [B,T,V] for int token ids [B,T]."""
+        self._check_open()
+        tokens = self._check_tokens(tokens)
+        hidden, _ = self._hidden(tokens, keep_caches=False)
+        B, T = tokens.shape
+        return np.matmul(hidden, self.output_weight.T).reshape(B, T, -1)  # [B,T,V]
+
+    def token_losses(self, inputs, targets) -> np.ndarray:
+        """Per-token cross-entropy [B,T] (0 where the target is IGNORE_INDEX); no gradients."""
+        self._check_open()
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_targets(targets, inputs.shape)
+        hidden, _ = self._hidden(inputs, keep_caches=False)
+        flat = targets.reshape(-1)
+        out = np.zeros(flat.shape[0], np.float32)
+        chunk = self.config.loss_chunk_tokens
+        W = self.output_weight
+        for start in range(0, flat.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = np.matmul(hidden[rows], W.T)  # [n,V]
+            safe = np.where(flat[rows] == IGNORE_INDEX, 0, flat[rows])
+            kernels.log_softmax_gather(logits, np.ascontiguousarray(safe), out[rows])
+        out = np.where(flat == IGNORE_INDEX, np.float32(0), -out)
+        return out.reshape(targets.shape)
+
+    def _check_targets(self, targets, shape):
+        targets = np.asarray(targets)
+        if targets.shape != tuple(shape):
+            raise ValueError(f"targets shape {targets.shape} must equal inputs shape {tuple(shape)}")
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise TypeError(f"targets must be integers, got {targets.dtype}")
+        valid = targets[targets != IGNORE_INDEX]
+        if valid.size and (valid.min() < 0 or valid.max() >= self.config.vocabulary_size):
+            raise ValueError(f"target ids must lie in [0, {self.config.vocabulary_size}) or be {IGNORE_INDEX}")
+        return np.ascontiguousarray(targets, dtype=np.int64)
+
+    # -- forward + backward -------------------------------------------------------------
+
+    def forward_backward(self, inputs, targets) -> float:
+        """Mean cross-entropy over non-ignored targets; accumulates pending gradients."""
+        self._check_open()
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_targets(targets, inputs.shape)
+        flat = targets.reshape(-1)
+        valid = int(np.count_nonzero(flat != IGNORE_INDEX))
+        if valid == 0:
+            raise ValueError("the batch has no target tokens (every target is ignored)")
+        if self._base_trainable:
+            self._ensure_base_grads()
+        hidden, state = self._hidden(inputs, keep_caches=True)
+        dhidden, loss_sum = self._loss_backward(hidden, flat, 1.0 / valid)
+        dx = np.zeros_like(hidden)
+        self._rmsnorm_backward(dhidden, state["last"], self._norm, state["final_rstd"], dx)
+        B, T = state["B"], state["T"]
+        for index in range(len(self._blocks) - 1, -1, -1):
+            block = self._blocks[index]
+            if self.config.activation_checkpointing == "blocks":
+                _, cache = self._block_forward(block, state["block_inputs"][index], B, T)
+            else:
+                cache = state["caches"][index]
+            self._block_backward(block, cache, dx, B, T)
+            state["caches"] = state["caches"][:index]
+        if self._base_trainable:
+            if not self._embed.pending:
+                self._embed.grad.fill(0.0)
+            kernels.embedding_backward(dx, inputs.reshape(-1), self._embed.grad)
+            self._embed.pending = True
+        return float(loss_sum / valid)
+
+    def _loss_backward(self, hidden, flat_targets, grad_scale):
+        """Cross-entropy of hidden @ W.T; returns (dhidden [N,C], summed loss)."""
+        W = self.output_weight  # [V,C]
+        head = self._lm_head or self._embed
+        N = hidden.shape[0]
+        chunk = N if self.config.loss_route == "full_logits" else self.config.loss_chunk_tokens
+        dhidden = np.empty_like(hidden)
+        losses = np.empty(N, np.float32)
+        for start in range(0, N, chunk):
+            rows = slice(start, min(start + chunk, N))
+            logits = np.matmul(hidden[rows], W.T)  # [n,V], becomes dlogits in place
+            kernels.cross_entropy_forward_backward(logits, flat_targets[rows], losses[rows],
+                                                   grad_scale, IGNORE_INDEX)
+            np.matmul(logits, W, out=dhidden[rows])
+            if self._base_trainable:
+                accumulate_weight_grad(head.grad, logits, hidden[rows], head.pending)
+                head.pending = True
+        return dhidden, float(np.sum(losses, dtype=np.float64))
+
+    def _rmsnorm_backward(self, dout, x, weight, rstd, dx):
+        if self._base_trainable:
+            if not weight.pending:
+                weight.grad.fill(0.0)
+            kernels.rmsnorm_backward(dout, x, weight.value, rstd, dx, weight.grad)
+            weight.pending = True
+        else:
+            scratch = np.zeros_like(weight.value)
+            kernels.rmsnorm_backward(dout, x, weight.value, rstd, dx, scratch)
+
+    def _weight_grad(self, params, grad, dy, x):
+        if self._base_trainable:
+            accumulate_weight_grad(grad, dy, x, params[0].pending)
+            for p in params:
+                p.pending = True
+
+    def _block_backward(self, block, cache, d, B, T):
+        """d [N,C]: gradient at the block output, turned in place into the input gradient."""
+        cfg = self.config
+        H, KV, D = cfg.head_count, cfg.kv_heads, cfg.head_dimension
+        g, N = H // KV, B * T
+        # MLP
+        dact = np.matmul(d, block.down.value)  # [N,F]
+        self._weight_grad([block.down], block.down.grad, d, cache["act"])
+        dgate_up = np.empty_like(cache["gate_up"])  # [N,2F]
+        kernels.swiglu_backward(dact, cache["gate_up"], dgate_up)
+        self._weight_grad([block.gate, block.up], block.gate_up_grad, dgate_up, cache["h2"])
+        dh2 = np.matmul(dgate_up, block.gate_up)  # [N,C]
+        self._rmsnorm_backward(dh2, cache["x_mid"], block.ln2, cache["rstd2"], d)
+        # attention
+        dattn = np.matmul(d, block.o.value)  # [N,HD]
+        self._weight_grad([block.o], block.o.grad, d, cache["attn"])
+        datt = np.ascontiguousarray(
+            dattn.reshape(B, T, KV, g, D).transpose(0, 2, 1, 3, 4)).reshape(B * KV, T * g, D)
+        scale = 1.0 / np.sqrt(D)
+        if cfg.attention_algorithm == "dense":
+            dq, dk, dv = attention.dense_backward(datt, cache["q"], cache["k"], cache["v"],
+                                                  cache["saved"], scale)
+        else:
+            dq, dk, dv = attention.tiled_backward(datt, cache["q"], cache["k"], cache["v"],
+                                                  cache["att"], cache["saved"], scale, g,
+                                                  cfg.attention_block_size)
+        dqkv = np.empty((N, (H + 2 * KV) * D), np.float32)
+        dqkv4 = dqkv.reshape(B, T, H + 2 * KV, D)
+        kernels.rope_backward(dq.reshape(B, KV, T, g, D), self._rope_cos, self._rope_sin, 0,
+                              dqkv4[:, :, :H])
+        kernels.rope_backward(dk.reshape(B, KV, T, 1, D), self._rope_cos, self._rope_sin, 0,
+                              dqkv4[:, :, H:H + KV])
+        dqkv4[:, :, H + KV:] = dv.reshape(B, KV, T, D).transpose(0, 2, 1, 3)
+        self._weight_grad([block.q, block.k, block.v], block.qkv_grad, dqkv, cache["h1"])
+        dh1 = np.matmul(dqkv, block.qkv)  # [N,C]
+        self._rmsnorm_backward(dh1, cache["x"], block.ln1, cache["rstd1"], d)
