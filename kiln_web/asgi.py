@@ -1,0 +1,25 @@
+"""ASGI entry point: Django for HTTP (with the static files), Channels consumers for WebSockets."""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kiln_web.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_asgi_app = get_asgi_application()  # before anything that imports models
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+# Consumers land with the dashboard; each app adds its routes here.
+websocket_urlpatterns: list = []
+
+application = ProtocolTypeRouter(
+    {
+        # The few local assets are served in-process, so `kiln up` needs no web server in front.
+        "http": ASGIStaticFilesHandler(django_asgi_app),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)

@@ -1,0 +1,1 @@
+"""No models yet; the control plane's apps own theirs."""

@@ -1,0 +1,235 @@
+"""Django settings for Kiln, read from the environment; a bad value stops the start with a message."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+# -- typed readers: an unset or empty variable gives the default, a malformed one raises --
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name, "")
+    return value if value != "" else default
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use true/false, 1/0, yes/no or on/off")
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} is below the minimum of {minimum}")
+    return value
+
+
+def env_path(name: str, default: str | Path) -> Path:
+    raw = env_str(name)
+    path = Path(raw if raw is not None else default).expanduser()
+    if not path.is_absolute():
+        raise ImproperlyConfigured(f"{name}={raw!r} must be an absolute path (a leading ~ is expanded)")
+    return path
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = env_str(name)
+    if raw is None:
+        return list(default)
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_secret(name: str, default: str | None = None) -> str | None:
+    """NAME, or the contents of the file that NAME_FILE names (Docker and Kubernetes secrets)."""
+    value = env_str(name)
+    file_name = env_str(f"{name}_FILE")
+    if value is not None and file_name is not None:
+        raise ImproperlyConfigured(f"set {name} or {name}_FILE, not both")
+    if file_name is not None:
+        try:
+            value = Path(file_name).read_text().strip()
+        except OSError as exc:
+            raise ImproperlyConfigured(f"{name}_FILE={file_name!r} cannot be read: {exc.strerror}") from None
+        if not value:
+            raise ImproperlyConfigured(f"{name}_FILE={file_name!r} is empty")
+    return value if value is not None else default
+
+
+# -- the pieces that switch on one variable each --
+
+
+def database_config(url: str | None, kiln_home: Path) -> dict:
+    """SQLite in KILN_HOME when DATABASE_URL is unset, otherwise the PostgreSQL it names."""
+    if url is None:
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": kiln_home / "kiln.sqlite3",
+            "OPTIONS": {"timeout": 20},  # seconds to wait on a lock held by the embedded worker
+        }
+    scheme = urlsplit(url).scheme
+    if scheme not in {"postgres", "postgresql", "pgsql"}:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL must be a postgres:// URL, not {scheme or 'a scheme-less'}:// one; "
+            "unset it to use SQLite in KILN_HOME"
+        )
+    try:
+        config = dj_database_url.parse(url)  # CONN_MAX_AGE 0: Django advises no persistent connections under ASGI
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"DATABASE_URL cannot be parsed: {exc}") from None
+    if not config.get("NAME"):
+        raise ImproperlyConfigured("DATABASE_URL names no database: postgres://USER:PASSWORD@HOST:5432/NAME")
+    return config
+
+
+def broker_config(url: str | None) -> tuple[str, dict]:
+    """The Celery broker URL and the channel layers: Redis when REDIS_URL is set, in-process otherwise."""
+    if url is None:
+        return "memory://", {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    scheme = urlsplit(url).scheme
+    if scheme not in {"redis", "rediss"}:
+        raise ImproperlyConfigured(f"REDIS_URL must be a redis:// or rediss:// URL, not {scheme or 'a scheme-less'}:// one")
+    return url, {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [url]}}}
+
+
+def load_or_create_secret_key(kiln_home: Path) -> str:
+    """The key in KILN_HOME/secret_key, generated (mode 0600) by whichever process starts first."""
+    path = kiln_home / "secret_key"
+    try:
+        if not path.exists():
+            temporary = kiln_home / f".secret_key.{os.getpid()}.{secrets.token_hex(4)}"
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(secrets.token_urlsafe(50) + "\n")
+            try:
+                os.link(temporary, path)  # atomic: a web and a worker starting together agree on one key
+            except FileExistsError:
+                pass
+            finally:
+                temporary.unlink()
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise ImproperlyConfigured(f"cannot read or create {path}: {exc.strerror}; check KILN_HOME") from None
+    if len(key) < 32:
+        raise ImproperlyConfigured(f"{path} holds no usable secret key; delete it and a new one is generated")
+    return key
+
+
+# -- paths --
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+# templates/ and static/ live at the top of the source tree; a non-editable install points here.
+ASSETS_DIR = env_path("KILN_ASSETS_DIR", BASE_DIR)
+KILN_HOME = env_path("KILN_HOME", "~/.kiln")
+try:
+    KILN_HOME.mkdir(mode=0o700, parents=True, exist_ok=True)
+except OSError as exc:
+    raise ImproperlyConfigured(f"KILN_HOME={str(KILN_HOME)!r} cannot be created: {exc.strerror}") from None
+
+# -- security --
+
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = env_secret("SECRET_KEY") or load_or_create_secret_key(KILN_HOME)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# -- application --
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "kiln_web.core",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "kiln_web.urls"
+WSGI_APPLICATION = "kiln_web.wsgi.application"
+ASGI_APPLICATION = "kiln_web.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [ASSETS_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "index"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env_str("TIME_ZONE", "UTC")
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [ASSETS_DIR / "static"]
+STATIC_ROOT = KILN_HOME / "static"
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# -- database: SQLite in KILN_HOME, or PostgreSQL when DATABASE_URL is set --
+
+DATABASES = {"default": database_config(env_secret("DATABASE_URL"), KILN_HOME)}
+
+# -- broker and channel layer: Redis when REDIS_URL is set, in-process otherwise --
+# Without REDIS_URL the broker is "memory://": tasks only reach a worker in the same
+# process. The embedded worker that `kiln up` runs lands with the control plane; until
+# then a separate `celery worker` needs REDIS_URL.
+
+REDIS_URL = env_secret("REDIS_URL")
+CELERY_BROKER_URL, CHANNEL_LAYERS = broker_config(REDIS_URL)
+KILN_EMBEDDED_WORKER = REDIS_URL is None
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TIMEZONE = TIME_ZONE
