@@ -4,7 +4,8 @@ Pure Python + numpy + native_ext; never imports Django.
 """
 
 from trainer.config import TransformerConfig
+from trainer.lora import LoraConfig
 from trainer.model import DecoderOnlyTransformer
 from trainer.optim import Adam
 
-__all__ = ["Adam", "DecoderOnlyTransformer", "TransformerConfig"]
+__all__ = ["Adam", "DecoderOnlyTransformer", "LoraConfig", "TransformerConfig"]

@@ -13,6 +13,7 @@ from scipy.linalg import blas as scipy_blas
 from native_ext import kernels
 from trainer import attention
 from trainer.config import TransformerConfig
+from trainer.lora import LoraAdapter, LoraConfig
 from trainer.parameters import Parameter, ParameterList
 
 IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
@@ -48,6 +49,49 @@ class _Block:
         self.up = Parameter(prefix + "mlp.up_proj.weight", self.gate_up[F:], None)
         self.qkv_grad = None
         self.gate_up_grad = None
+        # projection -> (fused output it writes, output columns); the input is the
+        # fused product's input
+        self.layout = {
+            "q_proj": ("qkv", slice(0, q_rows)),
+            "k_proj": ("qkv", slice(q_rows, q_rows + kv_rows)),
+            "v_proj": ("qkv", slice(q_rows + kv_rows, q_rows + 2 * kv_rows)),
+            "o_proj": ("o", slice(0, C)),
+            "gate_proj": ("gate_up", slice(0, F)),
+            "up_proj": ("gate_up", slice(F, 2 * F)),
+            "down_proj": ("down", slice(0, C)),
+        }
+        self.lora = {}  # projection name -> LoraAdapter
+
+    def projection(self, name):
+        return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
+                "gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}[name]
+
+    def lora_forward(self, group, x, y):
+        """Add the adapters of the projections writing `group` to y; returns x @ A.T per adapter."""
+        saved = {}
+        for name, adapter in self.lora.items():
+            target, columns = self.layout[name]
+            if target != group:
+                continue
+            u = np.matmul(x, adapter.A.value.T)  # [N,r]
+            delta = np.matmul(u, adapter.B.value.T)  # [N,out]
+            delta *= adapter.scaling
+            y[:, columns] += delta
+            saved[name] = u
+        return saved
+
+    def lora_backward(self, group, x, dy, dx, saved):
+        """Adapter gradients of `group` from dy [N,out_total]; adds their input gradient to dx."""
+        for name, u in saved.items():
+            adapter = self.lora[name]
+            _, columns = self.layout[name]
+            dy_scaled = dy[:, columns] * adapter.scaling  # [N,out]
+            accumulate_weight_grad(adapter.B.grad, dy_scaled, u, adapter.B.pending)  # [out,r]
+            adapter.B.pending = True
+            du = np.matmul(dy_scaled, adapter.B.value)  # [N,r]
+            accumulate_weight_grad(adapter.A.grad, du, x, adapter.A.pending)  # [r,in]
+            adapter.A.pending = True
+            dx += np.matmul(du, adapter.A.value)
 
     def parameters(self):
         # Hugging Face Llama order within a block
@@ -90,6 +134,8 @@ class DecoderOnlyTransformer:
         self._by_name = {p.name: p for p in self._base}
         self._base_trainable = True
         self._grads_allocated = False
+        self.lora_config = None
+        self._adapters = []
         self._closed = False
         self._initialize(config.initializer_seed)
         self._rope_cos, self._rope_sin = self._rope_tables()
@@ -136,7 +182,7 @@ class DecoderOnlyTransformer:
         return ParameterList(self._base, owner=self, kind="base")
 
     def _ensure_base_grads(self):
-        if self._grads_allocated:
+        if self._grads_allocated or not self._base_trainable:
             return
         for block in self._blocks:
             block.allocate_grads()
@@ -148,15 +194,86 @@ class DecoderOnlyTransformer:
     def _optimizable(self, kind):
         """The complete list an optimizer of `kind` ("base" or "adapter") must own."""
         if kind == "base":
+            if self.lora_config is not None:
+                raise ValueError("the base is frozen while a LoRA adapter is attached; "
+                                 "optimise model.adapter_parameters()")
             return self._base
-        raise ValueError(f"this model has no {kind} parameters")
+        if kind == "adapter":
+            if self.lora_config is None:
+                raise ValueError("no LoRA adapter is attached (call model.attach_lora first)")
+            return self._adapters
+        raise ValueError(f"unknown parameter kind {kind!r}")
+
+    # -- LoRA ----------------------------------------------------------------------------
+
+    def attach_lora(self, config: LoraConfig):
+        """Attach one LoRA adapter per targeted projection and freeze the base."""
+        self._check_open()
+        if not isinstance(config, LoraConfig):
+            raise TypeError("config must be a LoraConfig")
+        if self.lora_config is not None:
+            raise ValueError("a LoRA adapter is already attached")
+        if self.gradient_pending:
+            raise RuntimeError("a base gradient is pending; step or zero_gradients first")
+        rng = np.random.default_rng(config.initializer_seed)
+        adapters = []
+        for index, block in enumerate(self._blocks):
+            for name in config.targets:
+                weight = block.projection(name)
+                out_features, in_features = weight.shape
+                prefix = weight.name[: -len(".weight")]
+                adapter = LoraAdapter(prefix, config.rank, in_features, out_features,
+                                      config.scaling, rng)
+                block.lora[name] = adapter
+                adapters.extend([adapter.A, adapter.B])
+        self._adapters = adapters
+        self._adapter_by_name = {p.name: p for p in adapters}
+        self.lora_config = config
+        self._base_trainable = False
+        self._release_base_grads()
+
+    def _release_base_grads(self):
+        for p in self._base:
+            p.grad = None
+            p.pending = False
+        for block in self._blocks:
+            block.qkv_grad = block.gate_up_grad = None
+        self._grads_allocated = False
+
+    def adapter_parameters(self) -> ParameterList:
+        """The complete, ordered adapter list (lora_A, lora_B per projection; a context manager)."""
+        self._check_open()
+        if self.lora_config is None:
+            raise ValueError("no LoRA adapter is attached (call model.attach_lora first)")
+        return ParameterList(self._adapters, owner=self, kind="adapter")
+
+    def adapter_state_dict(self) -> dict:
+        self._check_open()
+        return {p.name: p.value.copy() for p in self._adapters}
+
+    def load_adapter_state_dict(self, mapping: dict):
+        """Set adapter values by name; every name and shape is checked first."""
+        self._check_open()
+        if self.lora_config is None:
+            raise ValueError("no LoRA adapter is attached")
+        missing = [p.name for p in self._adapters if p.name not in mapping]
+        unknown = sorted(set(mapping) - set(self._adapter_by_name))
+        if missing or unknown:
+            raise KeyError(f"adapter state mismatch: missing {missing[:5]}, unknown {unknown[:5]}")
+        for p in self._adapters:
+            if np.shape(mapping[p.name]) != p.shape:
+                raise ValueError(f"{p.name}: shape {np.shape(mapping[p.name])} does not match {p.shape}")
+        for p in self._adapters:
+            p.value[...] = np.asarray(mapping[p.name], dtype=np.float32)
 
     @property
     def gradient_pending(self) -> bool:
-        return any(p.pending for p in self._base)
+        return any(p.pending for p in self._base) or any(p.pending for p in self._adapters)
 
     def clear_pending(self):
         for p in self._base:
+            p.pending = False
+        for p in self._adapters:
             p.pending = False
 
     def state_dict(self) -> dict:
@@ -205,6 +322,7 @@ class DecoderOnlyTransformer:
         rstd1 = np.empty(N, np.float32)
         kernels.rmsnorm_forward(x, block.ln1.value, cfg.norm_epsilon, h1, rstd1)
         qkv = np.matmul(h1, block.qkv.T)  # [N,(H+2KV)D]
+        lora_qkv = block.lora_forward("qkv", h1, qkv)
         qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
         q = np.empty((B, KV, T, g, D), np.float32)
         k = np.empty((B, KV, T, 1, D), np.float32)
@@ -219,17 +337,22 @@ class DecoderOnlyTransformer:
             att, saved = attention.tiled_forward(q3, k3, v3, scale, g, cfg.attention_block_size)
         attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
         x_mid = np.matmul(attn, block.o.value.T)  # [N,C]
+        lora_o = block.lora_forward("o", attn, x_mid)
         x_mid += x
         h2 = np.empty_like(x)
         rstd2 = np.empty(N, np.float32)
         kernels.rmsnorm_forward(x_mid, block.ln2.value, cfg.norm_epsilon, h2, rstd2)
         gate_up = np.matmul(h2, block.gate_up.T)  # [N,2F]
+        lora_gate_up = block.lora_forward("gate_up", h2, gate_up)
         act = np.empty((N, cfg.feed_forward_width), np.float32)
         kernels.swiglu_forward(gate_up, act)
         x_out = np.matmul(act, block.down.value.T)  # [N,C]
+        lora_down = block.lora_forward("down", act, x_out)
         x_out += x_mid
         cache = dict(x=x, h1=h1, rstd1=rstd1, q=q3, k=k3, v=v3, att=att, saved=saved,
-                     attn=attn, x_mid=x_mid, h2=h2, rstd2=rstd2, gate_up=gate_up, act=act)
+                     attn=attn, x_mid=x_mid, h2=h2, rstd2=rstd2, gate_up=gate_up, act=act,
+                     lora_qkv=lora_qkv, lora_o=lora_o, lora_gate_up=lora_gate_up,
+                     lora_down=lora_down)
         return x_out, cache
 
     def _hidden(self, tokens, keep_caches):
@@ -361,14 +484,17 @@ class DecoderOnlyTransformer:
         # MLP
         dact = np.matmul(d, block.down.value)  # [N,F]
         self._weight_grad([block.down], block.down.grad, d, cache["act"])
+        block.lora_backward("down", cache["act"], d, dact, cache["lora_down"])
         dgate_up = np.empty_like(cache["gate_up"])  # [N,2F]
         kernels.swiglu_backward(dact, cache["gate_up"], dgate_up)
         self._weight_grad([block.gate, block.up], block.gate_up_grad, dgate_up, cache["h2"])
         dh2 = np.matmul(dgate_up, block.gate_up)  # [N,C]
+        block.lora_backward("gate_up", cache["h2"], dgate_up, dh2, cache["lora_gate_up"])
         self._rmsnorm_backward(dh2, cache["x_mid"], block.ln2, cache["rstd2"], d)
         # attention
         dattn = np.matmul(d, block.o.value)  # [N,HD]
         self._weight_grad([block.o], block.o.grad, d, cache["attn"])
+        block.lora_backward("o", cache["attn"], d, dattn, cache["lora_o"])
         datt = np.ascontiguousarray(
             dattn.reshape(B, T, KV, g, D).transpose(0, 2, 1, 3, 4)).reshape(B * KV, T * g, D)
         scale = 1.0 / np.sqrt(D)
@@ -388,4 +514,5 @@ class DecoderOnlyTransformer:
         dqkv4[:, :, H + KV:] = dv.reshape(B, KV, T, D).transpose(0, 2, 1, 3)
         self._weight_grad([block.q, block.k, block.v], block.qkv_grad, dqkv, cache["h1"])
         dh1 = np.matmul(dqkv, block.qkv)  # [N,C]
+        block.lora_backward("qkv", cache["h1"], dqkv, dh1, cache["lora_qkv"])
         self._rmsnorm_backward(dh1, cache["x"], block.ln1, cache["rstd1"], d)
