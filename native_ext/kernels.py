@@ -112,11 +112,20 @@ def rope_backward(dout, cos, sin, position_offset, dx):
     _kernels.rope_backward(dout, cos, sin, int(position_offset), dx)
 
 
+def _check_positions(scores, group_size, past, key_start=0):
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if scores.shape[1] % group_size:
+        raise ValueError(f"rows {scores.shape[1]} are not a multiple of group_size {group_size}")
+    for name, value in (("past", past), ("key_start", key_start)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
 def softmax_causal_forward(scores, scale, group_size, past):
     """scores [G,R,S] in place; row r is query position past + r // group_size."""
     _check("scores", scores, F32, 3, True)
-    if group_size <= 0 or scores.shape[1] % group_size:
-        raise ValueError(f"rows {scores.shape[1]} are not a multiple of group_size {group_size}")
+    _check_positions(scores, group_size, past)
     _kernels.softmax_causal_forward(scores, float(scale), int(group_size), int(past))
 
 
@@ -132,6 +141,7 @@ def flash_block_forward(scores, running_max, running_sum, alpha, scale, group_si
     for name, a in (("running_max", running_max), ("running_sum", running_sum), ("alpha", alpha)):
         _check(name, a, F32, 2, True)
         _same(name, a.shape, scores.shape[:2])
+    _check_positions(scores, group_size, past, key_start)
     _kernels.flash_block_forward(scores, running_max, running_sum, alpha, float(scale),
                                  int(group_size), int(past), int(key_start))
 
@@ -143,6 +153,7 @@ def flash_block_backward(scores, logsumexp, dprobs, delta, scale, group_size, pa
     for name, a in (("logsumexp", logsumexp), ("delta", delta)):
         _check(name, a, F32, 2)
         _same(name, a.shape, scores.shape[:2])
+    _check_positions(scores, group_size, past, key_start)
     _kernels.flash_block_backward(scores, logsumexp, dprobs, delta, float(scale),
                                   int(group_size), int(past), int(key_start))
 

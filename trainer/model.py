@@ -16,7 +16,25 @@ from trainer.config import TransformerConfig
 from trainer.lora import LoraAdapter, LoraConfig
 from trainer.parameters import Parameter, ParameterList
 
+
+def dequantize_rows(nf4, start, end, out):
+    from trainer.quantization import dequantize_rows as kernel
+    kernel(nf4, start, end, out)
+
+
+def dequantize_nf4(nf4):
+    from trainer.quantization import dequantize_nf4 as kernel
+    return kernel(nf4)
+
+
+def quantize_nf4(array, block_size, double_quantization):
+    from trainer.quantization import quantize_nf4 as kernel
+    return kernel(array, block_size=block_size, double_quantization=double_quantization)
+
 IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
+NF4_SCRATCH_ELEMENTS = 1 << 17  # at most 512 KiB of dequantized rows at a time
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
 def accumulate_weight_grad(grad, dy, x, accumulate):
@@ -65,6 +83,62 @@ class _Block:
     def projection(self, name):
         return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
                 "gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}[name]
+
+    def dense_weight(self, group):
+        """The FP32 matrix behind `group`, or None once the block is quantized."""
+        return {"qkv": self.qkv, "o": self.o.value, "gate_up": self.gate_up,
+                "down": self.down.value}[group]
+
+    def _tiles(self, group):
+        """(projection offset in the group's output, NF4 weight, row tile) per projection."""
+        for name in GROUPS[group]:
+            weight = self.projection(name).quantized
+            rows, cols = weight.shape
+            # bounded scratch, and never a whole weight's rows at once
+            tile = max(1, min(NF4_SCRATCH_ELEMENTS // cols, (rows + 1) // 2))
+            yield self.layout[name][1].start, weight, tile
+
+    def base_forward(self, group, x):
+        """x [N,in] @ W.T for the projections writing `group`: one fused product, or NF4 tiles."""
+        weight = self.dense_weight(group)
+        if weight is not None:
+            return np.matmul(x, weight.T)
+        total = sum(self.projection(name).shape[0] for name in GROUPS[group])
+        y = np.empty((x.shape[0], total), np.float32)  # [N,out]
+        for offset, nf4, tile in self._tiles(group):
+            rows, cols = nf4.shape
+            scratch = np.empty((tile, cols), np.float32)
+            for start in range(0, rows, tile):
+                end = min(start + tile, rows)
+                dequantize_rows(nf4, start, end, scratch[:end - start])
+                y[:, offset + start:offset + end] = np.matmul(x, scratch[:end - start].T)
+        return y
+
+    def base_input_grad(self, group, dy):
+        """dy [N,out] @ W: the input gradient through the frozen (or trainable) base."""
+        weight = self.dense_weight(group)
+        if weight is not None:
+            return np.matmul(dy, weight)
+        dx = None
+        for offset, nf4, tile in self._tiles(group):
+            rows, cols = nf4.shape
+            if dx is None:
+                dx = np.zeros((dy.shape[0], cols), np.float32)  # [N,in]
+            scratch = np.empty((tile, cols), np.float32)
+            for start in range(0, rows, tile):
+                end = min(start + tile, rows)
+                dequantize_rows(nf4, start, end, scratch[:end - start])
+                dx += np.matmul(dy[:, offset + start:offset + end], scratch[:end - start])
+        return dx
+
+    def quantize(self, block_size, double_quantization):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            p = self.projection(name)
+            p.quantized = quantize_nf4(np.ascontiguousarray(p.value), block_size=block_size,
+                                       double_quantization=double_quantization)
+            p.value = None
+            p.grad = None
+        self.qkv = self.gate_up = None
 
     def lora_forward(self, group, x, y):
         """Add the adapters of the projections writing `group` to y; returns x @ A.T per adapter."""
@@ -136,6 +210,7 @@ class DecoderOnlyTransformer:
         self._grads_allocated = False
         self.lora_config = None
         self._adapters = []
+        self._quantization = None
         self._closed = False
         self._initialize(config.initializer_seed)
         self._rope_cos, self._rope_sin = self._rope_tables()
@@ -163,7 +238,7 @@ class DecoderOnlyTransformer:
     # -- parameters -----------------------------------------------------------------
 
     def _initialize(self, seed):
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed)  # before quantization every value is FP32
         std = self.config.initializer_range
         for p in self._base:
             if p.value.ndim == 2:
@@ -194,6 +269,9 @@ class DecoderOnlyTransformer:
     def _optimizable(self, kind):
         """The complete list an optimizer of `kind` ("base" or "adapter") must own."""
         if kind == "base":
+            if self._quantization is not None:
+                raise ValueError("a quantized base is frozen; attach LoRA and optimise "
+                                 "model.adapter_parameters()")
             if self.lora_config is not None:
                 raise ValueError("the base is frozen while a LoRA adapter is attached; "
                                  "optimise model.adapter_parameters()")
@@ -231,6 +309,75 @@ class DecoderOnlyTransformer:
         self.lora_config = config
         self._base_trainable = False
         self._release_base_grads()
+
+    # -- QLoRA: packed NF4 Linear bases --------------------------------------------------
+
+    @property
+    def quantization(self):
+        """None, or {"block_size", "double_quantization"} as requested at quantize()."""
+        return self._quantization
+
+    def quantize(self, block_size=64, double_quantization=False):
+        """Replace every Linear base weight of the blocks (q/k/v/o, gate/up/down) with NF4.
+
+        Embeddings, norms and the output projection stay FP32, as in QLoRA. The base is
+        frozen from here on; forward and backward dequantize bounded row tiles.
+        """
+        self._check_open()
+        if self._quantization is not None:
+            raise ValueError("the model is already quantized")
+        if self.gradient_pending:
+            raise RuntimeError("a gradient is pending; step or zero_gradients first")
+        for block in self._blocks:
+            block.quantize(block_size, double_quantization)
+        self._quantization = {"block_size": block_size, "double_quantization": bool(double_quantization)}
+        self._base_trainable = False
+        self._release_base_grads()
+
+    def _quantized_parameters(self):
+        return [p for p in self._base if p.quantized is not None]
+
+    def packed_state(self) -> dict:
+        """{name: NF4 tensor} for every quantized weight (packed nibbles, shapes, scales)."""
+        self._check_open()
+        return {p.name: p.quantized for p in self._quantized_parameters()}
+
+    def load_packed_state(self, mapping: dict):
+        """Replace the packed NF4 bases by name; names and weight shapes are checked first.
+
+        The replacements may use another block size or scale encoding than the current
+        ones; no FP32 copy of any weight is made.
+        """
+        self._check_open()
+        current = self._quantized_parameters()
+        if not current:
+            raise ValueError("the model is not quantized; call model.quantize() first")
+        names = {p.name for p in current}
+        if set(mapping) != names:
+            missing = sorted(names - set(mapping))[:5]
+            unknown = sorted(set(mapping) - names)[:5]
+            raise KeyError(f"packed state mismatch: missing {missing}, unknown {unknown}")
+        for p in current:
+            if tuple(mapping[p.name].shape) != p.shape:
+                raise ValueError(f"{p.name}: packed shape {tuple(mapping[p.name].shape)} "
+                                 f"does not match {p.shape}")
+        for p in current:
+            p.quantized = mapping[p.name]
+        block_sizes = {p.quantized.block_size for p in current}
+        double = {p.quantized.double_quantization for p in current}
+        self._quantization = {"block_size": block_sizes.pop() if len(block_sizes) == 1 else None,
+                              "double_quantization": double.pop() if len(double) == 1 else None}
+
+    def resident_memory(self) -> dict:
+        """Bytes held by packed NF4 bases, their FP32 equivalent, FP32 base and adapters."""
+        self._check_open()
+        quantized = self._quantized_parameters()
+        return {
+            "packed_bytes": int(sum(p.quantized.nbytes for p in quantized)),
+            "fp32_equivalent_bytes": int(sum(p.size * 4 for p in quantized)),
+            "dense_base_bytes": int(sum(p.value.nbytes for p in self._base if p.value is not None)),
+            "adapter_bytes": int(sum(p.value.nbytes for p in self._adapters)),
+        }
 
     def _release_base_grads(self):
         for p in self._base:
@@ -277,22 +424,35 @@ class DecoderOnlyTransformer:
             p.pending = False
 
     def state_dict(self) -> dict:
-        """{name: copy of the values} for every base parameter, in order."""
+        """{name: copy of the values} for every base parameter, in order.
+
+        Quantized weights appear dequantized (an inspection copy; training never makes one).
+        """
         self._check_open()
-        return {p.name: p.value.copy() for p in self._base}
+        return {p.name: p.value.copy() if p.value is not None else dequantize_nf4(p.quantized)
+                for p in self._base}
 
     def load_state_dict(self, mapping: dict):
-        """Set base parameter values by name; every name and shape is checked first."""
+        """Set FP32 base values by name; every name and shape is checked first.
+
+        On a quantized model the mapping covers the FP32 parameters only (embeddings,
+        norms, output projection); packed bases are replaced with load_packed_state.
+        """
         self._check_open()
-        missing = [p.name for p in self._base if p.name not in mapping]
-        unknown = sorted(set(mapping) - set(self._by_name))
+        dense = [p for p in self._base if p.value is not None]
+        packed = {p.name for p in self._base if p.value is None}
+        if packed & set(mapping):
+            raise ValueError(f"{sorted(packed & set(mapping))[0]} is quantized; replace packed "
+                             "bases with load_packed_state")
+        missing = [p.name for p in dense if p.name not in mapping]
+        unknown = sorted(set(mapping) - {p.name for p in dense})
         if missing or unknown:
             raise KeyError(f"state dict mismatch: missing {missing[:5]}, unknown {unknown[:5]}")
-        for p in self._base:
+        for p in dense:
             value = np.asarray(mapping[p.name])
             if value.shape != p.shape:
                 raise ValueError(f"{p.name}: shape {value.shape} does not match {p.shape}")
-        for p in self._base:
+        for p in dense:
             p.value[...] = np.asarray(mapping[p.name], dtype=np.float32)
 
     @property
@@ -321,7 +481,7 @@ class DecoderOnlyTransformer:
         h1 = np.empty_like(x)  # [N,C]
         rstd1 = np.empty(N, np.float32)
         kernels.rmsnorm_forward(x, block.ln1.value, cfg.norm_epsilon, h1, rstd1)
-        qkv = np.matmul(h1, block.qkv.T)  # [N,(H+2KV)D]
+        qkv = block.base_forward("qkv", h1)  # [N,(H+2KV)D]
         lora_qkv = block.lora_forward("qkv", h1, qkv)
         qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
         q = np.empty((B, KV, T, g, D), np.float32)
@@ -336,17 +496,17 @@ class DecoderOnlyTransformer:
         else:
             att, saved = attention.tiled_forward(q3, k3, v3, scale, g, cfg.attention_block_size)
         attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
-        x_mid = np.matmul(attn, block.o.value.T)  # [N,C]
+        x_mid = block.base_forward("o", attn)  # [N,C]
         lora_o = block.lora_forward("o", attn, x_mid)
         x_mid += x
         h2 = np.empty_like(x)
         rstd2 = np.empty(N, np.float32)
         kernels.rmsnorm_forward(x_mid, block.ln2.value, cfg.norm_epsilon, h2, rstd2)
-        gate_up = np.matmul(h2, block.gate_up.T)  # [N,2F]
+        gate_up = block.base_forward("gate_up", h2)  # [N,2F]
         lora_gate_up = block.lora_forward("gate_up", h2, gate_up)
         act = np.empty((N, cfg.feed_forward_width), np.float32)
         kernels.swiglu_forward(gate_up, act)
-        x_out = np.matmul(act, block.down.value.T)  # [N,C]
+        x_out = block.base_forward("down", act)  # [N,C]
         lora_down = block.lora_forward("down", act, x_out)
         x_out += x_mid
         cache = dict(x=x, h1=h1, rstd1=rstd1, q=q3, k=k3, v=v3, att=att, saved=saved,
@@ -482,17 +642,17 @@ class DecoderOnlyTransformer:
         H, KV, D = cfg.head_count, cfg.kv_heads, cfg.head_dimension
         g, N = H // KV, B * T
         # MLP
-        dact = np.matmul(d, block.down.value)  # [N,F]
+        dact = block.base_input_grad("down", d)  # [N,F]
         self._weight_grad([block.down], block.down.grad, d, cache["act"])
         block.lora_backward("down", cache["act"], d, dact, cache["lora_down"])
         dgate_up = np.empty_like(cache["gate_up"])  # [N,2F]
         kernels.swiglu_backward(dact, cache["gate_up"], dgate_up)
         self._weight_grad([block.gate, block.up], block.gate_up_grad, dgate_up, cache["h2"])
-        dh2 = np.matmul(dgate_up, block.gate_up)  # [N,C]
+        dh2 = block.base_input_grad("gate_up", dgate_up)  # [N,C]
         block.lora_backward("gate_up", cache["h2"], dgate_up, dh2, cache["lora_gate_up"])
         self._rmsnorm_backward(dh2, cache["x_mid"], block.ln2, cache["rstd2"], d)
         # attention
-        dattn = np.matmul(d, block.o.value)  # [N,HD]
+        dattn = block.base_input_grad("o", d)  # [N,HD]
         self._weight_grad([block.o], block.o.grad, d, cache["attn"])
         block.lora_backward("o", cache["attn"], d, dattn, cache["lora_o"])
         datt = np.ascontiguousarray(
@@ -513,6 +673,6 @@ class DecoderOnlyTransformer:
                               dqkv4[:, :, H:H + KV])
         dqkv4[:, :, H + KV:] = dv.reshape(B, KV, T, D).transpose(0, 2, 1, 3)
         self._weight_grad([block.q, block.k, block.v], block.qkv_grad, dqkv, cache["h1"])
-        dh1 = np.matmul(dqkv, block.qkv)  # [N,C]
+        dh1 = block.base_input_grad("qkv", dqkv)  # [N,C]
         block.lora_backward("qkv", cache["h1"], dqkv, dh1, cache["lora_qkv"])
         self._rmsnorm_backward(dh1, cache["x"], block.ln1, cache["rstd1"], d)

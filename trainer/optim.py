@@ -177,6 +177,13 @@ class Adam:
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        powers = {}
+        for key in ("beta1_power", "beta2_power"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{key} must be a number in [0, 1], got {value!r}")
+            powers[key] = float(value)
         for i, p in enumerate(self.parameters):
             for which, key in ((0, "first_moment"), (1, "second_moment")):
                 flat = np.asarray(state[key][p.name], dtype=np.float32).reshape(-1)
@@ -185,5 +192,5 @@ class Adam:
                         self._pages[page][which][page_offset:page_offset + length] = \
                             flat[param_offset:param_offset + length]
         self.step_count = step
-        self.beta1_power = float(state["beta1_power"])
-        self.beta2_power = float(state["beta2_power"])
+        self.beta1_power = powers["beta1_power"]
+        self.beta2_power = powers["beta2_power"]

@@ -7,27 +7,28 @@ class Parameter:
     """One named float32 tensor with its gradient buffer and a pending-gradient flag.
 
     `value` and `grad` may be views into a fused buffer owned by the model (q/k/v and
-    gate/up projections share one matrix product). `pending` records that backward
+    gate/up projections share one matrix product). A quantized Linear weight has no
+    FP32 `value`; its packed NF4 form is `quantized`. `pending` records that backward
     produced a gradient that no optimizer step has consumed yet; it is tracked apart
     from the gradient's values, so an exactly-zero gradient is still pending.
     """
 
-    __slots__ = ("name", "value", "grad", "pending", "trainable")
+    __slots__ = ("name", "value", "grad", "pending", "quantized")
 
-    def __init__(self, name: str, value: np.ndarray, grad: np.ndarray | None, trainable: bool = True):
+    def __init__(self, name: str, value: np.ndarray | None, grad: np.ndarray | None):
         self.name = name
         self.value = value
         self.grad = grad
         self.pending = False
-        self.trainable = trainable
+        self.quantized = None  # an NF4 tensor once the model is quantized; value is then None
 
     @property
     def shape(self) -> tuple:
-        return tuple(self.value.shape)
+        return tuple(self.value.shape if self.value is not None else self.quantized.shape)
 
     @property
     def size(self) -> int:
-        return int(self.value.size)
+        return int(np.prod(self.shape))
 
     def __repr__(self) -> str:
         return f"Parameter({self.name!r}, shape={self.shape})"

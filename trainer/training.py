@@ -190,8 +190,9 @@ class _EpochOrderedSource(_BatchSource):
         for name, value in (("epoch", epoch), ("position", position)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SourceStateError(f"{name} must be a non-negative integer")
-        if not isinstance(order, list) or sorted(order) != list(range(self.item_count)) \
-                or any(isinstance(i, bool) for i in order):
+        if not isinstance(order, list) \
+                or any(isinstance(i, bool) or not isinstance(i, int) for i in order) \
+                or sorted(order) != list(range(self.item_count)):
             raise SourceStateError(f"order must be a permutation of 0..{self.item_count - 1}")
         if not self.shuffle and order != list(range(self.item_count)):
             raise SourceStateError("an unshuffled source must have the identity order")
