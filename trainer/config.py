@@ -1,6 +1,7 @@
 """TransformerConfig: the shape and execution options of one Llama-family decoder."""
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 
 ATTENTION_ALGORITHMS = ("dense", "tiled")
 CHECKPOINTING_POLICIES = ("none", "blocks")
@@ -55,8 +56,9 @@ class TransformerConfig:
             raise ValueError(f"head_size must be even for rotary positions, got {self.head_dimension}")
         for name in ("rope_theta", "norm_epsilon", "initializer_range"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if isinstance(self.initializer_seed, bool) or not isinstance(self.initializer_seed, int) \
@@ -85,6 +87,9 @@ class TransformerConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields: {', '.join(unknown)}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if required:
+            raise ValueError(f"missing TransformerConfig fields: {', '.join(required)}")
         return cls(**data)
 
     def architecture(self) -> dict:

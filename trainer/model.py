@@ -415,6 +415,7 @@ class DecoderOnlyTransformer:
 
     @property
     def gradient_pending(self) -> bool:
+        self._check_open()
         return any(p.pending for p in self._base) or any(p.pending for p in self._adapters)
 
     def clear_pending(self):
@@ -457,6 +458,7 @@ class DecoderOnlyTransformer:
 
     @property
     def output_weight(self) -> np.ndarray:
+        self._check_open()
         return (self._lm_head or self._embed).value
 
     # -- forward ----------------------------------------------------------------------
@@ -468,6 +470,8 @@ class DecoderOnlyTransformer:
         if not np.issubdtype(tokens.dtype, np.integer):
             raise TypeError(f"{name} must be integers, got {tokens.dtype}")
         B, T = tokens.shape
+        if B < 1:
+            raise ValueError(f"{name} needs at least one sequence, got batch size {B}")
         if T < 1 or T > self.config.maximum_context:
             raise ValueError(f"{name} time {T} outside 1..maximum_context {self.config.maximum_context}")
         if tokens.min() < 0 or tokens.max() >= self.config.vocabulary_size:

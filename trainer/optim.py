@@ -34,10 +34,10 @@ class Adam:
                 raise ValueError(f"{name} must lie in [0, 1), got {value}")
         if not learning_rate >= 0.0 or not math.isfinite(learning_rate):
             raise ValueError(f"learning_rate must be a finite non-negative number, got {learning_rate}")
-        if not epsilon > 0.0:
-            raise ValueError(f"epsilon must be positive, got {epsilon}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
+        if not epsilon > 0.0 or not math.isfinite(epsilon):
+            raise ValueError(f"epsilon must be a finite positive number, got {epsilon}")
+        if not weight_decay >= 0.0 or not math.isfinite(weight_decay):
+            raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay}")
         if state_storage not in STORAGES:
             raise ValueError(f"state_storage must be one of {STORAGES}, got {state_storage!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -96,6 +96,7 @@ class Adam:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("the optimizer has been closed")
+        self.model._check_open()
 
     @property
     def gradient_pending(self) -> bool:

@@ -463,25 +463,31 @@ def test_rejected_call_leaves_outputs_untouched():
     assert np.all(out == 3.0)
 
 
-# Calls that would crash the interpreter without validation: run in a child process.
-CRASHING_CALLS = {
-    "softmax negative past": "kernels.softmax_causal_forward(np.ones((1, 2, 3), np.float32), 1.0, 1, -3)",
+# Calls that would corrupt memory or die with SIGFPE inside the kernel if the wrapper let
+# them through: each runs in a child process, so a regression fails one test, not the suite.
+POSITION_CALLS = {
+    "softmax negative past": (
+        "kernels.softmax_causal_forward(np.ones((1, 2, 3), np.float32), 1.0, 1, -3)", "past"),
     "flash forward group_size 0": (
         "kernels.flash_block_forward(np.zeros((1, 2, 3), np.float32), np.full((1, 2), -np.inf, np.float32),"
-        " np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32), 1.0, 0, 0, 0)"),
+        " np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32), 1.0, 0, 0, 0)", "group_size"),
     "flash backward group_size 0": (
         "kernels.flash_block_backward(np.zeros((1, 2, 3), np.float32), np.zeros((1, 2), np.float32),"
-        " np.zeros((1, 2, 3), np.float32), np.zeros((1, 2), np.float32), 1.0, 0, 0, 0)"),
+        " np.zeros((1, 2, 3), np.float32), np.zeros((1, 2), np.float32), 1.0, 0, 0, 0)", "group_size"),
+    "flash rows not a multiple of group_size": (
+        "kernels.flash_block_forward(np.zeros((1, 3, 3), np.float32), np.full((1, 3), -np.inf, np.float32),"
+        " np.zeros((1, 3), np.float32), np.zeros((1, 3), np.float32), 1.0, 2, 0, 0)", "group_size 2"),
 }
 
 
-@pytest.mark.parametrize("case", list(CRASHING_CALLS))
-def test_wrapper_rejects_arguments_that_would_crash_the_kernel(case):
+@pytest.mark.parametrize("case", list(POSITION_CALLS))
+def test_wrapper_rejects_positions_that_would_crash_the_kernel(case):
+    call, fragment = POSITION_CALLS[case]
     script = textwrap.dedent(f"""
         import numpy as np
         from native_ext import kernels
         try:
-            {CRASHING_CALLS[case]}
+            {call}
         except ValueError as error:
             print("ValueError:", error)
         else:
@@ -489,4 +495,4 @@ def test_wrapper_rejects_arguments_that_would_crash_the_kernel(case):
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"the child died with {result.returncode}: {result.stderr[-300:]}"
-    assert result.stdout.startswith("ValueError"), result.stdout
+    assert result.stdout.startswith("ValueError") and fragment in result.stdout, result.stdout

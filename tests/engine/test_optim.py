@@ -192,7 +192,9 @@ def test_closed_optimizer_refuses_use(model, batch):
         optimizer.state_dict()
 
 
-def test_load_state_dict_refuses_bad_beta_power_before_changing_anything(model, batch):
+@pytest.mark.parametrize("power", ["not a number", None, math.nan, 1.5, -0.1])
+def test_load_state_dict_refuses_bad_beta_power_before_changing_anything(model, batch, power):
+    """Regression: the moments and the step were written before the powers were converted."""
     with Adam(model.parameters()) as optimizer:
         model.forward_backward(*batch())
         optimizer.step()
@@ -200,8 +202,8 @@ def test_load_state_dict_refuses_bad_beta_power_before_changing_anything(model, 
         bad = optimizer.state_dict()
         bad["step"] = 7
         bad["first_moment"] = {name: np.full_like(m, 5.0) for name, m in bad["first_moment"].items()}
-        bad["beta1_power"] = "not a number"
-        with pytest.raises(ValueError):
+        bad["beta1_power"] = power
+        with pytest.raises(ValueError, match="beta1_power"):
             optimizer.load_state_dict(bad)
         after = optimizer.state_dict()
         assert after["step"] == before["step"]

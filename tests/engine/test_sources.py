@@ -253,13 +253,14 @@ def test_unshuffled_source_refuses_a_shuffled_order():
 
 
 def test_restore_refuses_float_order_entries():
-    source = FACTORIES["sequence"]()
+    """Regression: sorted([1.0, 0.0]) == [0, 1] passed the permutation check, and the
+    restored source then failed in next_batch with a TypeError."""
+    source, twin = FACTORIES["sequence"](), FACTORIES["sequence"]()
     state = source.checkpoint_state()
-    try:
-        with pytest.raises(SourceStateError):
-            source.restore_checkpoint_state(_with(state, order=[float(i) for i in state["order"]]))
-    finally:
-        source.next_batch()  # today: TypeError, the source is corrupted
+    with pytest.raises(SourceStateError, match="order"):
+        source.restore_checkpoint_state(_with(state, order=[float(i) for i in state["order"]]))
+    assert source.checkpoint_state() == state
+    assert_same_batches(take(source, 3), take(twin, 3))
 
 
 CONSTRUCTION_ERRORS = [
