@@ -478,8 +478,11 @@ class DecoderOnlyTransformer:
             raise ValueError(f"{name} ids must lie in [0, {self.config.vocabulary_size})")
         return np.ascontiguousarray(tokens, dtype=np.int64)
 
-    def _block_forward(self, block, x, B, T):
+    def _block_forward(self, block, x, B, T, kv=None):
+        """One block on x [N,C]; with kv (keys [G,P,D], values [G,P,D], past) the new keys
+        and values are written at positions past.. and attention reads the whole prefix."""
         cfg = self.config
+        past = 0 if kv is None else kv[2]
         H, KV, D = cfg.head_count, cfg.kv_heads, cfg.head_dimension
         g, N = H // KV, B * T
         h1 = np.empty_like(x)  # [N,C]
@@ -490,15 +493,20 @@ class DecoderOnlyTransformer:
         qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
         q = np.empty((B, KV, T, g, D), np.float32)
         k = np.empty((B, KV, T, 1, D), np.float32)
-        kernels.rope_forward(qkv4[:, :, :H], self._rope_cos, self._rope_sin, 0, q)
-        kernels.rope_forward(qkv4[:, :, H:H + KV], self._rope_cos, self._rope_sin, 0, k)
+        kernels.rope_forward(qkv4[:, :, :H], self._rope_cos, self._rope_sin, past, q)
+        kernels.rope_forward(qkv4[:, :, H:H + KV], self._rope_cos, self._rope_sin, past, k)
         v = np.ascontiguousarray(qkv4[:, :, H + KV:].transpose(0, 2, 1, 3))  # [B,KV,T,D]
         q3, k3, v3 = q.reshape(B * KV, T * g, D), k.reshape(B * KV, T, D), v.reshape(B * KV, T, D)
+        if kv is not None:
+            keys, values, _ = kv  # [G,P,D] caches
+            keys[:, past:past + T] = k3
+            values[:, past:past + T] = v3
+            k3, v3 = keys[:, :past + T], values[:, :past + T]
         scale = 1.0 / np.sqrt(D)
         if cfg.attention_algorithm == "dense":
-            att, saved = attention.dense_forward(q3, k3, v3, scale, g)
+            att, saved = attention.dense_forward(q3, k3, v3, scale, g, past)
         else:
-            att, saved = attention.tiled_forward(q3, k3, v3, scale, g, cfg.attention_block_size)
+            att, saved = attention.tiled_forward(q3, k3, v3, scale, g, cfg.attention_block_size, past)
         attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
         x_mid = block.base_forward("o", attn)  # [N,C]
         lora_o = block.lora_forward("o", attn, x_mid)
@@ -534,6 +542,34 @@ class DecoderOnlyTransformer:
         kernels.rmsnorm_forward(x, self._norm.value, self.config.norm_epsilon, hidden, rstd)
         return hidden, dict(tokens=tokens, B=B, T=T, block_inputs=inputs, caches=caches,
                             last=x, final_rstd=rstd)
+
+    def forward_cached(self, tokens, cache, last_only=False) -> np.ndarray:
+        """Logits [B,T,V] of new tokens [B,T] after the cache's prefix; extends the cache.
+
+        `cache` is a trainer.generation.KVCache made for this model. No gradients. With
+        last_only, only the last position's logits are computed ([B,1,V]).
+        """
+        self._check_open()
+        tokens = self._check_tokens(tokens)
+        B, T = tokens.shape
+        past = cache.length
+        if cache.batch_size != B:
+            raise ValueError(f"the cache holds {cache.batch_size} sequences, got {B}")
+        if past + T > self.config.maximum_context:
+            raise ValueError(f"{past} cached + {T} new tokens exceed maximum_context "
+                             f"{self.config.maximum_context}")
+        x = self._embed.value[tokens.reshape(-1)]  # [N,C]
+        for index, block in enumerate(self._blocks):
+            x, _ = self._block_forward(block, x, B, T,
+                                       (cache.keys[index], cache.values[index], past))
+        hidden = np.empty_like(x)
+        rstd = np.empty(x.shape[0], np.float32)
+        kernels.rmsnorm_forward(x, self._norm.value, self.config.norm_epsilon, hidden, rstd)
+        cache.length = past + T
+        if last_only:
+            hidden = hidden.reshape(B, T, -1)[:, -1]  # [B,C]
+            return np.matmul(hidden, self.output_weight.T).reshape(B, 1, -1)  # [B,1,V]
+        return np.matmul(hidden, self.output_weight.T).reshape(B, T, -1)  # [B,T,V]
 
     def logits(self, tokens) -> np.ndarray:
         """Float32 logits [B,T,V] for int token ids [B,T]."""

@@ -1,0 +1,183 @@
+"""KV-cached sampling and log-probability scoring for a DecoderOnlyTransformer.
+
+Sampling draws from an explicit SamplingRNG (numpy PCG64) whose state is plain JSON, so
+a rollout can be checkpointed and continued exactly: the same seed or state and the same
+model give the same tokens. Log-probabilities reported for tokens are the model's own
+(temperature 1, no truncation), which is what GRPO, OPD, serving and evaluation use.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from native_ext import kernels
+
+
+class KVCache:
+    """Rotated keys and values of every block for B sequences, up to maximum_context."""
+
+    def __init__(self, model, batch_size=1):
+        cfg = model.config
+        groups = batch_size * cfg.kv_heads
+        shape = (groups, cfg.maximum_context, cfg.head_dimension)  # [G,P,D]
+        self.keys = [np.zeros(shape, np.float32) for _ in range(cfg.block_count)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(cfg.block_count)]
+        self.batch_size = batch_size
+        self.length = 0
+
+
+class SamplingRNG:
+    """An explicit, serialisable random stream for sampling."""
+
+    def __init__(self, seed=0):
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self._generator = np.random.Generator(np.random.PCG64(seed))
+
+    def uniform(self) -> float:
+        return float(self._generator.random())
+
+    def state(self) -> dict:
+        """Plain JSON data that from_state() turns back into the same stream."""
+        return self._generator.bit_generator.state
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SamplingRNG":
+        if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
+            raise ValueError("sampling RNG state must be a PCG64 state")
+        rng = cls(0)
+        try:
+            rng._generator.bit_generator.state = state
+        except (TypeError, ValueError, KeyError) as error:
+            raise ValueError(f"malformed sampling RNG state: {error}") from error
+        return rng
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus: smallest set whose probability reaches top_p
+    top_k: int = 0  # 0: no limit
+    stop_token_ids: tuple = ()  # generation ends after emitting one of these (EOS)
+    stop_strings: tuple = ()  # generation ends when the decoded text contains one
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(str(s) for s in self.stop_strings))
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass
+class Generation:
+    tokens: list  # generated token ids (stop token included, stop-string tail excluded)
+    logprobs: list  # model log-probability of each generated token
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    text: str | None = None  # decoded completion when a tokenizer was given
+    prompt_logprobs: list = field(default_factory=list)  # with echo: log p of prompt[1:]
+
+
+def _log_softmax(logits):  # [V] float32 -> float64
+    z = logits.astype(np.float64)
+    z -= z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def choose_token(logits, config: SamplingConfig, rng: SamplingRNG) -> int:
+    """Greedy (temperature 0) or a draw after temperature, top-k and top-p."""
+    if config.temperature == 0:
+        return int(np.argmax(logits))
+    logp = _log_softmax(logits / np.float32(config.temperature))
+    order = np.argsort(-logp, kind="stable")  # most probable first, ties by id
+    probs = np.exp(logp[order])
+    keep = len(order)
+    if config.top_k:
+        keep = min(keep, config.top_k)
+    if config.top_p < 1.0:
+        cumulative = np.cumsum(probs[:keep])
+        keep = min(keep, int(np.searchsorted(cumulative, config.top_p * cumulative[-1])) + 1)
+    probs = probs[:keep] / probs[:keep].sum()
+    u = rng.uniform()
+    index = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+    return int(order[min(index, keep - 1)])
+
+
+def generate(model, prompt_ids, config: SamplingConfig, rng: SamplingRNG | None = None,
+             tokenizer=None, echo=False) -> Generation:
+    """Sample a completion of one prompt with a KV cache."""
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    if prompt.size == 0:
+        raise ValueError("the prompt needs at least one token")
+    if config.stop_strings and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer to decode the completion")
+    if rng is None:
+        if config.temperature != 0:
+            raise ValueError("sampling with temperature > 0 needs an explicit SamplingRNG")
+        rng = SamplingRNG(0)
+    budget = model.config.maximum_context - prompt.size
+    if budget < 1:
+        raise ValueError(f"the prompt ({prompt.size} tokens) leaves no room in maximum_context "
+                         f"{model.config.maximum_context}")
+    cache = KVCache(model)
+    prompt_logprobs = []
+    if echo:
+        logits = model.forward_cached(prompt[None, :], cache)[0]  # [T,V]
+        prompt_logprobs = gather_logprobs(logits[:-1], prompt[1:]).tolist()
+        logits = logits[-1]
+    else:
+        logits = model.forward_cached(prompt[None, :], cache, last_only=True)[0, -1]  # [V]
+    tokens, logprobs, finish = [], [], "length"
+    text = None
+    for _ in range(min(config.max_new_tokens, budget)):
+        token = choose_token(logits, config, rng)
+        tokens.append(token)
+        logprobs.append(float(_log_softmax(logits)[token]))
+        if token in config.stop_token_ids:
+            finish = "stop"
+            break
+        if config.stop_strings:
+            text = tokenizer.decode(tokens)
+            hit = min((text.find(s) for s in config.stop_strings if s in text), default=-1)
+            if hit >= 0:
+                text = text[:hit]
+                finish = "stop"
+                break
+        if cache.length >= model.config.maximum_context:
+            break
+        logits = model.forward_cached(np.array([[token]]), cache)[0, -1]
+    if tokenizer is not None and text is None:
+        text = tokenizer.decode(tokens)
+    return Generation(tokens=tokens, logprobs=logprobs, finish_reason=finish, text=text,
+                      prompt_logprobs=prompt_logprobs)
+
+
+def gather_logprobs(logits, targets) -> np.ndarray:
+    """log softmax(logits)[target] per row: logits [N,V], targets [N] -> [N] float32."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    targets = np.ascontiguousarray(targets, dtype=np.int64)
+    out = np.empty(targets.shape[0], np.float32)
+    kernels.log_softmax_gather(logits, targets, out)
+    return out
+
+
+def score_completion(model, prompt_ids, completion_ids) -> np.ndarray:
+    """The model's log-probability of each completion token after the prompt: [len(completion)]."""
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    completion = np.asarray(completion_ids, dtype=np.int64).reshape(-1)
+    if prompt.size == 0 or completion.size == 0:
+        raise ValueError("prompt and completion need at least one token each")
+    sequence = np.concatenate([prompt, completion])[None, :]  # [1,T]
+    logits = model.logits(sequence[:, :-1])[0, prompt.size - 1:]  # [len(completion),V]
+    return gather_logprobs(logits, completion)
