@@ -19,6 +19,14 @@ extensions = [
         extra_compile_args=COMPILE_ARGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
+    Extension(
+        "native_ext._nf4",
+        ["native_ext/_nf4.pyx"],
+        include_dirs=[numpy.get_include(), "native_ext"],
+        depends=["native_ext/nf4.h"],
+        extra_compile_args=COMPILE_ARGS,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
 ]
 
 setup(

@@ -15,21 +15,9 @@ from trainer import attention
 from trainer.config import TransformerConfig
 from trainer.lora import LoraAdapter, LoraConfig
 from trainer.parameters import Parameter, ParameterList
+from trainer.quantization import dequantize_nf4, dequantize_rows, quantize_nf4
+from trainer.runtime import tune_allocator
 
-
-def dequantize_rows(nf4, start, end, out):
-    from trainer.quantization import dequantize_rows as kernel
-    kernel(nf4, start, end, out)
-
-
-def dequantize_nf4(nf4):
-    from trainer.quantization import dequantize_nf4 as kernel
-    return kernel(nf4)
-
-
-def quantize_nf4(array, block_size, double_quantization):
-    from trainer.quantization import quantize_nf4 as kernel
-    return kernel(array, block_size=block_size, double_quantization=double_quantization)
 
 IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
 NF4_SCRATCH_ELEMENTS = 1 << 17  # at most 512 KiB of dequantized rows at a time
@@ -192,6 +180,7 @@ class DecoderOnlyTransformer:
     def __init__(self, config: TransformerConfig):
         if not isinstance(config, TransformerConfig):
             raise TypeError("config must be a TransformerConfig")
+        tune_allocator()
         self.config = config
         C, V = config.model_width, config.vocabulary_size
         self._embed = Parameter("model.embed_tokens.weight", np.zeros((V, C), np.float32), None)
@@ -364,7 +353,7 @@ class DecoderOnlyTransformer:
         for p in current:
             p.quantized = mapping[p.name]
         block_sizes = {p.quantized.block_size for p in current}
-        double = {p.quantized.double_quantization for p in current}
+        double = {p.quantized.double_quantized for p in current}
         self._quantization = {"block_size": block_sizes.pop() if len(block_sizes) == 1 else None,
                               "double_quantization": double.pop() if len(double) == 1 else None}
 
