@@ -1,14 +1,18 @@
-"""TrainingCheckpoint: the exact, versioned .riftckpt archive of one dense FP32 Adam run.
+"""TrainingCheckpoint: the exact, versioned .riftckpt archive of one Adam run.
 
-A checkpoint holds everything that decides the next step: the model configuration and
-execution policies, every base parameter by name, Adam's hyperparameters, step, beta
-powers and both moments, the global step, the process-wide Python random state, the
+A run is dense FP32 full-parameter training, LoRA (an adapter-only Adam over a frozen
+FP32 base) or QLoRA (the same over packed NF4 Linear bases). A checkpoint holds
+everything that decides the next step: the model configuration and execution policies,
+every FP32 base parameter by name, the LoRA configuration and adapter values, the exact
+packed NF4 nibbles and scales of each quantized weight, Adam's hyperparameters, step,
+beta powers and both moments, the global step, the process-wide Python random state, the
 batch source's checkpoint state and user metadata. On disk it is a ZIP with one
-canonical `manifest.json` and one raw little-endian float32 member per array; nothing
-is pickled. Loading validates the whole archive before it returns, and `restore()`
-validates compatibility before it changes anything, then commits transactionally
-(batch source, model values, Adam, Python random state) and rolls back in reverse
-order on failure. The format is described in docs/checkpoints.md.
+canonical `manifest.json` and one raw little-endian member per array; nothing is pickled.
+Loading validates the whole archive before it returns, and `restore()` validates
+compatibility before it changes anything, then commits transactionally (batch source,
+FP32 base, packed bases, adapters, Adam, Python random state) and rolls back in reverse
+order on failure. A packed base is never dequantized. The format is described in
+docs/checkpoints.md.
 """
 
 import copy
@@ -21,11 +25,12 @@ import re
 import secrets
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from trainer.config import TransformerConfig
+from trainer.lora import ATTENTION, LoraConfig
 from trainer.training import SourceStateError, random_state_from_json, random_state_to_json
 
 SCHEMA = "kiln.riftckpt"
@@ -42,10 +47,16 @@ BUILTIN_SOURCE_KINDS = ("RandomWindowBatchSource", "SequenceWindowBatchSource",
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")  # a parameter name, safe inside a member path
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _MOMENTS = ("first_moment", "second_moment")
+_DTYPES = {"<f4": ("float32", 4), "|u1": ("uint8", 1)}  # numpy dtype: (manifest dtype, bytes)
 _HYPERPARAMETERS = ("learning_rate", "beta1", "beta2", "epsilon", "weight_decay")
 _ARCHITECTURE = ("vocabulary_size", "maximum_context", "model_width", "head_count", "block_count",
                  "feed_forward_width", "kv_head_count", "head_size", "rope_theta",
                  "norm_epsilon", "tie_embeddings")
+_POLICIES = ("attention_algorithm", "activation_checkpointing")
+# every other TransformerConfig field must match too; only the initial values may differ
+_FREE_CONFIG_FIELDS = ("initializer_seed",)
+_LORA_IDENTITY = ("rank", "alpha", "targets", "use_rslora")  # LoraConfig.shape_identity()
+_LORA_FIELDS = _LORA_IDENTITY + ("initializer_seed",)
 
 
 class CheckpointError(Exception):
@@ -93,9 +104,38 @@ def parameter_signature(config: TransformerConfig) -> list[tuple[str, tuple]]:
     return signature
 
 
+def adapter_signature(config: TransformerConfig, lora: LoraConfig) -> list[tuple[str, tuple]]:
+    """[(name, shape)] of the adapters attach_lora(lora) adds, in model.adapter_parameters() order.
+
+    Per block, per target in canonical order: lora_A [r, in], then lora_B [out, r].
+    """
+    shapes = dict(parameter_signature(config))
+    signature = []
+    for index in range(config.block_count):
+        for target in lora.targets:
+            group = "self_attn" if target in ATTENTION else "mlp"
+            prefix = f"model.layers.{index}.{group}.{target}"
+            out_features, in_features = shapes[prefix + ".weight"]
+            signature += [(prefix + ".lora_A.weight", (lora.rank, in_features)),
+                          (prefix + ".lora_B.weight", (out_features, lora.rank))]
+    return signature
+
+
+def quantized_signature(config: TransformerConfig) -> list[tuple[str, tuple]]:
+    """[(name, shape)] of the Linear weights model.quantize() packs: every block projection."""
+    return [(name, shape) for name, shape in parameter_signature(config)
+            if name.startswith("model.layers.") and name.endswith("_proj.weight")]
+
+
 def member_name(section: str, name: str) -> str:
-    """The v2 ZIP member of one array: section is "model", "first_moment" or "second_moment"."""
-    return f"model/{name}.f32" if section == "model" else f"adam/{section}/{name}.f32"
+    """The v2 ZIP member of one FP32 array.
+
+    section: "model" (a base parameter), "adapter" (a LoRA matrix), "first_moment" or
+    "second_moment" (Adam's moments of whatever the optimizer owns).
+    """
+    if section in ("model", "adapter"):
+        return f"{section}/{name}.f32"
+    return f"adam/{section}/{name}.f32"
 
 
 def v1_member_name(section: str, name: str) -> str:
@@ -233,27 +273,50 @@ def _config(value, where):
         _fail(where, f"not a valid TransformerConfig: {error}")
 
 
-def _check_parameter_list(entries, config, where):
-    """Archived (name, shape) pairs must be exactly the layout of `config`."""
+def _check_parameter_list(entries, expected, where, against="model.config"):
+    """Archived (name, shape) pairs must be exactly `expected`, the layout `against` implies."""
     got = [(e["name"], tuple(e["shape"])) for e in entries]
-    expected = parameter_signature(config)
     if got == expected:
         return
     got_names, expected_names = [n for n, _ in got], [n for n, _ in expected]
     missing = [n for n in expected_names if n not in got_names]
     unexpected = [n for n in got_names if n not in expected_names]
     if missing or unexpected:
-        _fail(where, f"parameter names do not match model.config: missing {missing[:5]}, "
+        _fail(where, f"parameter names do not match {against}: missing {missing[:5]}, "
                      f"unexpected {unexpected[:5]}")
     if got_names != expected_names:
         _fail(where, "parameters are not in the model's order")
     for (name, shape), (_, want) in zip(got, expected):
         if shape != want:
-            _fail(f"{where}[{name}]", f"shape {list(shape)} does not match model.config {list(want)}")
+            _fail(f"{where}[{name}]", f"shape {list(shape)} does not match {against} {list(want)}")
+
+
+def _check_member_entry(entry, where, member, dtype, shape=None, named=False):
+    """One array member's entry: its shape, dtype, canonical member path, bytes and sha256."""
+    _object(entry, where, (("name",) if named else ()) + ("shape", "dtype", "member", "bytes",
+                                                          "sha256"))
+    if not isinstance(entry["shape"], list):
+        _fail(where + ".shape", f"expected a list of sizes, got {entry['shape']!r}")
+    for size in entry["shape"]:
+        _integer(size, where + ".shape", minimum=1)
+    if shape is not None and entry["shape"] != list(shape):
+        _fail(where + ".shape", f"is {entry['shape']}, but the weight's shape and block sizes "
+                                f"give {list(shape)}")
+    if entry["dtype"] != _DTYPES[dtype][0]:
+        _fail(where + ".dtype", f"only {_DTYPES[dtype][0]} is supported here, got "
+                                f"{entry['dtype']!r}")
+    if entry["member"] != member:
+        _fail(where + ".member", f"is {entry['member']!r}, the format requires {member!r}")
+    nbytes = _DTYPES[dtype][1] * math.prod(entry["shape"])
+    if entry["bytes"] != nbytes:
+        _fail(where + ".bytes", f"is {entry['bytes']!r}, but {entry['shape']} {_DTYPES[dtype][0]} "
+                                f"elements take {nbytes}")
+    if not isinstance(entry["sha256"], str) or not _HEX64.match(entry["sha256"]):
+        _fail(where + ".sha256", f"expected 64 lowercase hex digits, got {entry['sha256']!r}")
 
 
 def _check_array_entries(entries, where, section):
-    """A v2 array list: name, shape, dtype, member, bytes and sha256 of each array."""
+    """A v2 FP32 array list: name, shape, dtype, member, bytes and sha256 of each array."""
     if not isinstance(entries, list):
         _fail(where, f"expected a list, got {type(entries).__name__}")
     seen = set()
@@ -266,60 +329,86 @@ def _check_array_entries(entries, where, section):
         if name in seen:
             _fail(at + ".name", f"duplicate parameter {name!r}")
         seen.add(name)
-        shape = entry["shape"]
-        if not isinstance(shape, list):
-            _fail(at + ".shape", f"expected a list of sizes, got {shape!r}")
-        for size in shape:
-            _integer(size, at + ".shape", minimum=1)
-        if entry["dtype"] != "float32":
-            _fail(at + ".dtype", f"only float32 is supported, got {entry['dtype']!r}")
-        if entry["member"] != member_name(section, name):
-            _fail(at + ".member", f"is {entry['member']!r}, the format requires "
-                                  f"{member_name(section, name)!r}")
-        nbytes = 4 * math.prod(shape)
-        if entry["bytes"] != nbytes:
-            _fail(at + ".bytes", f"is {entry['bytes']!r}, but {shape} float32 elements take {nbytes}")
-        if not isinstance(entry["sha256"], str) or not _HEX64.match(entry["sha256"]):
-            _fail(at + ".sha256", f"expected 64 lowercase hex digits, got {entry['sha256']!r}")
+        _check_member_entry(entry, at, member_name(section, name), "<f4", named=True)
+
+
+def _lora_config(value, where):
+    """The adapter section's LoRA configuration, in the canonical form capture writes."""
+    _object(value, where, _LORA_FIELDS)
+    _real(value["alpha"], where + ".alpha")
+    try:
+        lora = LoraConfig.from_dict(value)
+    except (TypeError, ValueError) as error:
+        _fail(where, f"not a valid LoraConfig: {error}")
+    if value != _lora_json(lora):
+        _fail(where + ".targets", f"must be listed in canonical projection order "
+                                  f"{list(lora.targets)}, got {value['targets']!r}")
+    return lora
+
+
+def _lora_json(lora):
+    return {**lora.to_dict(), "alpha": float(lora.alpha)}
 
 
 def _validate_manifest(manifest):
-    """Every semantic check of a v2 manifest (v1 archives are converted first)."""
+    """Every semantic check of a v2 manifest (v1 archives are converted first).
+
+    Returns (TransformerConfig, LoraConfig or None).
+    """
     where = MANIFEST
     _object(manifest, where, ("schema", "format_version", "checkpoint_id", "model", "policies",
                               "optimizer", "adapter", "quantization", "training", "source",
                               "metadata"))
-    for section, what in (("adapter", "LoRA adapter"), ("quantization", "packed NF4 (QLoRA)")):
-        if manifest[section] is not None:
-            _fail(f"{where}: {section}", f"this version reads dense checkpoints only; {what} "
-                                         f"sections are not implemented yet")
     model = _object(manifest["model"], f"{where}: model", ("config", "parameters"))
     config = _config(model["config"], f"{where}: model.config")
-    policies = _object(manifest["policies"], f"{where}: policies",
-                       ("attention_algorithm", "activation_checkpointing"))
+    policies = _object(manifest["policies"], f"{where}: policies", _POLICIES)
     for key in policies:
         if policies[key] != getattr(config, key):
             _fail(f"{where}: policies.{key}", f"is {policies[key]!r} but model.config has "
                                               f"{getattr(config, key)!r}")
+    lora = None
+    if manifest["adapter"] is not None:
+        adapter = _object(manifest["adapter"], f"{where}: adapter",
+                          ("type", "config", "parameters"))
+        if adapter["type"] != "lora":
+            _fail(f"{where}: adapter.type", f"only 'lora' is supported, got {adapter['type']!r}")
+        lora = _lora_config(adapter["config"], f"{where}: adapter.config")
+        _check_array_entries(adapter["parameters"], f"{where}: adapter.parameters", "adapter")
+        _check_parameter_list(adapter["parameters"], adapter_signature(config, lora),
+                              f"{where}: adapter.parameters", "model.config and adapter.config")
+    dense_signature = parameter_signature(config)
+    if manifest["quantization"] is not None:
+        if lora is None:
+            _fail(f"{where}: quantization", "a quantized (NF4) base is frozen, so the archive "
+                                            "needs a LoRA adapter section; adapter is null")
+        packed = _validate_quantization(manifest["quantization"], config,
+                                        f"{where}: quantization")
+        dense_signature = [(n, s) for n, s in dense_signature if n not in packed]
     _check_array_entries(model["parameters"], f"{where}: model.parameters", "model")
-    _check_parameter_list(model["parameters"], config, f"{where}: model.parameters")
+    _check_parameter_list(model["parameters"], dense_signature, f"{where}: model.parameters")
     adam = _object(manifest["optimizer"], f"{where}: optimizer",
                    ("type", "parameters", "hyperparameters", "step", "beta1_power",
                     "beta2_power") + _MOMENTS)
     if adam["type"] != "Adam":
         _fail(f"{where}: optimizer.type", f"only 'Adam' is supported, got {adam['type']!r}")
-    if adam["parameters"] != "base":
-        _fail(f"{where}: optimizer.parameters", f"only 'base' is supported, got {adam['parameters']!r}")
+    owned = "base" if lora is None else "adapter"
+    if adam["parameters"] != owned:
+        _fail(f"{where}: optimizer.parameters", f"is {adam['parameters']!r}, but with adapter "
+                                                f"{'null' if lora is None else 'present'} Adam "
+                                                f"owns {owned!r} parameters")
     hyper = adam["hyperparameters"]
     _check_hyperparameters(hyper, f"{where}: optimizer.hyperparameters")
     step = _integer(adam["step"], f"{where}: optimizer.step")
     _check_beta_power(adam["beta1_power"], hyper["beta1"], step, f"{where}: optimizer.beta1_power")
     _check_beta_power(adam["beta2_power"], hyper["beta2"], step, f"{where}: optimizer.beta2_power")
-    signature = [(e["name"], e["shape"]) for e in model["parameters"]]
+    trained = model["parameters"] if lora is None else manifest["adapter"]["parameters"]
+    signature = [(e["name"], e["shape"]) for e in trained]
     for key in _MOMENTS:
         _check_array_entries(adam[key], f"{where}: optimizer.{key}", key)
         if [(e["name"], e["shape"]) for e in adam[key]] != signature:
-            _fail(f"{where}: optimizer.{key}", "names and shapes must equal model.parameters")
+            trained_by = "model" if lora is None else "adapter"
+            _fail(f"{where}: optimizer.{key}",
+                  f"names and shapes must equal {trained_by}.parameters")
     training = _object(manifest["training"], f"{where}: training",
                        ("global_step", "python_random_state"))
     _integer(training["global_step"], f"{where}: training.global_step")
@@ -329,37 +418,53 @@ def _validate_manifest(manifest):
         _source_state(source["state"], f"{where}: source.state")
     if not isinstance(manifest["metadata"], dict):
         _fail(f"{where}: metadata", f"expected an object, got {type(manifest['metadata']).__name__}")
-    return config
+    return config, lora
 
 
-def _build_manifest(*, config, values, adam, global_step, random_state, source_state, metadata):
-    """The v2 manifest and {member: read-only little-endian float32 array} of one state."""
-    arrays, sections = {}, {}
-    for section, mapping in (("model", values), ("first_moment", adam["first_moment"]),
-                             ("second_moment", adam["second_moment"])):
-        entries = []
-        for name, value in mapping.items():
-            array = np.ascontiguousarray(value, dtype="<f4")  # callers pass arrays they own
-            array.flags.writeable = False
-            member = member_name(section, name)
-            arrays[member] = array
-            entries.append({"name": name, "shape": list(array.shape), "dtype": "float32",
-                            "member": member, "bytes": array.nbytes,
-                            "sha256": hashlib.sha256(_byte_view(array)).hexdigest()})
-        sections[section] = entries
+def _fp32_entries(section, mapping, arrays):
+    """Array entries of {name: array} in `section`; adds the read-only arrays to `arrays`."""
+    entries = []
+    for name, value in mapping.items():
+        array = np.ascontiguousarray(value, dtype="<f4")  # callers pass arrays they own
+        array.flags.writeable = False
+        member = member_name(section, name)
+        arrays[member] = array
+        entries.append({"name": name, **_member_entry(member, array)})
+    return entries
+
+
+def _member_entry(member, array):
+    return {"shape": list(array.shape), "dtype": _DTYPES[array.dtype.str][0], "member": member,
+            "bytes": array.nbytes, "sha256": hashlib.sha256(_byte_view(array)).hexdigest()}
+
+
+def _build_manifest(*, config, values, adam, global_step, random_state, source_state, metadata,
+                    lora=None, adapters=None, packed=None):
+    """The v2 manifest and {member: read-only little-endian array} of one state.
+
+    values: the FP32 base parameters (without packed ones); lora/adapters: the LoRA
+    configuration and {name: value} when an adapter is attached; packed: {name: NF4
+    tensor} when the Linear bases are quantized.
+    """
+    arrays = {}
+    model_entries = _fp32_entries("model", values, arrays)
+    adapter = None
+    if lora is not None:
+        adapter = {"type": "lora", "config": _lora_json(lora),
+                   "parameters": _fp32_entries("adapter", adapters, arrays)}
+    quantization = None if packed is None else _quantization_section(packed, arrays)
+    moments = {key: _fp32_entries(key, adam[key], arrays) for key in _MOMENTS}
     manifest = {
         "schema": SCHEMA,
         "format_version": FORMAT_VERSION,
-        "model": {"config": config.to_dict(), "parameters": sections["model"]},
-        "policies": {"attention_algorithm": config.attention_algorithm,
-                     "activation_checkpointing": config.activation_checkpointing},
-        "optimizer": {"type": "Adam", "parameters": "base",
+        "model": {"config": config.to_dict(), "parameters": model_entries},
+        "policies": {key: getattr(config, key) for key in _POLICIES},
+        "optimizer": {"type": "Adam", "parameters": "base" if lora is None else "adapter",
                       "hyperparameters": dict(adam["hyperparameters"]), "step": adam["step"],
                       "beta1_power": adam["beta1_power"], "beta2_power": adam["beta2_power"],
-                      "first_moment": sections["first_moment"],
-                      "second_moment": sections["second_moment"]},
-        "adapter": None,  # reserved for LoRA: typed section, null for dense runs
-        "quantization": None,  # reserved for packed NF4 bases: typed section, null when dense
+                      **moments},
+        "adapter": adapter,  # null for dense full-parameter training
+        "quantization": quantization,  # null unless the Linear bases are packed NF4
         "training": {"global_step": global_step, "python_random_state": random_state},
         "source": None if source_state is None else {"state": source_state},
         "metadata": metadata,
@@ -367,6 +472,154 @@ def _build_manifest(*, config, values, adam, global_step, random_state, source_s
     manifest = json.loads(_canonical_json(manifest))  # exactly what a reader will parse
     manifest["checkpoint_id"] = checkpoint_id(manifest)
     return manifest, arrays
+
+
+def _array_entries(manifest):
+    """(entry, numpy dtype) of every array member, in archive order."""
+    listed = [(e, "<f4") for e in manifest["model"]["parameters"]]
+    if manifest["adapter"] is not None:
+        listed += [(e, "<f4") for e in manifest["adapter"]["parameters"]]
+    if manifest["quantization"] is not None:
+        listed += _packed_entries(manifest["quantization"])
+    listed += [(e, "<f4") for key in _MOMENTS for e in manifest["optimizer"][key]]
+    return listed
+
+
+def _nf4_member(name, part):
+    """The ZIP member of one part of a packed weight: packed.u8, absmax.f32,
+    absmax_codes.u8 or absmax_scales.f32."""
+    return f"nf4/{name}/{part}"
+
+
+def _validate_quantization(section, config, where):
+    """The packed NF4 weights: every size follows from the weight's shape and block sizes.
+
+    Returns the set of packed weight names.
+    """
+    from trainer.quantization import ABSMAX_BLOCK_SIZE, BLOCK_SIZES
+
+    _object(section, where, ("type", "weights"))
+    if section["type"] != "nf4":
+        _fail(f"{where}.type", f"only 'nf4' is supported, got {section['type']!r}")
+    weights = section["weights"]
+    if not isinstance(weights, list):
+        _fail(f"{where}.weights", f"expected a list, got {type(weights).__name__}")
+    for index, weight in enumerate(weights):
+        at = f"{where}.weights[{index}]"
+        _object(weight, at, ("name", "shape", "block_size", "packed", "absmax",
+                             "double_quantization"))
+        name = weight["name"]
+        if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+            _fail(at + ".name", f"not a valid parameter name: {name!r}")
+        if not isinstance(weight["shape"], list) or not weight["shape"]:
+            _fail(at + ".shape", f"expected a list of sizes, got {weight['shape']!r}")
+        for size in weight["shape"]:
+            _integer(size, at + ".shape", minimum=1)
+        block_size = weight["block_size"]
+        if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
+            _fail(at + ".block_size", f"must be one of {BLOCK_SIZES}, got {block_size!r}")
+        n = math.prod(weight["shape"])
+        blocks = -(-n // block_size)
+        _check_member_entry(weight["packed"], at + ".packed", _nf4_member(name, "packed.u8"),
+                            "|u1", [(n + 1) // 2])
+        if (weight["absmax"] is None) == (weight["double_quantization"] is None):
+            _fail(at, "needs exactly one of absmax (FP32 scales) and double_quantization")
+        if weight["absmax"] is not None:
+            _check_member_entry(weight["absmax"], at + ".absmax", _nf4_member(name, "absmax.f32"),
+                                "<f4", [blocks])
+            continue
+        double = _object(weight["double_quantization"], at + ".double_quantization",
+                         ("block_size", "offset", "codes", "scales"))
+        if double["block_size"] != ABSMAX_BLOCK_SIZE or isinstance(double["block_size"], bool):
+            _fail(at + ".double_quantization.block_size",
+                  f"must be {ABSMAX_BLOCK_SIZE}, got {double['block_size']!r}")
+        offset = _real(double["offset"], at + ".double_quantization.offset")
+        if float(np.float32(offset)) != offset:
+            _fail(at + ".double_quantization.offset", f"{offset!r} is not a float32 value")
+        _check_member_entry(double["codes"], at + ".double_quantization.codes",
+                            _nf4_member(name, "absmax_codes.u8"), "|u1", [blocks])
+        _check_member_entry(double["scales"], at + ".double_quantization.scales",
+                            _nf4_member(name, "absmax_scales.f32"), "<f4",
+                            [-(-blocks // ABSMAX_BLOCK_SIZE)])
+    _check_parameter_list(weights, quantized_signature(config), f"{where}.weights",
+                          "model.config (model.quantize() packs every block projection)")
+    return {weight["name"] for weight in weights}
+
+
+def _packed_entries(section):
+    """(entry, numpy dtype) of each packed weight's members, in archive order."""
+    listed = []
+    for weight in section["weights"]:
+        listed.append((weight["packed"], "|u1"))
+        if weight["absmax"] is not None:
+            listed.append((weight["absmax"], "<f4"))
+        else:
+            double = weight["double_quantization"]
+            listed += [(double["codes"], "|u1"), (double["scales"], "<f4")]
+    return listed
+
+
+def _quantization_section(packed, arrays):
+    """The manifest section of {name: NF4Tensor}; adds copies of their arrays to `arrays`."""
+    weights = []
+    for name, tensor in packed.items():
+        def part(member_part, array, dtype):
+            array = np.array(array, dtype=dtype)  # a copy the checkpoint owns
+            array.flags.writeable = False
+            member = _nf4_member(name, member_part)
+            arrays[member] = array
+            return _member_entry(member, array)
+
+        entry = {"name": name, "shape": list(tensor.shape), "block_size": int(tensor.block_size),
+                 "packed": part("packed.u8", tensor.packed, "|u1"), "absmax": None,
+                 "double_quantization": None}
+        if tensor.double_quantized:
+            entry["double_quantization"] = {
+                "block_size": int(tensor.absmax_block_size), "offset": float(tensor.offset),
+                "codes": part("absmax_codes.u8", tensor.absmax_codes, "|u1"),
+                "scales": part("absmax_scales.f32", tensor.absmax_scales, "<f4")}
+        else:
+            entry["absmax"] = part("absmax.f32", tensor.absmax, "<f4")
+        weights.append(entry)
+    return {"type": "nf4", "weights": weights}
+
+
+def _nf4_tensors(section, arrays):
+    """{name: NF4Tensor} over the archived read-only arrays: no copy, no dequantization."""
+    from trainer.quantization import NF4Tensor
+
+    tensors = {}
+    for weight in section["weights"]:
+        parts = {"absmax": None if weight["absmax"] is None else arrays[weight["absmax"]["member"]]}
+        double = weight["double_quantization"]
+        if double is not None:
+            parts = {"absmax_codes": arrays[double["codes"]["member"]],
+                     "absmax_scales": arrays[double["scales"]["member"]],
+                     "offset": np.float32(double["offset"]),
+                     "absmax_block_size": double["block_size"]}
+        tensors[weight["name"]] = NF4Tensor(arrays[weight["packed"]["member"]],
+                                            tuple(weight["shape"]), weight["block_size"], **parts)
+    return tensors
+
+
+def _check_packed_contents(section, arrays, where):
+    """Scales are finite and non-negative (a block's absmax), and each weight forms an NF4Tensor."""
+    for weight in section["weights"]:
+        if weight["absmax"] is not None:
+            entry, what = weight["absmax"], "absmax"
+        else:
+            entry, what = weight["double_quantization"]["scales"], "second-level absmax scales"
+        values = arrays[entry["member"]]
+        if not np.all(np.isfinite(values)):
+            raise CheckpointError(f"{where}: {entry['member']!r}: the {what} of "
+                                  f"{weight['name']} have non-finite entries")
+        if np.any(values < 0):
+            raise CheckpointError(f"{where}: {entry['member']!r}: the {what} of "
+                                  f"{weight['name']} have negative entries")
+    try:
+        _nf4_tensors(section, arrays)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{where}: quantization: not a valid NF4 tensor: {error}") from error
 
 
 # -- reading archives --------------------------------------------------------------------------
@@ -459,17 +712,28 @@ def _check_members(archive, path, expected):
                                   f"bytes, the manifest says {size}")
 
 
-def _read_array(archive, path, member, shape, sha256):
+def _read_array(archive, path, member, shape, sha256, dtype="<f4"):
     data = _read_member(archive, path, member)
-    if len(data) != 4 * math.prod(shape):
+    nbytes = _DTYPES[dtype][1] * math.prod(shape)
+    if len(data) != nbytes:
         raise CheckpointError(f"checkpoint {path}: member {member!r} has {len(data)} bytes, "
-                              f"the manifest says {4 * math.prod(shape)}")
+                              f"the manifest says {nbytes}")
     digest = hashlib.sha256(data).hexdigest()
     if digest != sha256:
         raise CheckpointError(f"checkpoint {path}: member {member!r} fails its checksum: "
                               f"sha256 {digest}, the manifest says {sha256}")
-    array = np.frombuffer(data, dtype="<f4").reshape(shape)  # read-only, over the bytes
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)  # read-only, over the bytes
     return array
+
+
+def _check_contents(manifest, arrays, where):
+    """Checks on array values: non-negative second moments, well-formed packed NF4 bases."""
+    for entry in manifest["optimizer"]["second_moment"]:
+        if np.any(arrays[entry["member"]] < 0):
+            raise CheckpointError(f"{where}: {entry['member']!r}: Adam's second moment has "
+                                  f"negative entries")
+    if manifest["quantization"] is not None:
+        _check_packed_contents(manifest["quantization"], arrays, where)
 
 
 def _load_v2(archive, path, manifest):
@@ -483,19 +747,16 @@ def _load_v2(archive, path, manifest):
                               f"(stored {stored_id}, content hashes to {computed}); the manifest "
                               f"was modified or damaged")
     try:
-        config = _validate_manifest(manifest)
+        config, lora = _validate_manifest(manifest)
     except CheckpointError as error:
         raise CheckpointError(f"checkpoint {path}: {error}") from None
-    entries = manifest["model"]["parameters"] + [
-        e for key in _MOMENTS for e in manifest["optimizer"][key]]
-    _check_members(archive, path, {MANIFEST: None, **{e["member"]: e["bytes"] for e in entries}})
-    arrays = {e["member"]: _read_array(archive, path, e["member"], tuple(e["shape"]), e["sha256"])
-              for e in entries}
-    for entry in manifest["optimizer"]["second_moment"]:
-        if np.any(arrays[entry["member"]] < 0):
-            raise CheckpointError(f"checkpoint {path}: {entry['member']!r}: Adam's second moment "
-                                  f"has negative entries")
-    return config, arrays
+    listed = _array_entries(manifest)
+    _check_members(archive, path, {MANIFEST: None, **{e["member"]: e["bytes"] for e, _ in listed}})
+    arrays = {e["member"]: _read_array(archive, path, e["member"], tuple(e["shape"]), e["sha256"],
+                                       dtype)
+              for e, dtype in listed}
+    _check_contents(manifest, arrays, f"checkpoint {path}")
+    return config, lora, arrays
 
 
 V1_KEYS = ("schema", "format_version", "config", "parameters", "optimizer", "global_step",
@@ -519,7 +780,7 @@ def _load_v1(archive, path, manifest):
                 _fail(f"{MANIFEST}: parameters[{index}].shape", f"expected a list, got {shape!r}")
             for size in shape:
                 _integer(size, f"{MANIFEST}: parameters[{index}].shape", minimum=1)
-        _check_parameter_list(params, config, f"{MANIFEST}: parameters")
+        _check_parameter_list(params, parameter_signature(config), f"{MANIFEST}: parameters")
         adam = _object(manifest["optimizer"], f"{MANIFEST}: optimizer",
                        ("hyperparameters", "step", "beta1_power", "beta2_power"))
         _check_hyperparameters(adam["hyperparameters"], f"{MANIFEST}: optimizer.hyperparameters")
@@ -570,7 +831,7 @@ def _load_v1(archive, path, manifest):
         if np.any(arrays[entry["member"]] < 0):
             raise CheckpointError(f"checkpoint {path}: {v1_member_name('second_moment', entry['name'])!r}:"
                                   f" Adam's second moment has negative entries")
-    return config, v2, arrays
+    return config, None, v2, arrays
 
 
 # -- writing -------------------------------------------------------------------------------
@@ -595,12 +856,13 @@ def _fsync_directory(directory):
 
 
 class TrainingCheckpoint:
-    """The exact state of one dense FP32 Adam run; build with capture() or load()."""
+    """The exact state of one Adam run (dense, LoRA or QLoRA); build with capture() or load()."""
 
-    def __init__(self, manifest, arrays, config, format_version):
+    def __init__(self, manifest, arrays, config, lora, format_version):
         self._manifest = manifest  # validated v2 manifest, checkpoint_id included
-        self._arrays = arrays  # {member: read-only little-endian float32 array}
+        self._arrays = arrays  # {member: read-only little-endian array}
         self._config = config
+        self._lora = lora  # the archived LoraConfig, or None for dense training
         self._format_version = format_version
 
     # -- read-only view ---------------------------------------------------------------
@@ -616,6 +878,16 @@ class TrainingCheckpoint:
     @property
     def config(self) -> TransformerConfig:
         return self._config
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        """The archived LoRA configuration (its initializer seed included), or None."""
+        return self._lora
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the archive holds packed NF4 Linear bases (QLoRA)."""
+        return self._manifest["quantization"] is not None
 
     @property
     def global_step(self) -> int:
@@ -636,6 +908,7 @@ class TrainingCheckpoint:
 
     @property
     def parameter_names(self) -> tuple:
+        """The FP32 base parameters' names (packed NF4 weights are listed under quantization)."""
         return tuple(e["name"] for e in self._manifest["model"]["parameters"])
 
     def manifest(self) -> dict:
@@ -643,70 +916,77 @@ class TrainingCheckpoint:
         return copy.deepcopy(self._manifest)
 
     def _section(self, section):
-        key = ("model", "parameters") if section == "model" else ("optimizer", section)
-        return {e["name"]: self._arrays[e["member"]]
-                for e in self._manifest[key[0]][key[1]]}
+        """{name: read-only array} of "model", "adapter", "first_moment" or "second_moment"."""
+        if section == "model":
+            entries = self._manifest["model"]["parameters"]
+        elif section == "adapter":
+            entries = self._manifest["adapter"]["parameters"]
+        else:
+            entries = self._manifest["optimizer"][section]
+        return {e["name"]: self._arrays[e["member"]] for e in entries}
 
     # -- capture --------------------------------------------------------------------------
 
     @classmethod
     def capture(cls, model, optimizer, *, source, global_step, metadata=None):
         """Copy the state of `model`, its `optimizer` and `source` at a clean step boundary."""
+        refused = "capture refused"
         if getattr(optimizer, "model", None) is not model:
-            raise CheckpointError("capture refused: the optimizer belongs to a different model "
-                                  "instance (optimizer.model is not model)")
-        if getattr(model, "lora_config", None) is not None:
-            raise CheckpointError("capture refused: the model has a LoRA adapter attached; this "
-                                  "version captures dense base-parameter training only")
-        if getattr(model, "quantization", None) is not None:
-            raise CheckpointError("capture refused: the model has a quantized (NF4) base; this "
-                                  "version captures dense base-parameter training only")
-        if getattr(optimizer, "parameter_kind", None) != "base":
-            raise CheckpointError(f"capture refused: only base-parameter Adam is supported, this "
-                                  f"optimizer owns {getattr(optimizer, 'parameter_kind', None)!r} "
-                                  f"parameters (LoRA checkpoints are not implemented yet)")
+            raise CheckpointError(f"{refused}: the optimizer belongs to a different model "
+                                  f"instance (optimizer.model is not model)")
+        lora = getattr(model, "lora_config", None)
+        quantized = getattr(model, "quantization", None) is not None
+        _check_optimizer_owns(model, optimizer, lora, refused,
+                              "the model has no LoRA adapter" if lora is None
+                              else "the model has a LoRA adapter attached")
+        if quantized and lora is None:  # quantize() freezes the base; Adam could own nothing
+            raise CheckpointError(f"{refused}: the model has a quantized (NF4) base but no LoRA "
+                                  f"adapter; attach_lora before training")
         if model.gradient_pending or optimizer.gradient_pending:
-            raise CheckpointError("capture refused: a gradient is pending; call optimizer.step() "
-                                  "or optimizer.zero_gradients() first (an exactly-zero gradient "
-                                  "is still pending)")
-        _integer(global_step, "capture refused: global_step")
+            raise CheckpointError(f"{refused}: a gradient is pending; call optimizer.step() "
+                                  f"or optimizer.zero_gradients() first (an exactly-zero gradient "
+                                  f"is still pending)")
+        _integer(global_step, f"{refused}: global_step")
         metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict):
-            raise CheckpointError(f"capture refused: metadata must be a dict, got "
+            raise CheckpointError(f"{refused}: metadata must be a dict, got "
                                   f"{type(metadata).__name__}")
-        metadata = _plain_json(metadata, "capture refused: metadata")
+        metadata = _plain_json(metadata, f"{refused}: metadata")
         source_state = None
         if source is not None:
-            _check_source_protocol(source, "capture refused")
+            _check_source_protocol(source, refused)
             try:
                 state = source.checkpoint_state()
             except Exception as error:
-                raise CheckpointError(f"capture refused: {type(source).__name__}."
+                raise CheckpointError(f"{refused}: {type(source).__name__}."
                                       f"checkpoint_state() failed: {error}") from error
-            source_state = _source_state(_plain_json(state, "capture refused: source state"),
-                                         "capture refused: source state")
+            source_state = _source_state(_plain_json(state, f"{refused}: source state"),
+                                         f"{refused}: source state")
         try:
-            values = model.state_dict()
+            values = _fp32_base_state(model)
+            adapters = None if lora is None else model.adapter_state_dict()
+            packed = None if not quantized else model.packed_state()
             adam = optimizer.state_dict()
         except RuntimeError as error:  # a closed model or optimizer
-            raise CheckpointError(f"capture refused: {error}") from error
-        names = list(values)
+            raise CheckpointError(f"{refused}: {error}") from error
+        names = list(values if lora is None else adapters)
         for key in _MOMENTS:
             if list(adam[key]) != names:
-                raise CheckpointError(f"capture refused: Adam's {key} names do not match the "
-                                      f"model's parameters")
+                raise CheckpointError(f"{refused}: Adam's {key} names do not match the model's "
+                                      f"{'base' if lora is None else 'adapter'} parameters")
         manifest, arrays = _build_manifest(
             config=model.config, values=values, adam=adam, global_step=global_step,
             random_state=random_state_to_json(random.getstate()), source_state=source_state,
-            metadata=metadata)
+            metadata=metadata, lora=lora, adapters=adapters, packed=packed)
         try:
-            config = _validate_manifest(manifest)
+            config, lora = _validate_manifest(manifest)
+            _check_contents(manifest, arrays, refused)
         except CheckpointError as error:
-            raise CheckpointError(f"capture refused: {error}") from None
-        checkpoint = cls(manifest, arrays, config, FORMAT_VERSION)
+            raise CheckpointError(f"{refused}: {error}") from None
+        checkpoint = cls(manifest, arrays, config, lora, FORMAT_VERSION)
         size = len(checkpoint.manifest_bytes())
         if size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"capture refused: the manifest would be {size} bytes, more than "
+            raise CheckpointError(f"{refused}: the manifest would be {size} bytes, more than "
                                   f"the {MAX_MANIFEST_BYTES} a reader accepts (large metadata?)")
         return checkpoint
 
@@ -745,11 +1025,8 @@ class TrainingCheckpoint:
 
     def _write_zip(self, handle):
         members = [(MANIFEST, self.manifest_bytes())]
-        for section in ("model",) + _MOMENTS:
-            key = ("model", "parameters") if section == "model" else ("optimizer", section)
-            for entry in self._manifest[key[0]][key[1]]:
-                array = self._arrays[entry["member"]]
-                members.append((entry["member"], _byte_view(array)))
+        for entry, _ in _array_entries(self._manifest):
+            members.append((entry["member"], _byte_view(self._arrays[entry["member"]])))
         with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             for name, data in members:
                 with zf.open(_zip_info(name), "w", force_zip64=len(data) >= ZIP64_THRESHOLD) as out:
@@ -768,21 +1045,20 @@ class TrainingCheckpoint:
                                       f"{manifest.get('schema')!r}, expected {SCHEMA!r}")
             version = manifest.get("format_version")
             if version == 2:
-                config, arrays = _load_v2(archive, path, manifest)
+                config, lora, arrays = _load_v2(archive, path, manifest)
             elif version == 1:
-                config, manifest, arrays = _load_v1(archive, path, manifest)
+                config, lora, manifest, arrays = _load_v1(archive, path, manifest)
             else:
                 raise CheckpointError(f"checkpoint {path}: {MANIFEST}: format_version "
                                       f"{version!r} is not readable; this version reads "
                                       f"{list(READABLE_VERSIONS)}")
-        return cls(manifest, arrays, config, version)
+        return cls(manifest, arrays, config, lora, version)
 
     # -- restore ----------------------------------------------------------------------------
 
     def restore(self, model, optimizer, source=None) -> RestoreResult:
         """Replace the state of fresh, compatible objects; all or nothing."""
         prior = self._check_restore(model, optimizer, source)
-        prior_values, prior_adam, prior_source, prior_random = prior
         adam = {"step": self.optimizer_step,
                 "beta1_power": self._manifest["optimizer"]["beta1_power"],
                 "beta2_power": self._manifest["optimizer"]["beta2_power"],
@@ -795,14 +1071,22 @@ class TrainingCheckpoint:
         if source is not None:
             steps.append(("batch source",
                           lambda: source.restore_checkpoint_state(self.source_state),
-                          lambda: source.restore_checkpoint_state(copy.deepcopy(prior_source))))
+                          lambda: source.restore_checkpoint_state(copy.deepcopy(prior.source))))
+        steps.append(("model parameters", lambda: model.load_state_dict(values),
+                      lambda: model.load_state_dict(prior.values)))
+        if self.quantized:
+            packed = self._packed_tensors()  # fresh NF4 tensors over copies of the archived bytes
+            steps.append(("packed NF4 bases", lambda: model.load_packed_state(packed),
+                          lambda: model.load_packed_state(prior.packed)))
+        if self._lora is not None:
+            adapters = self._section("adapter")
+            steps.append(("LoRA adapter values", lambda: model.load_adapter_state_dict(adapters),
+                          lambda: model.load_adapter_state_dict(prior.adapters)))
         steps += [
-            ("model parameters", lambda: model.load_state_dict(values),
-             lambda: model.load_state_dict(prior_values)),
             ("Adam state", lambda: optimizer.load_state_dict(adam),
-             lambda: optimizer.load_state_dict(prior_adam)),
+             lambda: optimizer.load_state_dict(prior.adam)),
             ("Python random state", lambda: random.setstate(random_state),
-             lambda: random.setstate(prior_random)),
+             lambda: random.setstate(prior.random)),
         ]
         started = []
         for what, apply, undo in steps:
@@ -810,7 +1094,7 @@ class TrainingCheckpoint:
             try:
                 apply()
             except BaseException as error:
-                self._roll_back(started, prior_random, what, error)
+                self._roll_back(started, prior.random, what, error)
                 if not isinstance(error, Exception):
                     raise
                 raise CheckpointError(
@@ -841,31 +1125,16 @@ class TrainingCheckpoint:
         refused = "restore refused"
         if getattr(optimizer, "model", None) is not model:
             raise CheckpointError(f"{refused}: the optimizer belongs to a different model instance; "
-                                  f"construct Adam from `with model.parameters()` of this model")
-        if getattr(optimizer, "parameter_kind", None) != "base":
-            raise CheckpointError(f"{refused}: the checkpoint holds base-parameter Adam state, the "
-                                  f"optimizer owns {getattr(optimizer, 'parameter_kind', None)!r} "
-                                  f"parameters")
-        if getattr(model, "lora_config", None) is not None:
-            raise CheckpointError(f"{refused}: the checkpoint is dense (adapter: null) but the "
-                                  f"model has a LoRA adapter attached; restore into a model "
-                                  f"without attach_lora")
-        if getattr(model, "quantization", None) is not None:
-            raise CheckpointError(f"{refused}: the checkpoint is dense (quantization: null) but "
-                                  f"the model has a quantized (NF4) base")
+                                  f"construct Adam from `with model.parameters()` (or "
+                                  f"`model.adapter_parameters()`) of this model")
         config = getattr(model, "config", None)
         if not isinstance(config, TransformerConfig):
             raise CheckpointError(f"{refused}: the model has no TransformerConfig")
-        drift = [f"{k}: checkpoint {getattr(self._config, k)!r}, model {getattr(config, k)!r}"
-                 for k in _ARCHITECTURE if getattr(self._config, k) != getattr(config, k)]
-        if drift:
-            raise CheckpointError(f"{refused}: the model architecture differs from the checkpoint: "
-                                  + "; ".join(drift))
-        for key in ("attention_algorithm", "activation_checkpointing"):
-            archived, live = self._manifest["policies"][key], getattr(config, key)
-            if archived != live:
-                raise CheckpointError(f"{refused}: {key} differs: checkpoint {archived!r}, model "
-                                      f"{live!r}; construct the model with the archived policy")
+        self._check_structure(model, refused)
+        _check_optimizer_owns(model, optimizer, self._lora, refused,
+                              "the checkpoint holds base-parameter Adam state" if self._lora is None
+                              else "the checkpoint holds LoRA adapter Adam state")
+        self._check_config(config, refused)
         hyper, live_hyper = self._manifest["optimizer"]["hyperparameters"], optimizer.hyperparameters()
         drift = [f"{k}: checkpoint {hyper[k]!r}, optimizer {live_hyper.get(k)!r}"
                  for k in _HYPERPARAMETERS if hyper[k] != live_hyper.get(k)]
@@ -885,25 +1154,134 @@ class TrainingCheckpoint:
                 f"{refused}: the checkpoint holds batch-source state (data position and RNG) but "
                 f"source=None was given; pass a source built over the same data and settings")
         try:
-            prior_values = model.state_dict()
-            prior_adam = optimizer.state_dict()
+            prior = _Prior(values=_fp32_base_state(model),
+                           adapters=None if self._lora is None else model.adapter_state_dict(),
+                           packed=None if not self.quantized else dict(model.packed_state()),
+                           adam=optimizer.state_dict(), source=None, random=None)
         except RuntimeError as error:  # closed objects
             raise CheckpointError(f"{refused}: {error}") from error
-        archived = [(e["name"], tuple(e["shape"])) for e in self._manifest["model"]["parameters"]]
-        live = [(name, tuple(value.shape)) for name, value in prior_values.items()]
-        if live != archived:
-            raise CheckpointError(f"{refused}: the model's parameters do not match the checkpoint "
-                                  f"(names or shapes); checkpoint {len(archived)}, model {len(live)}")
-        prior_source = None
+        sections = [("parameters", prior.values, self._manifest["model"]["parameters"])]
+        if self._lora is not None:
+            sections.append(("adapters", prior.adapters, self._manifest["adapter"]["parameters"]))
+        if self.quantized:
+            sections.append(("packed NF4 weights", prior.packed,
+                             self._manifest["quantization"]["weights"]))
+        for what, live_state, entries in sections:
+            archived = [(e["name"], tuple(e["shape"])) for e in entries]
+            live = [(name, tuple(value.shape)) for name, value in live_state.items()]
+            if live != archived:
+                raise CheckpointError(f"{refused}: the model's {what} do not match the checkpoint "
+                                      f"(names or shapes); checkpoint {len(archived)}, model "
+                                      f"{len(live)}")
         if source is not None:
             _check_source_protocol(source, refused)
             try:
-                prior_source = copy.deepcopy(source.checkpoint_state())
+                prior.source = copy.deepcopy(source.checkpoint_state())
             except Exception as error:
                 raise CheckpointError(f"{refused}: {type(source).__name__}.checkpoint_state() "
                                       f"failed: {error}") from error
-            _check_source_match(archived_source["state"], prior_source, refused)
-        return prior_values, prior_adam, prior_source, random.getstate()
+            _check_source_match(archived_source["state"], prior.source, refused)
+        prior.random = random.getstate()
+        return prior
+
+    def _check_structure(self, model, refused):
+        """Adapter and quantization presence, then the LoRA shape identity."""
+        live_lora = getattr(model, "lora_config", None)
+        live_quantization = getattr(model, "quantization", None)
+        if self._lora is None and live_lora is not None:
+            raise CheckpointError(f"{refused}: the checkpoint is dense (adapter: null) but the "
+                                  f"model has a LoRA adapter attached; restore into a model "
+                                  f"without attach_lora")
+        if self._lora is not None and live_lora is None:
+            raise CheckpointError(
+                f"{refused}: the checkpoint holds a LoRA adapter ({_describe_lora(self._lora)}) "
+                f"but the model has none; attach_lora with the same rank, alpha, targets and "
+                f"use_rslora before constructing Adam over model.adapter_parameters()")
+        if not self.quantized and live_quantization is not None:
+            raise CheckpointError(f"{refused}: the checkpoint has an FP32 base (quantization: "
+                                  f"null) but the model has a quantized (NF4) base; restore into "
+                                  f"a model without quantize()")
+        if self.quantized and live_quantization is None:
+            raise CheckpointError(f"{refused}: the checkpoint holds packed NF4 (QLoRA) bases but "
+                                  f"the model is not quantized; call model.quantize() (any block "
+                                  f"size or scale encoding) before attach_lora")
+        if self._lora is not None:
+            archived, live = self._lora.shape_identity(), live_lora.shape_identity()
+            drift = [f"{k}: checkpoint {archived[k]!r}, model {live[k]!r}"
+                     for k in _LORA_IDENTITY if archived[k] != live[k]]
+            if drift:
+                raise CheckpointError(f"{refused}: the LoRA configuration differs from the "
+                                      f"checkpoint: " + "; ".join(drift)
+                                      + " (only initializer_seed may differ)")
+
+    def _check_config(self, config, refused):
+        """The whole TransformerConfig must match; only the initializer seed may differ."""
+        archived = self._config
+        drift = [f"{k}: checkpoint {getattr(archived, k)!r}, model {getattr(config, k)!r}"
+                 for k in _ARCHITECTURE if getattr(archived, k) != getattr(config, k)]
+        if drift:
+            raise CheckpointError(f"{refused}: the model architecture differs from the checkpoint: "
+                                  + "; ".join(drift))
+        for key in _POLICIES:
+            if getattr(archived, key) != getattr(config, key):
+                raise CheckpointError(f"{refused}: {key} differs: checkpoint "
+                                      f"{getattr(archived, key)!r}, model "
+                                      f"{getattr(config, key)!r}; construct the model with the "
+                                      f"archived policy")
+        checked = set(_ARCHITECTURE + _POLICIES + _FREE_CONFIG_FIELDS)
+        drift = [f"{f.name}: checkpoint {getattr(archived, f.name)!r}, model "
+                 f"{getattr(config, f.name)!r}" for f in fields(TransformerConfig)
+                 if f.name not in checked and getattr(archived, f.name) != getattr(config, f.name)]
+        if drift:
+            raise CheckpointError(f"{refused}: the model configuration differs from the "
+                                  f"checkpoint: " + "; ".join(drift)
+                                  + " (only initializer_seed may differ)")
+
+    def _packed_tensors(self):
+        return _nf4_tensors(self._manifest["quantization"], self._arrays)
+
+
+@dataclass
+class _Prior:
+    """What restore() snapshots before it changes anything, for rollback."""
+    values: dict  # FP32 base values by name (never a dequantized copy of a packed base)
+    adapters: dict | None
+    packed: dict | None  # {name: NF4 tensor}: the model's own objects, replaced not mutated
+    adam: dict
+    source: dict | None
+    random: tuple | None
+
+
+def _fp32_base_state(model):
+    """{name: copy} of the base parameters that hold FP32 values; packed bases are skipped.
+
+    model.state_dict() would dequantize packed bases into full FP32 copies.
+    """
+    return {p.name: p.value.copy() for p in model.parameters() if p.value is not None}
+
+
+def _describe_lora(lora):
+    identity = lora.shape_identity()
+    return ", ".join(f"{k} {identity[k]!r}" for k in _LORA_IDENTITY)
+
+
+def _check_optimizer_owns(model, optimizer, lora, refused, reason):
+    """Adam owns the base list of a dense model, or the complete adapter list of a LoRA model."""
+    kind = getattr(optimizer, "parameter_kind", None)
+    expected = "base" if lora is None else "adapter"
+    if kind != expected:
+        raise CheckpointError(
+            f"{refused}: {reason}, so Adam must own model."
+            f"{'parameters' if lora is None else 'adapter_parameters'}(); this optimizer owns "
+            f"{kind!r} parameters")
+    if lora is not None:
+        try:
+            complete = [id(p) for p in model.adapter_parameters()]
+        except (RuntimeError, ValueError) as error:
+            raise CheckpointError(f"{refused}: {error}") from error
+        if [id(p) for p in getattr(optimizer, "parameters", ())] != complete:
+            raise CheckpointError(f"{refused}: Adam must own the complete, ordered "
+                                  f"model.adapter_parameters() list of this model")
 
 
 def _check_source_protocol(source, refused):

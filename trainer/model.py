@@ -15,7 +15,7 @@ from trainer import attention
 from trainer.config import TransformerConfig
 from trainer.lora import LoraAdapter, LoraConfig
 from trainer.parameters import Parameter, ParameterList
-from trainer.quantization import dequantize_nf4, dequantize_rows, quantize_nf4
+from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows, quantize_nf4
 from trainer.runtime import tune_allocator
 
 
@@ -347,15 +347,18 @@ class DecoderOnlyTransformer:
             unknown = sorted(set(mapping) - names)[:5]
             raise KeyError(f"packed state mismatch: missing {missing}, unknown {unknown}")
         for p in current:
+            if not isinstance(mapping[p.name], NF4Tensor):
+                raise TypeError(f"{p.name}: expected an NF4Tensor, got {type(mapping[p.name]).__name__}")
             if tuple(mapping[p.name].shape) != p.shape:
                 raise ValueError(f"{p.name}: packed shape {tuple(mapping[p.name].shape)} "
                                  f"does not match {p.shape}")
+        block_sizes = {mapping[p.name].block_size for p in current}
+        double = {mapping[p.name].double_quantized for p in current}
+        quantization = {"block_size": block_sizes.pop() if len(block_sizes) == 1 else None,
+                        "double_quantization": double.pop() if len(double) == 1 else None}
         for p in current:
             p.quantized = mapping[p.name]
-        block_sizes = {p.quantized.block_size for p in current}
-        double = {p.quantized.double_quantized for p in current}
-        self._quantization = {"block_size": block_sizes.pop() if len(block_sizes) == 1 else None,
-                              "double_quantization": double.pop() if len(double) == 1 else None}
+        self._quantization = quantization
 
     def resident_memory(self) -> dict:
         """Bytes held by packed NF4 bases, their FP32 equivalent, FP32 base and adapters."""
@@ -421,6 +424,11 @@ class DecoderOnlyTransformer:
         self._check_open()
         return {p.name: p.value.copy() if p.value is not None else dequantize_nf4(p.quantized)
                 for p in self._base}
+
+    def fp32_state_dict(self) -> dict:
+        """{name: copy} of the base parameters held in FP32 (all but packed NF4 weights)."""
+        self._check_open()
+        return {p.name: p.value.copy() for p in self._base if p.value is not None}
 
     def load_state_dict(self, mapping: dict):
         """Set FP32 base values by name; every name and shape is checked first.

@@ -216,17 +216,18 @@ def test_capture_refuses_foreign_optimizer_bad_step_and_non_json_metadata():
                                    metadata={"loss": float("nan")})
 
 
-def test_capture_and_restore_refuse_lora_until_implemented(saved):
+def test_dense_checkpoints_and_lora_models_refuse_each_other(saved):
+    """A LoRA model must train its adapters; a dense archive does not restore into it."""
     _, checkpoint = saved
     model, optimizer, source = make_run(steps=0)
     model.attach_lora(LoraConfig(rank=2, alpha=4.0))
-    with pytest.raises(CheckpointError, match="LoRA adapter attached; this version captures dense"):
+    with pytest.raises(CheckpointError, match=r"the model has a LoRA adapter attached, so Adam "
+                                              r"must own model.adapter_parameters\(\); this "
+                                              r"optimizer owns 'base' parameters"):
         TrainingCheckpoint.capture(model, optimizer, source=source, global_step=0)
     adapter_adam = Adam(model.adapter_parameters())
-    with pytest.raises(CheckpointError, match="LoRA adapter attached"):
-        TrainingCheckpoint.capture(model, adapter_adam, source=source, global_step=0)
     refused_restore(checkpoint, model, adapter_adam, source,
-                    "holds base-parameter Adam state, the optimizer owns 'adapter' parameters")
+                    r"dense \(adapter: null\) but the model has a LoRA adapter attached")
     refused_restore(checkpoint, model, optimizer, source,
                     r"dense \(adapter: null\) but the model has a LoRA adapter attached")
 
@@ -339,9 +340,10 @@ MANIFEST_EDITS = [
      "source.state.fingerprint: expected 64 lowercase hex digits"),
     ("source rng", _set("source", "state", "random_state", value={"version": 3}),
      "source.state.random_state: invalid Python random state"),
-    ("adapter", _set("adapter", value={"rank": 8}), "adapter: this version reads dense checkpoints only"),
+    ("adapter", _set("adapter", value={"rank": 8}),
+     r"adapter: fields do not match the format: missing \['config', 'parameters', 'type'\]"),
     ("quantization", _set("quantization", value={"type": "nf4"}),
-     "quantization: this version reads dense checkpoints only"),
+     "quantization: a quantized .* base is frozen, so the archive needs a LoRA adapter section"),
     ("unknown field", _set("extra", value=1), r"fields do not match the format: missing \[\], "
                                               r"unexpected \['extra'\]"),
     ("member path", _set("model", "parameters", 0, "member", value="../model/x.f32"),
@@ -457,6 +459,12 @@ def test_restore_refuses_hyperparameter_drift(saved):
     ({"block_count": 2}, "architecture differs from the checkpoint: block_count: checkpoint 1, model 2"),
     ({"kv_head_count": 4, "tie_embeddings": True},
      "kv_head_count: checkpoint 2, model 4; tie_embeddings: checkpoint False, model True"),
+    ({"loss_route": "kt_tape_flce", "loss_chunk_tokens": 5},
+     "the model configuration differs from the checkpoint: loss_route: checkpoint 'full_logits', "
+     "model 'kt_tape_flce'; loss_chunk_tokens: checkpoint 64, model 5 "
+     r"\(only initializer_seed may differ\)"),
+    ({"attention_block_size": 2}, "attention_block_size: checkpoint 64, model 2"),
+    ({"initializer_range": 0.5}, "initializer_range: checkpoint 0.02, model 0.5"),
 ])
 def test_restore_refuses_policy_and_architecture_drift(saved, fields, match):
     _, checkpoint = saved
