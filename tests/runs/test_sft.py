@@ -1,0 +1,329 @@
+"""SFT runs at the trainer level: exact resume, drift refusals, dequeue revalidation."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.runs import checkpoint_dir
+from trainer.runs import sft
+from trainer.runs.sft import AdmissionError, RequestError, RunSettings, admit_sft, revalidate_sft, run_sft
+
+HERE = Path(__file__).parent
+RECORDS = [
+    {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                  {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
+    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1)]
+] + [{"prompt": "Say hello.", "completion": "Hello!"}]
+
+
+def make_settings(home: Path, interval=None) -> RunSettings:
+    (home / "datasets").mkdir(parents=True, exist_ok=True)
+    (home / "adapters").mkdir(parents=True, exist_ok=True)
+    return RunSettings(home=home, registry=home / "adapters", bases_root=home,
+                       data_roots=(home / "datasets",), default_checkpoint_interval=interval)
+
+
+def write_dataset(home: Path, records=RECORDS, name="train.jsonl") -> str:
+    path = home / "datasets" / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def request(dataset_path, **config):
+    base = {"output_name": "support-bot", "epochs": 2, "learning_rate": 5e-3, "batch_size": 2,
+            "gradient_accumulation_steps": 1, "checkpoint_interval": 2, "seed": 7,
+            "lora": {"rank": 4, "alpha": 8}, "max_sequence_length": 96,
+            "lr_schedule": {"type": "cosine", "warmup_steps": 1}}
+    base.update(config)
+    return {"dataset_path": dataset_path, "config": base}
+
+
+class StopAt:
+    """Hooks that request cancellation after `step` committed steps."""
+
+    def __init__(self, step):
+        self.step, self.seen, self.checkpoints, self.metrics = step, 0, [], []
+
+    def on_step(self, metrics):
+        self.seen = metrics["step"]
+        self.metrics.append(metrics)
+
+    def should_cancel(self):
+        return self.step is not None and self.seen >= self.step
+
+    def on_checkpoint(self, summary, timing):
+        self.checkpoints.append((summary, timing))
+
+    def on_event(self, level, message):
+        pass
+
+
+def final_files(settings, adapter="support-bot"):
+    path = checkpoint_dir.latest_checkpoint(settings.registry, adapter)
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def uninterrupted(home, **config):
+    settings = make_settings(home)
+    req = request(write_dataset(home), **config)
+    result = run_sft(admit_sft(req, settings), settings, StopAt(None))
+    assert result.status == "succeeded"
+    return settings, result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return uninterrupted(tmp_path_factory.mktemp("reference"))
+
+
+def test_fresh_repeat_is_byte_identical(reference, tmp_path):
+    settings, result = reference
+    again_settings, again = uninterrupted(tmp_path)
+    assert again.loss_history == result.loss_history
+    assert final_files(again_settings) == final_files(settings)
+    assert result.steps_completed == 8  # 8 examples, batch 2, 2 epochs
+    assert result.latest_checkpoint["complete"] is True
+
+
+def test_cancel_then_resume_is_byte_identical(reference, tmp_path):
+    settings = make_settings(tmp_path)
+    req = request(write_dataset(tmp_path))
+    hooks = StopAt(3)
+    first = run_sft(admit_sft(req, settings), settings, hooks)
+    assert first.status == "cancelled" and first.steps_completed == 3
+    basename = first.latest_checkpoint["resume_checkpoint"]
+    assert basename == "support-bot-checkpoint-step-00000003.kiln-checkpoint"
+    assert first.latest_checkpoint["complete"] is False
+    assert first.latest_checkpoint["next_cursor"] == {"epoch": 0, "example": 6}
+    resumed_request = request(req["dataset_path"], resume_checkpoint=basename)
+    admission = admit_sft(resumed_request, settings)
+    assert admission.resume["step"] == 3 and admission.effective_seed == 7
+    second = run_sft(admission, settings, StopAt(None))
+    assert second.status == "succeeded"
+    assert second.loss_history == reference[1].loss_history
+    assert final_files(settings) == final_files(reference[0])
+
+
+def test_sigkill_then_resume_is_byte_identical(reference, tmp_path):
+    settings = make_settings(tmp_path)
+    req = request(write_dataset(tmp_path))
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"home": str(tmp_path), "request": req}))
+    env = {**os.environ, "KILN_TEST_STEP_DELAY": "0.3"}
+    worker = subprocess.Popen([sys.executable, str(HERE / "sft_worker.py"), str(spec)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            latest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
+            if latest is not None and checkpoint_dir.parse_basename(latest.name)[1] >= 4:
+                break
+            assert worker.poll() is None, "the worker finished before it could be killed"
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    latest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
+    step = checkpoint_dir.parse_basename(latest.name)[1]
+    assert 4 <= step < 8
+    checkpoint_dir.load_checkpoint(latest, full=True, allowed_manifest_fields=sft.MANIFEST_FIELDS)
+    admission = admit_sft(request(req["dataset_path"], resume_checkpoint=latest.name), settings)
+    result = run_sft(admission, settings, StopAt(None))
+    assert result.loss_history == reference[1].loss_history
+    assert final_files(settings) == final_files(reference[0])
+
+
+@pytest.fixture
+def cancelled(tmp_path):
+    settings = make_settings(tmp_path)
+    req = request(write_dataset(tmp_path))
+    result = run_sft(admit_sft(req, settings), settings, StopAt(2))
+    return settings, req, result.latest_checkpoint["resume_checkpoint"]
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"learning_rate": 1e-3}, "config.learning_rate"),
+    ({"epochs": 3}, "config.epochs"),
+    ({"lora": {"rank": 8, "alpha": 8}}, "config.lora.rank"),
+    ({"lr_schedule": {"type": "linear", "warmup_steps": 1}}, "config.lr_schedule.type"),
+    ({"batch_size": 1}, "config.batch_size"),
+    ({"max_sequence_length": 64}, "config.max_sequence_length"),
+    ({"seed": 8}, "seed"),
+])
+def test_config_drift_is_refused_field_by_field(cancelled, change, field):
+    settings, req, basename = cancelled
+    drifted = request(req["dataset_path"], resume_checkpoint=basename, **change)
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(drifted, settings)
+    assert info.value.code == "resume_drift"
+    fields = {d["field"]: d for d in info.value.differences}
+    assert field in fields, info.value.differences
+    assert fields[field]["checkpoint"] != fields[field]["request"]
+
+
+def test_dataset_drift_is_refused(cancelled):
+    settings, req, basename = cancelled
+    write_dataset(settings.home, RECORDS[::-1])  # same records, another order
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
+    assert "dataset.sha256" in {d["field"] for d in info.value.differences}
+
+
+def test_inline_data_route_drift_is_refused(cancelled):
+    settings, req, basename = cancelled
+    inline = {"data": RECORDS, "config": request(None, resume_checkpoint=basename)["config"]}
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(inline, settings)
+    assert "training.data_source_kind" in {d["field"] for d in info.value.differences}
+
+
+def test_execution_drift_is_refused(cancelled, monkeypatch):
+    settings, req, basename = cancelled
+    real = sft.execution_identity
+    monkeypatch.setattr(sft, "execution_identity", lambda backend: {**real(backend), "threads": 99})
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
+    assert "execution.threads" in {d["field"] for d in info.value.differences}
+
+
+@pytest.mark.parametrize("reference_text", [
+    "../support-bot-checkpoint-step-00000002.kiln-checkpoint",
+    "nested/support-bot-checkpoint-step-00000002.kiln-checkpoint",
+    "/etc/support-bot-checkpoint-step-00000002.kiln-checkpoint",
+    "other-bot-checkpoint-step-00000002.kiln-checkpoint",
+    "support-bot-checkpoint-step-2.kiln-checkpoint",
+])
+def test_resume_reference_refusals(cancelled, reference_text):
+    settings, req, basename = cancelled
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"], resume_checkpoint=reference_text), settings)
+    print(info.value.code, info.value.message)
+    assert info.value.code in {"outside_registry", "noncanonical_name", "not_found"}
+
+
+def test_absolute_path_directly_beneath_the_registry_is_accepted(cancelled):
+    settings, req, basename = cancelled
+    admission = admit_sft(request(req["dataset_path"], resume_checkpoint=str(settings.registry / basename)),
+                          settings)
+    assert admission.resume["checkpoint"] == basename
+
+
+def test_adapter_name_mismatch_and_peft_directory_are_refused(cancelled):
+    settings, req, basename = cancelled
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"], output_name="other-bot", resume_checkpoint=basename), settings)
+    assert info.value.code == "wrong_adapter"
+    peft_dir = settings.registry / "support-bot"
+    peft_dir.mkdir()
+    (peft_dir / "adapter_config.json").write_text("{}")
+    (peft_dir / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"], resume_checkpoint="support-bot"), settings)
+    assert info.value.code in {"not_a_checkpoint", "noncanonical_name"}
+    assert "PEFT" in info.value.message or "canonical" in info.value.message
+
+
+def test_v3_planning_checkpoint_is_refused_for_sft(cancelled):
+    settings, req, basename = cancelled
+    source = checkpoint_dir.load_checkpoint(settings.registry / basename, full=True,
+                                            allowed_manifest_fields=sft.MANIFEST_FIELDS)
+    manifest = {k: v for k, v in source.manifest.items() if k in sft.MANIFEST_FIELDS}
+    manifest["planning"] = {**manifest["planning"], "schema": "kiln.training-checkpoint-planning.v3"}
+    manifest["progress"] = {**manifest["progress"], "committed_step": 1}
+    files = {name: source.read(name) for name in source.manifest["files"]}
+    checkpoint_dir.publish_checkpoint(settings.registry, "support-bot", 1, checkpoint_type="sft",
+                                      files=files, manifest=manifest)
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"],
+                          resume_checkpoint="support-bot-checkpoint-step-00000001.kiln-checkpoint"), settings)
+    assert info.value.code == "planning_schema"
+    assert "v3" in info.value.message and "loss route" in info.value.message
+
+
+def test_checkpoint_changed_between_admission_and_dequeue_is_refused(cancelled):
+    settings, req, basename = cancelled
+    admission = admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
+    revalidate_sft(admission, settings)  # unchanged: fine
+    target = settings.registry / basename / sft.STATE_FILE
+    data = bytearray(target.read_bytes())
+    data[10] ^= 1
+    target.write_bytes(bytes(data))
+    with pytest.raises(AdmissionError) as info:
+        revalidate_sft(admission, settings)
+    assert info.value.code == "checksum_mismatch"
+
+
+def test_replaced_checkpoint_is_refused_at_dequeue(cancelled):
+    settings, req, basename = cancelled
+    admission = admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
+    original = settings.registry / basename
+    shutil.rmtree(original)
+    # a different, fully valid checkpoint under the same name
+    elsewhere = make_settings(settings.home / "elsewhere")
+    other = run_sft(admit_sft(request(write_dataset(elsewhere.home), seed=99), elsewhere), elsewhere, StopAt(2))
+    shutil.copytree(settings.home / "elsewhere" / "adapters" / other.latest_checkpoint["resume_checkpoint"],
+                    original)
+    with pytest.raises(AdmissionError) as info:
+        revalidate_sft(admission, settings)
+    assert info.value.code == "checkpoint_changed"
+    assert {d["field"] for d in info.value.differences} >= {"checkpoint_id", "seed"}
+
+
+def test_request_validation():
+    settings = RunSettings(home=Path("/nonexistent"), registry=Path("/nonexistent/a"),
+                           bases_root=Path("/nonexistent"))
+    for config, field in (({"output_name": "x", "checkpoint_interval": 0}, "config.checkpoint_interval"),
+                          ({"output_name": "x", "checkpoint_interval": -5}, "config.checkpoint_interval"),
+                          ({}, "config.output_name"),
+                          ({"output_name": "../x"}, "config.output_name"),
+                          ({"output_name": "x", "bogus": 1}, "config.bogus"),
+                          ({"output_name": "x", "epochs": 0}, "config.epochs"),
+                          ({"output_name": "x", "lora": {"rank": 0}}, "config.lora")):
+        with pytest.raises(RequestError) as info:
+            sft.normalise_config(config, settings)
+        assert info.value.field == field
+
+
+def test_server_checkpoint_interval_applies_when_request_has_none(tmp_path):
+    settings = make_settings(tmp_path, interval=3)
+    config = sft.normalise_config({"output_name": "x"}, settings)
+    assert config["checkpoint_interval"] == 3
+    assert sft.normalise_config({"output_name": "x", "checkpoint_interval": 5}, settings)["checkpoint_interval"] == 5
+
+
+def test_dataset_paths_are_confined(tmp_path):
+    settings = make_settings(tmp_path)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps(RECORDS[0]) + "\n")
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(str(outside)), settings)
+    assert info.value.code == "dataset_outside_roots"
+    sneaky = str(tmp_path / "datasets" / ".." / "outside.jsonl")
+    with pytest.raises(AdmissionError):
+        admit_sft(request(sneaky), settings)
+
+
+def test_metrics_and_diagnostics(reference, tmp_path):
+    settings = make_settings(tmp_path)
+    hooks = StopAt(None)
+    run_sft(admit_sft(request(write_dataset(tmp_path), max_grad_norm=1e-3), settings), settings, hooks)
+    assert all(m["clipped"] for m in hooks.metrics)
+    assert [m["step"] for m in hooks.metrics] == list(range(1, 9))
+    assert all(m["grad_norm"] > 0 and m["tokens"] > 0 for m in hooks.metrics)
+    assert all({"lock_wait_seconds", "snapshot_seconds", "publish_seconds"} <= set(t) for _, t in hooks.checkpoints)
+
+
+def test_existing_checkpoint_name_stops_the_run(cancelled):
+    settings, req, basename = cancelled
+    # a fresh run of the same adapter reaches step 2, whose name already exists
+    with pytest.raises(checkpoint_dir.CheckpointError) as info:
+        run_sft(admit_sft(request(req["dataset_path"]), settings), settings, StopAt(None))
+    assert info.value.code == "name_exists"

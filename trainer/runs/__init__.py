@@ -1,0 +1,1 @@
+"""Run logic above the engine: the SFT, GRPO and OPD loops and their `.kiln-checkpoint` directories."""

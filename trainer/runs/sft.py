@@ -1,0 +1,738 @@
+"""Native SFT runs: request validation, admission, exact resume and the training loop.
+
+The control plane calls four functions with plain data: `admit_sft` (validate the
+request, resolve the effective configuration and seed, fully validate a resume
+checkpoint and refuse any drift field by field), `revalidate_sft` (the same checkpoint
+proof again at dequeue), `run_sft` (train, publish `.kiln-checkpoint`s at committed
+boundaries, stop cooperatively) and the `SFTAdmission` JSON round trip for the job row.
+
+Exactness: every number that decides the arithmetic is either part of the effective
+configuration and identities (compared at resume) or part of the checkpoint (restored),
+so a resumed run ends with the same bytes as an uninterrupted one.
+"""
+
+import copy
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load as safetensors_load
+from safetensors.numpy import save as safetensors_save
+
+import trainer
+from trainer import Adam, LoraConfig
+from trainer.lora import PROJECTIONS
+from trainer.model import IGNORE_INDEX
+from trainer.runs import checkpoint_dir
+from trainer.runs.checkpoint_dir import CheckpointError
+
+PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
+KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
+STATE_FILE = "state.json"
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "dataset", "config",
+                   "seed", "progress"}
+# capability-derived loss routes of each backend, in order of preference
+BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits")}
+SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
+SPIKE_WINDOW = 20
+
+
+class RequestError(ValueError):
+    """The request itself is malformed; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class AdmissionError(Exception):
+    """The request is well formed but cannot run (drift, an invalid checkpoint, ...)."""
+
+    def __init__(self, code: str, message: str, differences=None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.differences = list(differences or [])
+
+
+class RunFailed(Exception):
+    """Training stopped on a condition a person must look at (non-finite loss, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    home: Path
+    registry: Path  # the adapter registry: checkpoints are its direct children
+    bases_root: Path  # the data root that holds bases/ (trainer.bases' `root`)
+    data_roots: tuple = ()
+    default_checkpoint_interval: int | None = None  # server-level training.checkpoint_interval
+    backend: str = "cpu"
+
+
+# -- request ------------------------------------------------------------------------------
+
+CONFIG_DEFAULTS = {
+    "output_name": None,
+    "base_model": "kiln-tiny",
+    "epochs": 1,
+    "learning_rate": 2e-4,
+    "lr_schedule": {"type": "constant", "warmup_steps": 0},
+    "batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "max_grad_norm": 1.0,
+    "lora": {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False},
+    "quantization": None,
+    "seed": None,
+    "checkpoint_interval": None,
+    "resume_checkpoint": None,
+    "max_sequence_length": 512,
+    "activation_checkpointing": "none",
+}
+
+
+def _int(value, name, minimum=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise RequestError(name, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _number(value, name, minimum_exclusive=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(name, f"must be a finite number, got {value!r}")
+    if minimum_exclusive is not None and not value > minimum_exclusive:
+        raise RequestError(name, f"must be greater than {minimum_exclusive}, got {value}")
+    return float(value)
+
+
+def normalise_config(config: dict, settings: RunSettings) -> dict:
+    """The validated, complete configuration (defaults filled in); RequestError on bad input."""
+    if not isinstance(config, dict):
+        raise RequestError("config", "must be an object")
+    unknown = sorted(set(config) - set(CONFIG_DEFAULTS))
+    if unknown:
+        raise RequestError(f"config.{unknown[0]}", "is not a known SFT configuration field")
+    c = copy.deepcopy(CONFIG_DEFAULTS)
+    c.update({k: copy.deepcopy(v) for k, v in config.items() if v is not None or k in (
+        "seed", "checkpoint_interval", "resume_checkpoint", "quantization", "max_grad_norm")})
+    name = c["output_name"]
+    if not isinstance(name, str) or not name:
+        raise RequestError("config.output_name", "is required: the adapter name to train")
+    try:
+        checkpoint_dir.check_adapter_name(name)
+    except CheckpointError as error:
+        raise RequestError("config.output_name", str(error)) from None
+    if not isinstance(c["base_model"], str) or not c["base_model"]:
+        raise RequestError("config.base_model", "must name a registered base")
+    c["epochs"] = _int(c["epochs"], "config.epochs", 1)
+    c["learning_rate"] = _number(c["learning_rate"], "config.learning_rate", 0.0)
+    schedule = c["lr_schedule"]
+    if not isinstance(schedule, dict) or set(schedule) - {"type", "warmup_steps"}:
+        raise RequestError("config.lr_schedule", "must be {type, warmup_steps}")
+    schedule = {"type": schedule.get("type", "constant"), "warmup_steps": schedule.get("warmup_steps", 0)}
+    if schedule["type"] not in ("constant", "linear", "cosine"):
+        raise RequestError("config.lr_schedule.type", "must be constant, linear or cosine")
+    schedule["warmup_steps"] = _int(schedule["warmup_steps"], "config.lr_schedule.warmup_steps", 0)
+    c["lr_schedule"] = schedule
+    c["batch_size"] = _int(c["batch_size"], "config.batch_size", 1)
+    c["gradient_accumulation_steps"] = _int(c["gradient_accumulation_steps"],
+                                            "config.gradient_accumulation_steps", 1)
+    c["max_grad_norm"] = _number(c["max_grad_norm"], "config.max_grad_norm", 0.0, allow_none=True)
+    lora = c["lora"]
+    if not isinstance(lora, dict) or set(lora) - {"rank", "alpha", "targets", "use_rslora"}:
+        raise RequestError("config.lora", "must be {rank, alpha, targets, use_rslora}")
+    lora = {**CONFIG_DEFAULTS["lora"], **lora}
+    try:
+        shaped = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                            use_rslora=lora["use_rslora"])
+    except (ValueError, TypeError) as error:
+        raise RequestError("config.lora", str(error)) from None
+    c["lora"] = shaped.shape_identity()
+    quantization = c["quantization"]
+    if quantization is not None:
+        if not isinstance(quantization, dict) or quantization.get("type") != "nf4" \
+                or set(quantization) - {"type", "block_size", "double_quantization"}:
+            raise RequestError("config.quantization", "must be null or {type: nf4, block_size, double_quantization}")
+        quantization = {"type": "nf4", "block_size": _int(quantization.get("block_size", 64),
+                                                          "config.quantization.block_size", 32),
+                        "double_quantization": bool(quantization.get("double_quantization", False))}
+        c["quantization"] = quantization
+    c["seed"] = _int(c["seed"], "config.seed", 0, allow_none=True)
+    interval = c["checkpoint_interval"]
+    if interval is None:
+        interval = settings.default_checkpoint_interval
+    c["checkpoint_interval"] = _int(interval, "config.checkpoint_interval", 1, allow_none=True)
+    if c["resume_checkpoint"] is not None and not isinstance(c["resume_checkpoint"], str):
+        raise RequestError("config.resume_checkpoint", "must be a checkpoint basename")
+    c["max_sequence_length"] = _int(c["max_sequence_length"], "config.max_sequence_length", 2)
+    if c["activation_checkpointing"] not in ("none", "blocks"):
+        raise RequestError("config.activation_checkpointing", "must be none or blocks")
+    return c
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+def _confined(path_text, roots) -> Path:
+    if not isinstance(path_text, str) or not path_text or "\x00" in path_text:
+        raise RequestError("dataset_path", "must be a path")
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise RequestError("dataset_path", "must be an absolute path inside a data root")
+    resolved = path.resolve()
+    for root in roots:
+        root = Path(root).resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            if not resolved.is_file():
+                raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
+            return resolved
+    raise AdmissionError("dataset_outside_roots",
+                         f"{path_text} is outside the configured data roots "
+                         f"({', '.join(str(r) for r in roots) or 'none'})")
+
+
+def _parse_records(text: str, source: str) -> list:
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise RequestError(source, f"line {number} is not JSON: {error.msg}") from None
+    return records
+
+
+def read_dataset(request: dict, settings: RunSettings):
+    """(records, raw bytes, data_source_kind) from dataset_path or inline data."""
+    has_path, has_data = request.get("dataset_path") is not None, request.get("data") is not None
+    if has_path == has_data:
+        raise RequestError("dataset_path", "give exactly one of dataset_path or data")
+    if has_path:
+        roots = (settings.home / "datasets",) + tuple(settings.data_roots)
+        path = _confined(request["dataset_path"], roots)
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("dataset_path", "the file is not UTF-8 JSONL") from None
+        return _parse_records(text, "dataset_path"), raw, "file"
+    data = request["data"]
+    if not isinstance(data, list):
+        raise RequestError("data", "must be a list of records")
+    raw = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in data).encode()
+    return data, raw, "inline"
+
+
+def _messages_of(record, index):
+    where = f"data[{index}]"
+    if not isinstance(record, dict):
+        raise RequestError(where, "must be an object with messages or prompt/completion")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or len(messages) < 2 or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise RequestError(where, "messages must be a list of {role, content} with at least two entries")
+        if messages[-1]["role"] != "assistant":
+            raise RequestError(where, "the last message must be the assistant's (it is what is learnt)")
+        return messages
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        return [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]}]
+    raise RequestError(where, "needs messages, or prompt and completion strings")
+
+
+def tokenize_examples(records, tokenizer, max_length):
+    """[(tokens, loss_mask)] with loss on the final assistant turn only, truncated."""
+    examples = []
+    for index, record in enumerate(records):
+        messages = _messages_of(record, index)
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise RequestError(f"data[{index}]", "the chat template does not extend the prompt "
+                                                 "with the assistant turn; cannot mask the prompt")
+        prompt_ids = tokenizer.encode(prompt)
+        completion_ids = tokenizer.encode(full[len(prompt):])
+        tokens = (prompt_ids + completion_ids)[:max_length]
+        mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_length]
+        if sum(mask[1:]) == 0:
+            raise RequestError(f"data[{index}]", f"no completion token fits in max_sequence_length "
+                                                 f"{max_length} after the prompt")
+        examples.append((tokens, mask))
+    if not examples:
+        raise RequestError("data", "the dataset has no records")
+    return examples
+
+
+# -- identities -----------------------------------------------------------------------------
+
+
+def _file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def execution_identity(backend: str) -> dict:
+    """What must be the same for bit-for-bit continuation on this backend."""
+    from threadpoolctl import threadpool_info
+
+    import native_ext
+    native = Path(native_ext.__file__).parent
+    builds = {p.name: _file_sha256(p) for p in sorted(native.glob("_*.so"))}
+    blas = sorted((i.get("internal_api"), str(i.get("version")), str(i.get("architecture")),
+                   i.get("num_threads")) for i in threadpool_info() if i.get("user_api") == "blas")
+    return {
+        "backend": backend,
+        "device": platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": [list(b) for b in blas],
+        "native_builds": builds,
+        "kiln": trainer.__version__ if hasattr(trainer, "__version__") else "0",
+        "precision": "float32",
+        "kernel_contract": KERNEL_CONTRACT,
+        "threads": os.cpu_count(),
+    }
+
+
+def planning_identity(config: dict, loss_route: str) -> dict:
+    return {
+        "schema": PLANNING_SCHEMA_SFT,
+        "sft_loss_route": loss_route,
+        "checkpoint_boundary_replay": {"policy": "retain_all"},
+        "activation_checkpointing": config["activation_checkpointing"],
+        "streaming_prefill": "none",
+    }
+
+
+def select_loss_route(backend: str) -> str:
+    routes = BACKEND_LOSS_ROUTES.get(backend)
+    if not routes:
+        raise AdmissionError("backend_unavailable", f"backend {backend!r} has no SFT loss route here")
+    return routes[0]
+
+
+# -- admission ----------------------------------------------------------------------------
+
+
+@dataclass
+class SFTAdmission:
+    kind: str
+    adapter: str
+    request: dict
+    effective_config: dict
+    effective_seed: int
+    data_source_kind: str
+    total_steps: int
+    steps_per_epoch: int
+    identities: dict
+    resume: dict | None = None
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SFTAdmission":
+        return cls(**data)
+
+
+def _steps_per_epoch(examples: int, config: dict) -> int:
+    micro = math.ceil(examples / config["batch_size"])
+    return math.ceil(micro / config["gradient_accumulation_steps"])
+
+
+def _difference(field_name, checkpoint_value, request_value):
+    return {"field": field_name, "checkpoint": checkpoint_value, "request": request_value}
+
+
+def _compare(prefix, checkpoint_value, request_value, out):
+    """Field-by-field differences between two JSON values."""
+    if isinstance(checkpoint_value, dict) and isinstance(request_value, dict):
+        for key in sorted(set(checkpoint_value) | set(request_value)):
+            _compare(f"{prefix}.{key}" if prefix else key, checkpoint_value.get(key),
+                     request_value.get(key), out)
+    elif checkpoint_value != request_value:
+        out.append(_difference(prefix, checkpoint_value, request_value))
+
+
+def _load_resume(reference: str, adapter: str, settings: RunSettings):
+    try:
+        path = checkpoint_dir.resolve_checkpoint(settings.registry, reference)
+        return checkpoint_dir.load_checkpoint(path, full=True, expected_type="sft",
+                                              expected_adapter=adapter,
+                                              allowed_manifest_fields=MANIFEST_FIELDS)
+    except CheckpointError as error:
+        raise AdmissionError(error.code, str(error)) from None
+
+
+def _prepare(request: dict, settings: RunSettings):
+    """Everything admission and the worker both derive from a request."""
+    from trainer.bases import show_base
+    if not isinstance(request, dict):
+        raise RequestError("request", "must be an object")
+    unknown = sorted(set(request) - {"dataset_path", "data", "config"})
+    if unknown:
+        raise RequestError(unknown[0], "is not a known request field")
+    config = normalise_config(request.get("config", {}), settings)
+    records, raw, kind = read_dataset(request, settings)
+    try:
+        base = show_base(config["base_model"], settings.bases_root)
+    except (LookupError, ValueError) as error:
+        raise AdmissionError("base_not_found", str(error)) from None
+    return config, records, raw, kind, base
+
+
+def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
+    """Validate the request and resolve what the run will be; refuse drift on resume."""
+    from trainer.bases import load_base
+    config, records, raw, kind, base = _prepare(request, settings)
+    loss_route = select_loss_route(settings.backend)
+    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
+                                 loss_route=loss_route)
+    model.close()
+    examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
+    steps_per_epoch = _steps_per_epoch(len(examples), config)
+    identities = {
+        "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
+        "tokenizer": tokenizer.identity(),
+        "dataset": {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
+                    "records": len(records), "order": "source"},
+        "execution": execution_identity(settings.backend),
+        "planning": planning_identity(config, loss_route),
+    }
+    resume = None
+    seed = config["seed"]
+    if config["resume_checkpoint"] is not None:
+        loaded = _load_resume(config["resume_checkpoint"], config["output_name"], settings)
+        manifest = loaded.manifest
+        request_view = {"training": {"kind": "sft", "adapter": config["output_name"],
+                                     "data_source_kind": kind},
+                        "config": _comparable_config(config), "base": identities["base"],
+                        "tokenizer": identities["tokenizer"], "dataset": identities["dataset"],
+                        "execution": identities["execution"], "planning": identities["planning"]}
+        checkpoint_view = {key: manifest.get(key) for key in request_view}
+        differences = []
+        if manifest.get("planning", {}).get("schema") != PLANNING_SCHEMA_SFT:
+            raise AdmissionError(
+                "planning_schema", f"checkpoint planning identity {manifest.get('planning', {}).get('schema')!r} "
+                f"cannot resume under {PLANNING_SCHEMA_SFT}: it does not prove which loss route "
+                "admission budgeted and execution used; start a new run or use base_adapter",
+                [_difference("planning.schema", manifest.get("planning", {}).get("schema"), PLANNING_SCHEMA_SFT)])
+        _compare("", checkpoint_view, request_view, differences)
+        if seed is not None and seed != manifest["seed"]:
+            differences.append(_difference("seed", manifest["seed"], seed))
+        if differences:
+            raise AdmissionError("resume_drift", "the request differs from the checkpoint in "
+                                 f"{len(differences)} field(s); exact resume continues the same run, "
+                                 "so restore the original request or start a new run", differences)
+        seed = manifest["seed"]
+        resume = {"checkpoint": loaded.path.name, "checkpoint_id": loaded.checkpoint_id,
+                  "manifest_digest": loaded.manifest_digest, "seed": seed,
+                  "step": manifest["progress"]["committed_step"]}
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    config["seed"] = seed
+    return SFTAdmission(kind="sft", adapter=config["output_name"], request=request,
+                        effective_config=config, effective_seed=seed, data_source_kind=kind,
+                        total_steps=steps_per_epoch * config["epochs"], steps_per_epoch=steps_per_epoch,
+                        identities=identities, resume=resume)
+
+
+def _comparable_config(config: dict) -> dict:
+    """The effective configuration as bound into a checkpoint (no resume pointer, no seed)."""
+    return {k: v for k, v in config.items() if k not in ("resume_checkpoint", "seed")}
+
+
+def revalidate_sft(admission: SFTAdmission, settings: RunSettings) -> None:
+    """Dequeue-time proof: the checkpoint is still the one admission validated."""
+    if admission.resume is None:
+        return
+    loaded = _load_resume(admission.resume["checkpoint"], admission.adapter, settings)
+    checks = (("checkpoint_id", loaded.checkpoint_id), ("manifest_digest", loaded.manifest_digest),
+              ("seed", loaded.manifest.get("seed")))
+    differences = [_difference(name, value, admission.resume[name])
+                   for name, value in checks if value != admission.resume[name]]
+    if differences:
+        raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission; "
+                             "checkpoints must stay immutable", differences)
+    if admission.identities["planning"]["sft_loss_route"] not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+        raise AdmissionError("loss_route_unavailable", "this worker cannot run the admitted loss route "
+                             f"{admission.identities['planning']['sft_loss_route']!r}")
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def learning_rate_at(step: int, config: dict, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based)."""
+    base = config["learning_rate"]
+    schedule = config["lr_schedule"]
+    warmup = schedule["warmup_steps"]
+    if step < warmup:
+        return base * (step + 1) / warmup
+    if schedule["type"] == "constant":
+        return base
+    span = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if schedule["type"] == "linear":
+        return base * (1.0 - progress)
+    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def epoch_order(seed: int, epoch: int, count: int) -> list:
+    """The example order of one epoch: the named stream "data_order", derived per epoch."""
+    rng = np.random.Generator(np.random.PCG64([seed, 0x5F7, epoch]))
+    return rng.permutation(count).tolist()
+
+
+@dataclass
+class LoopState:
+    epoch: int = 0
+    position: int = 0  # next example index within the epoch's order
+    step: int = 0  # committed optimizer steps
+    losses: list = field(default_factory=list)
+    diagnostics: list = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    status: str
+    steps_completed: int
+    latest_checkpoint: dict | None
+    loss_history: list
+
+
+def _batch(examples, indices, pad_token):
+    T = max(len(examples[i][0]) for i in indices) - 1
+    inputs = np.full((len(indices), T), pad_token, np.int64)  # [B,T]
+    targets = np.full((len(indices), T), IGNORE_INDEX, np.int64)  # [B,T]
+    for row, index in enumerate(indices):
+        tokens, mask = examples[index]
+        n = len(tokens) - 1
+        inputs[row, :n] = tokens[:-1]
+        targets[row, :n] = np.where(np.asarray(mask[1:]) == 1, tokens[1:], IGNORE_INDEX)
+    return inputs, targets
+
+
+def _lora_config(config, seed):
+    lora = config["lora"]
+    return LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                      use_rslora=lora["use_rslora"], initializer_seed=seed)
+
+
+def _serialise_state(model, optimizer, loop: LoopState):
+    adapter = safetensors_save(model.adapter_state_dict())
+    state = optimizer.state_dict()
+    moments = {f"first_moment/{k}": v for k, v in state["first_moment"].items()}
+    moments.update({f"second_moment/{k}": v for k, v in state["second_moment"].items()})
+    optimizer_bytes = safetensors_save(moments)
+    document = {
+        "optimizer": {"step": state["step"], "beta1_power": state["beta1_power"],
+                      "beta2_power": state["beta2_power"], "hyperparameters": state["hyperparameters"]},
+        "loop": {"epoch": loop.epoch, "position": loop.position, "step": loop.step},
+        "scheduler": {"step": loop.step},
+        "loss_history": loop.losses,
+        "diagnostics": loop.diagnostics,
+    }
+    state_bytes = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    return {ADAPTER_FILE: adapter, OPTIMIZER_FILE: optimizer_bytes, STATE_FILE: state_bytes}
+
+
+def _restore_state(loaded, model, optimizer, loop: LoopState):
+    adapter = safetensors_load(loaded.read(ADAPTER_FILE))
+    moments = safetensors_load(loaded.read(OPTIMIZER_FILE))
+    document = json.loads(loaded.read(STATE_FILE))
+    model.load_adapter_state_dict(adapter)
+    first = {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith("first_moment/")}
+    second = {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith("second_moment/")}
+    optimizer.load_state_dict({"step": document["optimizer"]["step"],
+                               "beta1_power": document["optimizer"]["beta1_power"],
+                               "beta2_power": document["optimizer"]["beta2_power"],
+                               "first_moment": first, "second_moment": second})
+    loop.epoch = document["loop"]["epoch"]
+    loop.position = document["loop"]["position"]
+    loop.step = document["loop"]["step"]
+    loop.losses = list(document["loss_history"])
+    loop.diagnostics = list(document["diagnostics"])
+    if loop.step != optimizer.step_count or loop.step != loaded.manifest["progress"]["committed_step"]:
+        raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
+
+
+class _NullHooks:
+    def on_step(self, metrics):
+        pass
+
+    def should_cancel(self):
+        return False
+
+    def on_checkpoint(self, summary, timing):
+        pass
+
+    def on_event(self, level, message):
+        pass
+
+
+def _publish(admission, settings, model, optimizer, loop, examples, hooks, complete):
+    started = time.perf_counter()
+    files = _serialise_state(model, optimizer, loop)
+    snapshot_seconds = time.perf_counter() - started
+    epoch, position = loop.epoch, loop.position
+    manifest = {
+        "training": {"kind": "sft", "adapter": admission.adapter,
+                     "data_source_kind": admission.data_source_kind},
+        "config": _comparable_config(admission.effective_config),
+        "seed": admission.effective_seed,
+        "base": admission.identities["base"],
+        "tokenizer": admission.identities["tokenizer"],
+        "dataset": admission.identities["dataset"],
+        "execution": admission.identities["execution"],
+        "planning": admission.identities["planning"],
+        "progress": {"data_source_kind": admission.data_source_kind, "committed_step": loop.step,
+                     "total_steps": admission.total_steps,
+                     "next_cursor": {"epoch": epoch, "example": position},
+                     "complete": complete},
+    }
+    timing = {"lock_wait_seconds": 0.0, "snapshot_seconds": snapshot_seconds}
+    path = checkpoint_dir.publish_checkpoint(settings.registry, admission.adapter, loop.step,
+                                             checkpoint_type="sft", files=files, manifest=manifest,
+                                             on_timing=timing.update)
+    timing["publish_seconds"] = time.perf_counter() - started - snapshot_seconds
+    loaded = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS)
+    summary = checkpoint_dir.checkpoint_summary(loaded)
+    hooks.on_checkpoint(summary, timing)
+    hooks.on_event("info", f"published {path.name} (snapshot {snapshot_seconds:.3f}s, "
+                           f"publish {timing['publish_seconds']:.3f}s, lock wait 0.000s)")
+    return summary
+
+
+def _adapter_grad_norm(parameters) -> float:
+    total = 0.0
+    for p in parameters:
+        total += float(np.dot(p.grad.reshape(-1).astype(np.float64), p.grad.reshape(-1)))
+    return math.sqrt(total)
+
+
+def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunResult:
+    """Train (or continue) the admitted run; publish checkpoints; stop cooperatively."""
+    from trainer.bases import load_base
+    hooks = hooks or _NullHooks()
+    config = admission.effective_config
+    seed = admission.effective_seed
+    loss_route = admission.identities["planning"]["sft_loss_route"]
+    if loss_route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+        raise AdmissionError("loss_route_unavailable", f"loss route {loss_route!r} is not available "
+                             f"on backend {settings.backend!r}")
+    config_now, records, raw, kind, base = _prepare(admission.request, settings)
+    if hashlib.sha256(raw).hexdigest() != admission.identities["dataset"]["sha256"]:
+        raise AdmissionError("dataset_changed", "the dataset changed after admission")
+    if base.identity != admission.identities["base"]["identity"]:
+        raise AdmissionError("base_changed", "the base model changed after admission")
+    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
+                                 loss_route=loss_route,
+                                 activation_checkpointing=config["activation_checkpointing"])
+    try:
+        examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
+        if config["quantization"]:
+            model.quantize(block_size=config["quantization"]["block_size"],
+                           double_quantization=config["quantization"]["double_quantization"])
+        model.attach_lora(_lora_config(config, seed))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        with model.adapter_parameters() as adapters, \
+                Adam(adapters, learning_rate=config["learning_rate"]) as optimizer:
+            loop = LoopState()
+            latest = None
+            if admission.resume is not None:
+                loaded = _load_resume(admission.resume["checkpoint"], admission.adapter, settings)
+                if loaded.checkpoint_id != admission.resume["checkpoint_id"]:
+                    raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission")
+                _restore_state(loaded, model, optimizer, loop)
+                latest = checkpoint_dir.checkpoint_summary(loaded)
+                hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
+            return _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
+                          latest, hooks)
+    finally:
+        model.close()
+
+
+def _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks):
+    config = admission.effective_config
+    interval = config["checkpoint_interval"]
+    batch_size, accumulation = config["batch_size"], config["gradient_accumulation_steps"]
+    started = time.perf_counter()
+    order = epoch_order(admission.effective_seed, loop.epoch, len(examples))
+    while loop.step < admission.total_steps:
+        if loop.position >= len(order):
+            loop.epoch += 1
+            loop.position = 0
+            order = epoch_order(admission.effective_seed, loop.epoch, len(examples))
+        micro, losses, tokens = 0, [], 0
+        while micro < accumulation and loop.position < len(order):
+            indices = order[loop.position:loop.position + batch_size]
+            inputs, targets = _batch(examples, indices, pad)
+            losses.append(model.forward_backward(inputs, targets))
+            tokens += int(np.count_nonzero(targets != IGNORE_INDEX))
+            loop.position += len(indices)
+            micro += 1
+        if micro > 1:
+            for p in adapters:
+                p.grad *= np.float32(1.0 / micro)
+        loss = float(np.mean(losses))
+        grad_norm = _adapter_grad_norm(adapters)
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            raise RunFailed("non_finite", f"step {loop.step + 1}: loss {loss} / gradient norm "
+                                          f"{grad_norm} is not finite; lower the learning rate or "
+                                          "check the data")
+        clipped = config["max_grad_norm"] is not None and grad_norm > config["max_grad_norm"]
+        if clipped:
+            factor = np.float32(config["max_grad_norm"] / (grad_norm + 1e-6))
+            for p in adapters:
+                p.grad *= factor
+        recent = loop.losses[-SPIKE_WINDOW:]
+        spike = len(recent) >= 5 and loss > SPIKE_FACTOR * (sum(recent) / len(recent))
+        optimizer.learning_rate = learning_rate_at(loop.step, config, admission.total_steps)
+        optimizer.step()
+        loop.step += 1
+        loop.losses.append(loss)
+        loop.diagnostics.append({"grad_norm": grad_norm, "clipped": clipped, "loss_spike": spike})
+        hooks.on_step({"step": loop.step, "loss": loss, "learning_rate": optimizer.learning_rate,
+                       "grad_norm": grad_norm, "clipped": clipped, "loss_spike": spike,
+                       "tokens": tokens, "epoch": loop.epoch,
+                       "elapsed_seconds": time.perf_counter() - started})
+        if spike:
+            hooks.on_event("warning", f"step {loop.step}: loss {loss:.4f} spiked above "
+                                      f"{SPIKE_FACTOR}x the recent mean")
+        done = loop.step >= admission.total_steps
+        cancel = not done and hooks.should_cancel()
+        if interval and (loop.step % interval == 0 or done or cancel):
+            latest = _publish(admission, settings, model, optimizer, loop, examples, hooks, done)
+        if cancel:
+            hooks.on_event("info", f"cancelled after step {loop.step}")
+            return RunResult("cancelled", loop.step, latest, list(loop.losses))
+    return RunResult("succeeded", loop.step, latest, list(loop.losses))
