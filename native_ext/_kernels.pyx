@@ -38,7 +38,8 @@ cdef extern from "kiln_kernels.h" nogil:
                                    const float *delta, float scale, int64_t G, int64_t R,
                                    int64_t S, int64_t group_size, int64_t past, int64_t key_start)
     void kiln_cross_entropy(float *logits, const int64_t *targets, float *losses,
-                            float grad_scale, int64_t ignore_index, int64_t N, int64_t V)
+                            float grad_scale, const float *row_scales, int64_t ignore_index,
+                            int64_t N, int64_t V)
     void kiln_log_softmax_gather(const float *logits, const int64_t *targets, float *out,
                                  float *scratch, int64_t N, int64_t V)
     void kiln_adam_update(float *param, const float *grad, float *m, float *v, int64_t n,
@@ -172,8 +173,17 @@ def cross_entropy_forward_backward(f32[:, ::1] logits, const int64_t[::1] target
     if logits.shape[0] * logits.shape[1] == 0:
         return
     with nogil:
-        kiln_cross_entropy(&logits[0, 0], &targets[0], &losses[0], <float>grad_scale,
+        kiln_cross_entropy(&logits[0, 0], &targets[0], &losses[0], <float>grad_scale, NULL,
                            ignore_index, logits.shape[0], logits.shape[1])
+
+
+def weighted_cross_entropy(f32[:, ::1] logits, const int64_t[::1] targets, f32[::1] losses,
+                           const f32[::1] row_scales):
+    if logits.shape[0] * logits.shape[1] == 0:
+        return
+    with nogil:
+        kiln_cross_entropy(&logits[0, 0], &targets[0], &losses[0], 1.0, &row_scales[0], -1,
+                           logits.shape[0], logits.shape[1])
 
 
 def log_softmax_gather(const f32[:, ::1] logits, const int64_t[::1] targets, f32[::1] out):

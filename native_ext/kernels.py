@@ -193,6 +193,18 @@ def cross_entropy_forward_backward(logits, targets, losses, grad_scale, ignore_i
     _kernels.cross_entropy_forward_backward(logits, targets, losses, float(grad_scale), int(ignore_index))
 
 
+def weighted_cross_entropy(logits, targets, losses, row_scales):
+    """logits [N,V] in place -> (softmax - onehot) * row_scales[n]; losses [N] = -log p(target)."""
+    _check("logits", logits, F32, 2, True)
+    _check("losses", losses, F32, 1, True)
+    _check("row_scales", row_scales, F32, 1)
+    N, V = logits.shape
+    _same("losses", losses.shape, (N,))
+    _same("row_scales", row_scales.shape, (N,))
+    _check_targets(targets, N, V)
+    _kernels.weighted_cross_entropy(logits, targets, losses, row_scales)
+
+
 def log_softmax_gather(logits, targets, out):
     _check("logits", logits, F32, 2)
     _check("out", out, F32, 1, True)

@@ -231,10 +231,11 @@ static void kiln_flash_block_backward(float *scores, const float *logsumexp, flo
     }
 }
 
-/* logits [N,V] in place -> dlogits * grad_scale; losses [N]. */
+/* logits [N,V] in place -> dlogits * grad_scale (times row_scales[n] when given); losses [N]. */
 KILN_CLONES
 static void kiln_cross_entropy(float *logits, const int64_t *targets, float *losses,
-                               float grad_scale, int64_t ignore_index, int64_t N, int64_t V) {
+                               float grad_scale, const float *row_scales, int64_t ignore_index,
+                               int64_t N, int64_t V) {
     for (int64_t n = 0; n < N; n++) {
         float *row = logits + n * V;
         int64_t t = targets[n];
@@ -243,14 +244,15 @@ static void kiln_cross_entropy(float *logits, const int64_t *targets, float *los
             memset(row, 0, (size_t)V * sizeof(float));
             continue;
         }
+        float scale = row_scales ? grad_scale * row_scales[n] : grad_scale;
         float target_logit = row[t];
         float mx = kiln_row_max(row, V);
         double total = kiln_row_exp_sum(row, row, V, 1.0f, mx);
         double lse = log(total) + (double)mx;
         losses[n] = (float)(lse - (double)target_logit);
-        float inv = (float)((double)grad_scale / total);
+        float inv = (float)((double)scale / total);
         for (int64_t j = 0; j < V; j++) row[j] = row[j] * inv;
-        row[t] = row[t] - grad_scale;
+        row[t] = row[t] - scale;
     }
 }
 

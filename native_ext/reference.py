@@ -133,6 +133,18 @@ def cross_entropy_forward_backward(logits, targets, losses, grad_scale, ignore_i
     logits[:] = grad
 
 
+def weighted_cross_entropy(logits, targets, losses, row_scales):
+    # logits [N,V] in place -> (softmax - onehot) * row_scales[n]; losses [N] = -log p(target)
+    N, V = logits.shape
+    z = logits.astype(np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = (np.log(np.exp(z - m).sum(axis=1, keepdims=True)) + m)[:, 0]
+    losses[:] = lse - z[np.arange(N), targets]
+    grad = np.exp(z - lse[:, None])
+    grad[np.arange(N), targets] -= 1.0
+    logits[:] = grad * row_scales[:, None]
+
+
 def log_softmax_gather(logits, targets, out):
     # logits [N,V], targets [N] -> out [N] = log softmax(logits)[target]
     z = logits.astype(np.float64)

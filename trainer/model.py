@@ -620,7 +620,12 @@ class DecoderOnlyTransformer:
             self._ensure_base_grads()
         hidden, state = self._hidden(inputs, keep_caches=True)
         dhidden, loss_sum = self._loss_backward(hidden, flat, 1.0 / valid)
-        dx = np.zeros_like(hidden)
+        self._backward_from_hidden(dhidden, inputs, state)
+        return float(loss_sum / valid)
+
+    def _backward_from_hidden(self, dhidden, inputs, state):
+        """Backward from the gradient at the final hidden state down to the embedding."""
+        dx = np.zeros_like(dhidden)
         self._rmsnorm_backward(dhidden, state["last"], self._norm, state["final_rstd"], dx)
         B, T = state["B"], state["T"]
         for index in range(len(self._blocks) - 1, -1, -1):
@@ -636,9 +641,42 @@ class DecoderOnlyTransformer:
                 self._embed.grad.fill(0.0)
             kernels.embedding_backward(dx, inputs.reshape(-1), self._embed.grad)
             self._embed.pending = True
-        return float(loss_sum / valid)
 
-    def _loss_backward(self, hidden, flat_targets, grad_scale):
+    def forward_backward_weighted(self, inputs, targets, coefficient_fn) -> np.ndarray:
+        """Backpropagate sum_t c_t * log p(target_t) and return log p [B,T] (0 where ignored).
+
+        coefficient_fn(logp [B,T] float32) -> c [B,T]: the derivative of the caller's loss
+        with respect to each token's log-probability (policy-gradient objectives such as
+        GRPO and OPD). Ignored targets get no gradient whatever c says there.
+        """
+        self._check_open()
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_targets(targets, inputs.shape)
+        flat = targets.reshape(-1)
+        valid = flat != IGNORE_INDEX
+        if not valid.any():
+            raise ValueError("the batch has no target tokens (every target is ignored)")
+        if self._base_trainable:
+            self._ensure_base_grads()
+        hidden, state = self._hidden(inputs, keep_caches=True)
+        safe = np.where(valid, flat, 0)
+        logp = np.zeros(flat.shape[0], np.float32)
+        W = self.output_weight
+        chunk = self.config.loss_chunk_tokens
+        for start in range(0, flat.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            kernels.log_softmax_gather(np.matmul(hidden[rows], W.T), safe[rows], logp[rows])
+        logp[~valid] = 0.0
+        coefficients = np.asarray(coefficient_fn(logp.reshape(targets.shape)), dtype=np.float64)
+        if coefficients.shape != targets.shape or not np.all(np.isfinite(coefficients)):
+            raise ValueError(f"coefficient_fn must return finite values of shape {targets.shape}")
+        # d(c*logp)/dlogits = c * (onehot - softmax) = (softmax - onehot) * (-c)
+        row_scales = np.where(valid, -coefficients.reshape(-1), 0.0).astype(np.float32)
+        dhidden, _ = self._loss_backward(hidden, safe, 1.0, row_scales)
+        self._backward_from_hidden(dhidden, inputs, state)
+        return logp.reshape(targets.shape)
+
+    def _loss_backward(self, hidden, flat_targets, grad_scale, row_scales=None):
         """Cross-entropy of hidden @ W.T; returns (dhidden [N,C], summed loss)."""
         W = self.output_weight  # [V,C]
         head = self._lm_head or self._embed
@@ -649,8 +687,12 @@ class DecoderOnlyTransformer:
         for start in range(0, N, chunk):
             rows = slice(start, min(start + chunk, N))
             logits = np.matmul(hidden[rows], W.T)  # [n,V], becomes dlogits in place
-            kernels.cross_entropy_forward_backward(logits, flat_targets[rows], losses[rows],
-                                                   grad_scale, IGNORE_INDEX)
+            if row_scales is None:
+                kernels.cross_entropy_forward_backward(logits, flat_targets[rows], losses[rows],
+                                                       grad_scale, IGNORE_INDEX)
+            else:
+                kernels.weighted_cross_entropy(logits, flat_targets[rows], losses[rows],
+                                               row_scales[rows])
             np.matmul(logits, W, out=dhidden[rows])
             if self._base_trainable:
                 accumulate_weight_grad(head.grad, logits, hidden[rows], head.pending)
