@@ -1,0 +1,138 @@
+"""Kiln's tokenizers against transformers': the SmolLM2 GGUF, a saved HF directory, kiln-tiny."""
+
+import json
+
+import pytest
+
+from trainer.bases import load_base
+from trainer.tokenizer import Tokenizer
+
+# No whitespace run here ends right before a digit: see test_digits_split_as_llama_cpp.
+CORPUS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé façade naïve — “quotes” ‘single’ … ß ẞ Ωμέγα Привет мир",
+    "日本語のテキストとカタカナ、中文字符，한국어 텍스트",
+    "emoji 😀🎉👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
+    "spaces    inside  and trailing   ",
+    "   leading spaces",
+    "tabs\tand\t\ttabs\nnew\nlines\r\nwindows\n\n\nblank",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { x[i] = y[i] * 2.5f; }  // C",
+    "numbers 0 7 42 123 4096 3.14159 -17 1e-5 2024-06-01 1,000,000 0x1F",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>",
+    "<|endoftext|><repo_name>kiln<file_sep>a.py<filename>b.py",
+    "it's they'll we've I'm you'd she's don't",
+    "mixed\u00a0nbsp and\u2009thin and zero\u200bwidth",
+    "",
+    " ",
+    "\n",
+]
+DIGIT_CASES = ["x=  42", "a\t\t7", "line\n\n12", "   123 456", "sum  =  1 +  2"]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Japan? 🇯🇵"}]
+SYSTEM = [{"role": "system", "content": "You answer in one word."}] + MESSAGES
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_gguf_token_ids_match_transformers(smollm2, hf_gguf_tokenizer, text):
+    _, tokenizer = smollm2
+    expected = hf_gguf_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text) == expected
+    assert tokenizer.encode(text, add_special_tokens=True) == hf_gguf_tokenizer.encode(text)
+    assert tokenizer.decode(expected) == hf_gguf_tokenizer.decode(expected)
+    assert tokenizer.decode(expected, skip_special_tokens=True) == \
+        hf_gguf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_digits_split_as_llama_cpp(smollm2, hf_gguf_tokenizer):
+    """`tokenizer.ggml.pre = smollm`: llama.cpp splits off each digit (\\p{N}) before GPT-2's
+    regex, like SmolLM2's own tokenizer.json (Digits(individual_digits) + ByteLevel).
+
+    transformers' GGUF converter has no "smollm" entry and applies GPT-2's regex alone, so
+    a whitespace run right before a digit groups differently there ("x=  42": "ĠĠ" vs
+    "Ġ" "Ġ"). The reference here is transformers' BPE applied to llama.cpp's pieces.
+    """
+    regex = pytest.importorskip("regex")
+    _, tokenizer = smollm2
+
+    def reference(text):
+        ids = []
+        for piece in regex.split(r"(\p{N})", text):
+            if piece:
+                ids += hf_gguf_tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+    for text in CORPUS + DIGIT_CASES:
+        assert tokenizer.encode(text) == reference(text), text
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.encode("x=  42") == [104, 45, 256, 36, 34]  # x = ĠĠ 4 2
+
+
+@pytest.mark.parametrize("messages", [MESSAGES, SYSTEM, MESSAGES[:1]], ids=["chat", "system", "one"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_gguf_chat_template_matches_transformers(smollm2, hf_gguf_tokenizer, messages, generation_prompt):
+    _, tokenizer = smollm2
+    expected = hf_gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                     tokenize=False)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt) == expected
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    assert ids == hf_gguf_tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_gguf_special_tokens(smollm2, hf_gguf_tokenizer):
+    _, tokenizer = smollm2
+    assert tokenizer.vocabulary_size == len(hf_gguf_tokenizer) == 49152
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == \
+        (hf_gguf_tokenizer.bos_token_id, hf_gguf_tokenizer.eos_token_id, hf_gguf_tokenizer.pad_token_id)
+    assert tokenizer.eos_token_id == tokenizer.token_to_id("<|im_end|>") == 2
+    assert tokenizer.encode("<|im_end|>") == [2]  # kept whole, not cut into pieces
+
+
+def test_tokenizer_identity_covers_file_and_template(smollm2):
+    _, tokenizer = smollm2
+    identity = tokenizer.identity()
+    files = tokenizer.files()
+    config = json.loads(files["tokenizer_config.json"])
+    same = Tokenizer(files["tokenizer.json"], config)
+    assert same.identity() == identity
+    other_template = Tokenizer(files["tokenizer.json"], {**config, "chat_template": "{{ messages }}"})
+    assert other_template.identity()["tokenizer_json_sha256"] == identity["tokenizer_json_sha256"]
+    assert other_template.identity()["chat_template_sha256"] != identity["chat_template_sha256"]
+    pretty = json.dumps(json.loads(files["tokenizer.json"]), indent=1).encode()
+    assert Tokenizer(pretty, config).identity()["tokenizer_json_sha256"] != identity["tokenizer_json_sha256"]
+
+
+def test_hf_directory_tokenizer_matches_transformers(save_tiny_llama, models_home):
+    transformers = pytest.importorskip("transformers")
+    directory, _ = save_tiny_llama()
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    _, tokenizer = load_base(directory, root=models_home)
+    for text in CORPUS + DIGIT_CASES:
+        assert tokenizer.encode(text) == reference.encode(text, add_special_tokens=False)
+    for messages in (MESSAGES, SYSTEM):
+        for generation_prompt in (True, False):
+            assert tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt) == \
+                reference.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                              tokenize=False)
+    with pytest.raises(Exception, match="roles are user and assistant"):  # raise_exception()
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == \
+        (reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+
+
+def test_kiln_tiny_tokenizer_is_byte_level(models_home):
+    model, tokenizer = load_base("kiln-tiny", root=models_home)
+    model.close()
+    assert tokenizer.vocabulary_size == 260
+    text = "héllo 😀\tworld"
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode("utf-8"))  # one token per byte
+    assert tokenizer.decode(ids) == text
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    assert ids[0] == tokenizer.token_to_id("<|im_start|>") == 257
+    assert tokenizer.eos_token_id == 258 and tokenizer.pad_token_id == 259
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n"

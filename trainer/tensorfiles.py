@@ -1,0 +1,143 @@
+"""Safetensors files with numpy only, and the atomic, fsynced writes the registry relies on.
+
+Reading parses the header itself and memory-maps the data, so BF16 (which numpy lacks)
+widens to FP32 and a 135M-parameter base loads without torch. Writing goes through the
+`safetensors` library, so what Kiln writes is what every other reader expects.
+"""
+
+import json
+import os
+import shutil
+import struct
+import uuid
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save as _safetensors_save
+
+MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforces
+_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+           "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+           "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"),
+           "BOOL": np.dtype("?")}
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+class SafetensorsFile:
+    """One .safetensors file: `names`, `info(name)` and `float32(name)` (a fresh FP32 array)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) != 8:
+                raise ValueError(f"{self.path}: not a safetensors file (shorter than 8 bytes)")
+            (header_size,) = struct.unpack("<Q", prefix)
+            if header_size > min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"{self.path}: not a safetensors file (header of {header_size} bytes)")
+            try:
+                header = json.loads(handle.read(header_size))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{self.path}: unreadable safetensors header ({exc})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: the safetensors header is not an object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + header_size
+        data_size = size - self._data_start
+        self._tensors = {}
+        for name, info in header.items():
+            try:
+                dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{self.path}: malformed header entry for {name!r}") from None
+            if dtype not in _DTYPES:
+                raise ValueError(f"{self.path}: {name} has dtype {dtype}, which Kiln does not read")
+            count = int(np.prod(shape, dtype=np.int64))
+            if not 0 <= begin <= end <= data_size or end - begin != count * _DTYPES[dtype].itemsize:
+                raise ValueError(f"{self.path}: {name} has data offsets {begin}..{end} that do not "
+                                 f"fit its shape {shape} and dtype {dtype} in {data_size} data bytes")
+            self._tensors[name] = (dtype, shape, begin, end)
+        self._map = None
+
+    @property
+    def names(self):
+        return list(self._tensors)
+
+    def info(self, name):
+        """(dtype name, shape)."""
+        dtype, shape, _, _ = self._tensors[name]
+        return dtype, shape
+
+    def _raw(self, name):
+        dtype, shape, begin, end = self._tensors[name]
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        data = self._map[self._data_start + begin:self._data_start + end]
+        return data.view(_DTYPES[dtype]).reshape(shape)
+
+    def array(self, name) -> np.ndarray:
+        """A read-only view into the mapped file for F32 tensors, else float32(name)."""
+        if self._tensors[name][0] == "F32":
+            return self._raw(name)
+        return self.float32(name)
+
+    def float32(self, name) -> np.ndarray:
+        """The tensor as a new C-contiguous float32 array (BF16 and F16 widen exactly)."""
+        dtype, _, _, _ = self._tensors[name]
+        if dtype not in FLOATS:
+            raise ValueError(f"{self.path}: {name} is {dtype}, not a floating-point tensor")
+        raw = self._raw(name)
+        if dtype == "BF16":
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        return np.array(raw, dtype=np.float32, order="C")
+
+    def close(self):
+        self._map = None
+
+
+def safetensors_bytes(tensors: dict, metadata: dict | None = None) -> bytes:
+    """The safetensors serialisation of {name: array} (deterministic for equal input)."""
+    return _safetensors_save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                             metadata=metadata)
+
+
+def write_synced(path, data: bytes):
+    """Write `data` to a new file at `path` and fsync it (the caller publishes by rename)."""
+    with open(path, "xb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fsync_directory(directory):
+    if not hasattr(os, "O_DIRECTORY"):  # Windows: directories cannot be opened for fsync
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def staging_directory(target) -> Path:
+    """A new hidden directory beside `target` to build it in (same filesystem, so rename is atomic)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".staging-{target.name}-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    return staging
+
+
+def publish_directory(staging, target):
+    """fsync `staging`, then rename it to `target`, which must not exist (or be empty)."""
+    staging, target = Path(staging), Path(target)
+    fsync_directory(staging)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} already exists")
+    os.rename(staging, target)
+    fsync_directory(target.parent)
+
+
+def discard(staging):
+    shutil.rmtree(staging, ignore_errors=True)
