@@ -714,7 +714,7 @@ def load_base(name_or_path, root=None, verify=True, **execution_options):
     try:
         config = TransformerConfig(**{**architecture_of(source.config), **execution_options})
         tokenizer = source.tokenizer()
-        model = DecoderOnlyTransformer(config)
+        model = DecoderOnlyTransformer(config, initialize=False)  # every weight is loaded next
         try:
             model.load_state_dict({name: source.tensor(name) for name in source.names()})
         except BaseException:

@@ -177,7 +177,8 @@ class _Block:
 class DecoderOnlyTransformer:
     """A Llama-family decoder that owns its buffers; use it as a context manager."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, initialize: bool = True):
+        """initialize=False skips the seeded random init (for a caller that loads every weight)."""
         if not isinstance(config, TransformerConfig):
             raise TypeError("config must be a TransformerConfig")
         tune_allocator()
@@ -201,7 +202,8 @@ class DecoderOnlyTransformer:
         self._adapters = []
         self._quantization = None
         self._closed = False
-        self._initialize(config.initializer_seed)
+        if initialize:
+            self._initialize(config.initializer_seed)
         self._rope_cos, self._rope_sin = self._rope_tables()
 
     # -- lifetime -------------------------------------------------------------------
