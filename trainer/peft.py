@@ -10,13 +10,16 @@ LoRA when the model has none, refuses anything that does not fit, and changes no
 until every check has passed.
 """
 
+import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 from trainer.lora import ATTENTION, PROJECTIONS, LoraConfig
-from trainer.tensorfiles import (SafetensorsFile, discard, publish_directory, safetensors_bytes,
+from trainer.tensorfiles import (SafetensorsFile, discard, fsync_directory, publish_directory, safetensors_bytes,
                                  staging_directory, write_synced)
 
 CONFIG_FILE = "adapter_config.json"
@@ -182,3 +185,34 @@ def import_adapter(model, directory) -> LoraConfig:
         model.attach_lora(adapter)
     model.load_adapter_state_dict(values)
     return adapter
+
+
+def publish_final_adapter(model, registry, adapter: str, base_model_name_or_path=None) -> dict:
+    """Publish the trained adapter as the PEFT snapshot `registry/adapter`, atomically.
+
+    The snapshot is built in a hidden sibling directory and renamed into place; an
+    older snapshot of the same adapter is swapped out only after the new one is
+    complete. Returns {"path", "adapter_sha256", "config_sha256"}. A PEFT snapshot holds
+    weights only: it is never accepted as a resume checkpoint.
+    """
+    registry = Path(registry)
+    target = registry / adapter
+    staging = registry / f".staging-final-{adapter}-{uuid.uuid4().hex[:12]}"
+    export_adapter(model, staging, base_model_name_or_path)
+    retired = None
+    try:
+        if target.exists():
+            retired = registry / f".retired-{adapter}-{uuid.uuid4().hex[:12]}"
+            os.rename(target, retired)
+        os.rename(staging, target)
+        fsync_directory(registry)
+    except BaseException:
+        if retired is not None and not target.exists():
+            os.rename(retired, target)
+        discard(staging)
+        raise
+    if retired is not None:
+        discard(retired)
+    return {"path": str(target),
+            "adapter_sha256": hashlib.sha256((target / WEIGHTS_FILE).read_bytes()).hexdigest(),
+            "config_sha256": hashlib.sha256((target / CONFIG_FILE).read_bytes()).hexdigest()}

@@ -67,7 +67,10 @@ class StopAt:
 
 def final_files(settings, adapter="support-bot"):
     path = checkpoint_dir.latest_checkpoint(settings.registry, adapter)
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    files = {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    snapshot = settings.registry / adapter
+    files.update({"final/" + p.name: p.read_bytes() for p in sorted(snapshot.iterdir())})
+    return files
 
 
 def uninterrupted(home, **config):
@@ -90,6 +93,8 @@ def test_fresh_repeat_is_byte_identical(reference, tmp_path):
     assert final_files(again_settings) == final_files(settings)
     assert result.steps_completed == 8  # 8 examples, batch 2, 2 epochs
     assert result.latest_checkpoint["complete"] is True
+    assert again.final_adapter["adapter_sha256"] == result.final_adapter["adapter_sha256"]
+    assert (settings.registry / "support-bot" / "adapter_config.json").is_file()
 
 
 def test_cancel_then_resume_is_byte_identical(reference, tmp_path):
@@ -214,6 +219,14 @@ def test_absolute_path_directly_beneath_the_registry_is_accepted(cancelled):
     admission = admit_sft(request(req["dataset_path"], resume_checkpoint=str(settings.registry / basename)),
                           settings)
     assert admission.resume["checkpoint"] == basename
+
+
+def test_final_peft_snapshot_is_never_a_resume_checkpoint(reference):
+    settings, result = reference
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(str(settings.home / "datasets" / "train.jsonl"), resume_checkpoint="support-bot"),
+                  settings)
+    assert info.value.code in {"not_a_checkpoint", "noncanonical_name"}
 
 
 def test_adapter_name_mismatch_and_peft_directory_are_refused(cancelled):

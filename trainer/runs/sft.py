@@ -32,6 +32,7 @@ import trainer
 from trainer import Adam, LoraConfig
 from trainer.lora import PROJECTIONS
 from trainer.model import IGNORE_INDEX
+from trainer.peft import publish_final_adapter
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
 
@@ -527,6 +528,7 @@ class RunResult:
     steps_completed: int
     latest_checkpoint: dict | None
     loss_history: list
+    final_adapter: dict | None = None  # {"path", "adapter_sha256", "config_sha256"} on success
 
 
 def _batch(examples, indices, pad_token):
@@ -675,8 +677,14 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                 _restore_state(loaded, model, optimizer, loop)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            return _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
-                          latest, hooks)
+            result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
+                            latest, hooks)
+            if result.status == "succeeded":
+                result.final_adapter = publish_final_adapter(model, settings.registry, admission.adapter,
+                                                             config["base_model"])
+                hooks.on_event("info", f"published the final adapter {admission.adapter} "
+                                       f"(sha256 {result.final_adapter['adapter_sha256'][:12]})")
+            return result
     finally:
         model.close()
 
