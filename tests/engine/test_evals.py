@@ -1,0 +1,73 @@
+"""Evaluation suites, metrics and the promotion gate decision."""
+
+import json
+
+import pytest
+
+from trainer.bases import load_base
+from trainer.evals import SuiteError, evaluate, gate_decision, parse_suite, score
+
+
+def suite_text(*records):
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def test_metrics():
+    suite = parse_suite("s", suite_text(
+        {"prompt": "a", "expected": "42"},
+        {"prompt": "b", "expected": "Paris", "metric": "contains"},
+        {"prompt": "c", "expected": r"\bcat(s)?\b", "metric": "regex"},
+        {"prompt": "d", "expected": 3.14, "metric": "numeric", "tolerance": 0.01},
+        {"messages": [{"role": "user", "content": "e"}], "expected": "ok"}))
+    exact, contains, regex, numeric, chat = suite.examples
+    assert score(exact, " 42\n") and not score(exact, "42!")
+    assert score(contains, "It is Paris.") and not score(contains, "paris")
+    assert score(regex, "two cats") and not score(regex, "concatenate")
+    assert score(numeric, "about 3.141 I think") and not score(numeric, "3.2") and not score(numeric, "pi")
+    assert chat.messages == (("user", "e"),)
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ('{"prompt": "a"}', "expected"),
+    ('{"expected": "x"}', "prompt"),
+    ('{"prompt": "a", "expected": "x", "metric": "bleu"}', "metric"),
+    ('{"prompt": "a", "expected": "(", "metric": "regex"}', "regular expression"),
+    ('{"prompt": "a", "expected": "ten", "metric": "numeric"}', "not a number"),
+    ('not json', "not JSON"),
+])
+def test_suite_errors_name_the_line(line, fragment):
+    with pytest.raises(SuiteError, match=fragment) as info:
+        parse_suite("s", '{"prompt": "ok", "expected": "1"}\n' + line + "\n")
+    assert "line 2" in str(info.value)
+
+
+def test_digest_identifies_the_content():
+    a = parse_suite("a", suite_text({"prompt": "x", "expected": "1"}))
+    b = parse_suite("b", suite_text({"prompt": "x", "expected": "1"}))
+    c = parse_suite("c", suite_text({"prompt": "x", "expected": "2"}))
+    assert a.digest == b.digest != c.digest
+
+
+def test_evaluate_is_repeatable_on_a_real_model(tmp_path):
+    model, tokenizer = load_base("kiln-tiny", tmp_path)
+    suite = parse_suite("s", suite_text({"prompt": "hello", "expected": "x", "metric": "contains"},
+                                        {"prompt": "2+2?", "expected": "4", "metric": "numeric"}))
+    calls = []
+    first = evaluate(model, tokenizer, suite, max_new_tokens=8, progress=lambda i, n: calls.append((i, n)))
+    second = evaluate(model, tokenizer, suite, max_new_tokens=8)
+    assert [e["output"] for e in first.examples] == [e["output"] for e in second.examples]
+    assert first.total == 2 and calls == [(1, 2), (2, 2)]
+    assert first.correct == sum(e["correct"] for e in first.examples)
+
+
+def test_gate_outcomes():
+    passing = {"accuracy": 0.9, "total": 10, "suite_digest": "d"}
+    baseline = {"accuracy": 0.8, "total": 10, "suite_digest": "d"}
+    assert gate_decision(passing, baseline)[0] == "not_requested"
+    assert gate_decision(None, baseline, min_accuracy=0.5)[0] == "unavailable"
+    assert gate_decision(passing, baseline, min_accuracy=0.95)[0] == "gate_failed"
+    assert gate_decision(passing, baseline, min_accuracy=0.5, min_improvement=0.05)[0] == "promoted"
+    assert gate_decision(passing, baseline, min_improvement=0.2)[0] == "gate_failed"
+    assert gate_decision(passing, None, min_improvement=0.05)[0] == "inconclusive"
+    assert gate_decision(passing, {**baseline, "suite_digest": "other"}, min_improvement=0.0)[0] == "inconclusive"
+    assert gate_decision({**passing, "total": 0}, baseline, min_accuracy=0.0)[0] == "inconclusive"

@@ -1,0 +1,181 @@
+"""Evaluation suites, scoring, and the promotion gate decision.
+
+A suite is held-out JSONL: one example per line with a `prompt` (text) or `messages`
+(chat), an `expected` answer and optionally its own `metric`. Metrics: `exact` (after
+trimming), `contains`, `regex` (the expected value is a pattern searched in the output)
+and `numeric` (the first number in the output within `tolerance` of the expected one).
+Generation is greedy, so an evaluation is repeatable.
+"""
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from trainer.generation import SamplingConfig, generate
+
+METRICS = ("exact", "contains", "regex", "numeric")
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+MINIMUM_EXAMPLES = 1  # below this a gate is inconclusive
+
+
+class SuiteError(ValueError):
+    """A malformed suite; the message names the line."""
+
+
+@dataclass(frozen=True)
+class EvalExample:
+    messages: tuple  # ((role, content), ...)
+    expected: str
+    metric: str
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    examples: tuple
+    digest: str  # sha256 of the canonical examples
+
+
+def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=1e-6) -> Suite:
+    if default_metric not in METRICS:
+        raise SuiteError(f"metric must be one of {METRICS}, got {default_metric!r}")
+    examples = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise SuiteError(f"line {number}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or "expected" not in record:
+            raise SuiteError(f"line {number}: needs an object with prompt or messages and expected")
+        if isinstance(record.get("messages"), list):
+            messages = record["messages"]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                       and isinstance(m.get("content"), str) for m in messages) or not messages:
+                raise SuiteError(f"line {number}: messages must be {{role, content}} objects")
+            messages = tuple((m["role"], m["content"]) for m in messages)
+        elif isinstance(record.get("prompt"), str):
+            messages = (("user", record["prompt"]),)
+        else:
+            raise SuiteError(f"line {number}: needs prompt (text) or messages")
+        metric = record.get("metric", default_metric)
+        if metric not in METRICS:
+            raise SuiteError(f"line {number}: metric must be one of {METRICS}, got {metric!r}")
+        expected = record["expected"]
+        if metric == "numeric":
+            if isinstance(expected, bool) or not isinstance(expected, (int, float, str)):
+                raise SuiteError(f"line {number}: numeric expected must be a number")
+            try:
+                float(expected)
+            except ValueError:
+                raise SuiteError(f"line {number}: numeric expected {expected!r} is not a number") from None
+        elif not isinstance(expected, str):
+            raise SuiteError(f"line {number}: expected must be a string")
+        if metric == "regex":
+            try:
+                re.compile(expected)
+            except re.error as error:
+                raise SuiteError(f"line {number}: bad regular expression: {error}") from None
+        tolerance = record.get("tolerance", default_tolerance)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0 \
+                or not math.isfinite(tolerance):
+            raise SuiteError(f"line {number}: tolerance must be a finite number >= 0")
+        examples.append(EvalExample(messages, str(expected), metric, float(tolerance)))
+    if not examples:
+        raise SuiteError("the suite has no examples")
+    canonical = json.dumps([asdict(e) for e in examples], sort_keys=True).encode()
+    return Suite(name=name, examples=tuple(examples), digest=hashlib.sha256(canonical).hexdigest())
+
+
+def score(example: EvalExample, output: str) -> bool:
+    text = output.strip()
+    if example.metric == "exact":
+        return text == example.expected.strip()
+    if example.metric == "contains":
+        return example.expected in output
+    if example.metric == "regex":
+        return re.search(example.expected, output) is not None
+    match = NUMBER.search(output)
+    if match is None:
+        return False
+    try:
+        value = float(match.group())
+    except ValueError:
+        return False
+    return abs(value - float(example.expected)) <= example.tolerance
+
+
+@dataclass
+class EvalResult:
+    suite: str
+    suite_digest: str
+    correct: int
+    total: int
+    examples: list = field(default_factory=list)  # {"index", "output", "expected", "metric", "correct"}
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+    def summary(self) -> dict:
+        return {"suite": self.suite, "suite_digest": self.suite_digest, "correct": self.correct,
+                "total": self.total, "accuracy": self.accuracy}
+
+
+def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -> EvalResult:
+    """Greedy completions of every example, scored by its metric."""
+    result = EvalResult(suite=suite.name, suite_digest=suite.digest, correct=0, total=len(suite.examples))
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    for index, example in enumerate(suite.examples):
+        messages = [{"role": role, "content": content} for role, content in example.messages]
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        budget = min(max_new_tokens, model.config.maximum_context - len(prompt))
+        if budget < 1:
+            output = ""
+        else:
+            generation = generate(model, prompt, SamplingConfig(max_new_tokens=budget, temperature=0,
+                                                                stop_token_ids=stop), tokenizer=tokenizer)
+            output = tokenizer.decode([t for t in generation.tokens if t not in stop],
+                                      skip_special_tokens=True)
+        correct = score(example, output)
+        result.correct += int(correct)
+        result.examples.append({"index": index, "output": output, "expected": example.expected,
+                                "metric": example.metric, "correct": correct})
+        if progress:
+            progress(index + 1, len(suite.examples))
+    return result
+
+
+GATE_OUTCOMES = ("promoted", "gate_failed", "inconclusive", "unavailable", "not_requested")
+
+
+def gate_decision(candidate: dict | None, baseline: dict | None, min_accuracy=None,
+                  min_improvement=None) -> tuple:
+    """(outcome, reason) of a post-eval promotion gate from evaluation summaries.
+
+    `candidate` None means the evaluation could not run (unavailable). Too few
+    examples, or a baseline that was needed but is missing, is inconclusive.
+    """
+    if min_accuracy is None and min_improvement is None:
+        return "not_requested", "no gate was requested"
+    if candidate is None:
+        return "unavailable", "the evaluation could not run"
+    if candidate["total"] < MINIMUM_EXAMPLES:
+        return "inconclusive", f"the suite has {candidate['total']} examples"
+    if min_accuracy is not None and candidate["accuracy"] < min_accuracy:
+        return "gate_failed", (f"accuracy {candidate['accuracy']:.4f} is below the minimum "
+                               f"{min_accuracy:.4f}")
+    if min_improvement is not None:
+        if baseline is None:
+            return "inconclusive", "no baseline evaluation to measure the improvement against"
+        if baseline["suite_digest"] != candidate["suite_digest"]:
+            return "inconclusive", "the candidate and the baseline were evaluated on different suites"
+        gain = candidate["accuracy"] - baseline["accuracy"]
+        if gain < min_improvement:
+            return "gate_failed", (f"improvement {gain:+.4f} over the active adapter is below "
+                                   f"the minimum {min_improvement:+.4f}")
+    return "promoted", "the gate passed"
