@@ -1,0 +1,96 @@
+"""The serving pool: adapters from the registry, activation, canary, concurrency."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from trainer import LoraConfig
+from trainer.bases import load_base
+from trainer.generation import SamplingConfig
+from trainer.peft import publish_final_adapter
+from trainer.serving import ReadWriteLock, ServingError, ServingPool
+
+
+@pytest.fixture
+def pool(tmp_path):
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    model, _ = load_base("kiln-tiny", tmp_path)
+    model.attach_lora(LoraConfig(rank=4, alpha=8))
+    rng = np.random.default_rng(0)
+    model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.5
+                                   for k, v in model.adapter_state_dict().items()})
+    publish_final_adapter(model, registry, "greeter", "kiln-tiny")
+    serving = ServingPool(tmp_path, registry)
+    yield serving
+    serving.close()
+
+
+def prompt_of(pool, text):
+    tokenizer = pool.resolve("kiln-tiny").tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def test_adapter_changes_outputs_and_activation_sets_the_default(pool):
+    prompt = prompt_of(pool, "hi")
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0)
+    _, base = pool.complete("kiln-tiny", prompt, greedy)
+    pool.load_adapter("greeter", "kiln-tiny")
+    _, adapted = pool.complete("greeter", prompt, greedy)
+    assert adapted.tokens != base.tokens
+    with pytest.raises(ServingError) as info:
+        pool.complete(None, prompt, greedy)
+    assert info.value.code == "model_required"
+    pool.activate("greeter")
+    _, default = pool.complete(None, prompt, greedy)
+    assert default.tokens == adapted.tokens
+    assert {m["name"]: m["active"] for m in pool.loaded()} == {"kiln-tiny": False, "greeter": True}
+    pool.unload("greeter")
+    assert pool.active is None
+
+
+def test_canary_and_refusals(pool):
+    pool.load_adapter("greeter", "kiln-tiny")
+    assert pool.canary("greeter") == (True, "loaded, generated and scored")
+    assert pool.canary("missing")[0] is False
+    with pytest.raises(ServingError) as info:
+        pool.load_adapter("missing", "kiln-tiny")
+    assert info.value.code == "adapter_not_found"
+    with pytest.raises(ServingError) as info:
+        pool.activate("kiln-tiny")
+    assert info.value.code == "adapter_not_loaded"
+
+
+def test_concurrent_requests_are_independent(pool):
+    pool.load_adapter("greeter", "kiln-tiny")
+    prompts = [prompt_of(pool, f"question {i}") for i in range(8)]
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, top_p=0.9)
+    expected = [pool.complete("greeter", p, sampling, seed=i)[1].tokens for i, p in enumerate(prompts)]
+    results = [None] * 8
+
+    def work(i):
+        results[i] = pool.complete("greeter", prompts[i], sampling, seed=i)[1].tokens
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
+def test_writer_waits_for_readers():
+    lock = ReadWriteLock()
+    order = []
+    def write():
+        with lock.write():
+            order.append("write")
+
+    with lock.read():
+        writer = threading.Thread(target=write)
+        writer.start()
+        writer.join(0.1)
+        order.append("read done")
+    writer.join(2)
+    assert order == ["read done", "write"]

@@ -1,0 +1,190 @@
+"""The serving pool: bases and loaded adapters held in memory for completions.
+
+One model instance per served name (a base, or a base with one PEFT adapter loaded from
+the registry). Requests read under the shared side of a readers-writer lock; loading,
+unloading and activation take the exclusive side only for the moment they swap the
+pool's tables, so a slow load never blocks completions. Each request owns its KV cache,
+so concurrent requests on one model are independent.
+"""
+
+import math
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from trainer.bases import load_base
+from trainer.generation import SamplingConfig, SamplingRNG, generate
+from trainer.peft import import_adapter, read_adapter_config
+
+
+class ServingError(Exception):
+    """A request the pool cannot serve; `code` is machine-readable."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ReadWriteLock:
+    """Many readers or one writer; writers wait for readers to drain and block new ones."""
+
+    def __init__(self):
+        self._condition = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self):
+        with self._condition:
+            while self._writer or self._waiting_writers:
+                self._condition.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._readers -= 1
+                self._condition.notify_all()
+
+    @contextmanager
+    def write(self):
+        started = time.perf_counter()
+        with self._condition:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._condition.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        waited = time.perf_counter() - started
+        try:
+            yield waited
+        finally:
+            with self._condition:
+                self._writer = False
+                self._condition.notify_all()
+
+
+@dataclass
+class Served:
+    name: str
+    base: str
+    model: object
+    tokenizer: object
+    adapter_path: str | None = None
+
+
+class ServingPool:
+    def __init__(self, bases_root: Path, registry: Path):
+        self.bases_root = Path(bases_root)
+        self.registry = Path(registry)
+        self.lock = ReadWriteLock()
+        self._served = {}  # name -> Served
+        self._active = None  # the adapter served when a request names no model
+
+    def _base(self, name):
+        served = self._served.get(name)
+        if served is None:
+            try:
+                model, tokenizer = load_base(name, self.bases_root)
+            except (LookupError, ValueError) as error:
+                raise ServingError("model_not_found", str(error)) from None
+            served = Served(name=name, base=name, model=model, tokenizer=tokenizer)
+            with self.lock.write():
+                self._served.setdefault(name, served)
+        return self._served[name]
+
+    def load_adapter(self, adapter: str, base: str) -> Served:
+        """Load the PEFT snapshot `registry/adapter` over `base` (a fresh model instance)."""
+        path = self.registry / adapter
+        if not (path / "adapter_config.json").is_file():
+            raise ServingError("adapter_not_found", f"no PEFT snapshot for adapter {adapter!r} in {self.registry}")
+        read_adapter_config(path)
+        try:
+            model, tokenizer = load_base(base, self.bases_root)
+        except (LookupError, ValueError) as error:
+            raise ServingError("model_not_found", str(error)) from None
+        try:
+            import_adapter(model, path)
+        except ValueError as error:
+            model.close()
+            raise ServingError("adapter_incompatible", str(error)) from None
+        served = Served(name=adapter, base=base, model=model, tokenizer=tokenizer, adapter_path=str(path))
+        with self.lock.write():
+            previous = self._served.get(adapter)
+            self._served[adapter] = served
+        if previous is not None:
+            previous.model.close()
+        return served
+
+    def unload(self, name: str):
+        with self.lock.write():
+            served = self._served.pop(name, None)
+            if self._active == name:
+                self._active = None
+        if served is None:
+            raise ServingError("model_not_found", f"{name!r} is not loaded")
+        served.model.close()
+
+    def activate(self, adapter: str):
+        with self.lock.write():
+            if adapter not in self._served or self._served[adapter].adapter_path is None:
+                raise ServingError("adapter_not_loaded", f"load adapter {adapter!r} before activating it")
+            self._active = adapter
+
+    @property
+    def active(self):
+        return self._active
+
+    def loaded(self) -> list:
+        with self.lock.read():
+            return [{"name": s.name, "base": s.base, "adapter": s.adapter_path is not None,
+                     "active": s.name == self._active} for s in self._served.values()]
+
+    def resolve(self, name: str | None) -> Served:
+        """The served model for a request's `model` (None: the active adapter)."""
+        if name is None:
+            if self._active is None:
+                raise ServingError("model_required", "no adapter is active; name a model")
+            name = self._active
+        served = self._served.get(name)
+        if served is None:
+            return self._base(name)
+        return served
+
+    def complete(self, name, prompt_ids, sampling: SamplingConfig, seed=None, echo=False):
+        """Run one completion under the shared lock; returns (Served, Generation)."""
+        served = self.resolve(name)
+        rng = None if sampling.temperature == 0 else SamplingRNG(seed if seed is not None else 0)
+        with self.lock.read():
+            if served.model._closed:
+                raise ServingError("model_not_found", f"{served.name!r} was unloaded")
+            return served, generate(served.model, prompt_ids, sampling, rng,
+                                    tokenizer=served.tokenizer, echo=echo)
+
+    def canary(self, adapter: str) -> tuple:
+        """(passed, reason): the adapter loads, generates, and its log-probabilities are finite."""
+        try:
+            served = self._served[adapter] if adapter in self._served else None
+            if served is None:
+                raise ServingError("adapter_not_loaded", f"{adapter!r} is not loaded")
+            prompt = served.tokenizer.encode(served.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Say hello."}], add_generation_prompt=True))
+            _, generation = self.complete(adapter, prompt, SamplingConfig(max_new_tokens=4, temperature=0),
+                                          echo=True)
+        except ServingError as error:
+            return False, error.message
+        values = generation.logprobs + generation.prompt_logprobs
+        if not generation.tokens or not all(math.isfinite(v) for v in values):
+            return False, "the canary completion has no tokens or non-finite log-probabilities"
+        return True, "loaded, generated and scored"
+
+    def close(self):
+        with self.lock.write():
+            served, self._served = list(self._served.values()), {}
+        for s in served:
+            s.model.close()
