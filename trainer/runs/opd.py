@@ -1,0 +1,569 @@
+"""On-policy distillation runs: request validation, teacher checks, admission, exact resume and the loop.
+
+The student samples a completion of each candidate prompt with a named rollout RNG; the teacher
+(trainer.teachers: a native base or an OpenAI-compatible endpoint) scores every sampled token; the
+per-token advantage is the negative reverse KL -(log p_student - log p_teacher), held constant in
+a REINFORCE update (trainer.runs.objectives.opd_terms). Candidates are the prompts in source
+order, cycled; the candidate cursor is separate from the optimizer-step counter because a
+candidate whose completion is empty produces no update and is still consumed exactly once.
+Collapse guardrails (entropy floor, repetition, empty rate, KL ceiling, over a window of
+candidates) stop the run with RunFailed("guardrail_<name>").
+
+The control plane calls `admit_opd`, `revalidate_opd` and `run_opd` with plain data, as for SFT.
+Admission and resume require the teacher alias to still have the checkpoint's identity revision,
+then reconstruct and verify its content revision.
+"""
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from trainer import teachers
+from trainer.model import IGNORE_INDEX
+from trainer.runs import checkpoint_dir, objectives
+from trainer.runs.common import (BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
+                                 AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
+                                 canonical, check_planning_schema, check_shared, clip_and_step,
+                                 comparable_config, confined, difference, execution_identity, file_sha256,
+                                 int_field, load_resume, lora_config, merge_config, number_field, optimizer_files,
+                                 planning_identity, publish, refuse_drift, reopen_resume, restore_optimizer,
+                                 resume_record, revalidate, select_loss_route, sha256_hex, state_bytes)
+
+KIND = "opd"
+DEFAULT_CHECKPOINT_INTERVAL = 25  # OPD's request default (the spec's)
+MAX_IDLE_CANDIDATES = 64  # consecutive candidates without an update before the run gives up
+GUARDRAIL_DEFAULTS = {"entropy_floor": None, "max_repetition_rate": None, "max_empty_rate": None,
+                      "kl_ceiling": None, "window": 8}
+OPD_DEFAULTS = {
+    "output_name": None,
+    "base_model": "kiln-tiny",
+    "teacher": None,  # the resolved alias spec (trainer.teachers.parse_teacher)
+    "max_new_tokens": 64,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "stop_strings": [],
+    "learning_rate": 1e-4,
+    "lr_schedule": SCHEDULE_DEFAULT,
+    "steps": 100,
+    "candidates_per_step": 1,  # completions with an update accumulated into one optimizer step
+    "max_grad_norm": 1.0,
+    "lora": LORA_DEFAULT,
+    "seed": None,
+    "checkpoint_interval": DEFAULT_CHECKPOINT_INTERVAL,
+    "resume_checkpoint": None,
+    "base_adapter": None,  # a PEFT directory: weights-only warm start
+    "guardrails": GUARDRAIL_DEFAULTS,
+    "activation_checkpointing": "none",
+}
+GUARDRAILS = {  # name: (window statistic, direction, what it means)
+    "entropy_floor": ("entropy", "below", "mean student entropy (nats/token)"),
+    "max_repetition_rate": ("repetition", "above", "mean repeated-trigram rate"),
+    "max_empty_rate": ("empty", "above", "fraction of empty completions"),
+    "kl_ceiling": ("kl", "above", "mean sampled reverse KL to the teacher (nats/token)"),
+}
+
+
+# -- request --------------------------------------------------------------------------------
+
+
+def normalise_config(config: dict, settings: RunSettings) -> dict:
+    """The validated, complete OPD configuration; RequestError on bad input."""
+    given_lora = isinstance(config, dict) and config.get("lora") is not None
+    c = merge_config(config, OPD_DEFAULTS, KIND)
+    if c["checkpoint_interval"] is None:
+        c["checkpoint_interval"] = DEFAULT_CHECKPOINT_INTERVAL
+    c = check_shared(c, settings)
+    if c["teacher"] is None:
+        raise RequestError("config.teacher", "is required: the resolved teacher alias")
+    try:
+        c["teacher"] = teachers.parse_teacher(c["teacher"]).to_dict()
+    except ValueError as error:
+        raise RequestError("config.teacher", str(error)) from None
+    c["max_new_tokens"] = int_field(c["max_new_tokens"], "config.max_new_tokens", 1)
+    c["temperature"] = number_field(c["temperature"], "config.temperature")
+    if c["temperature"] < 0:
+        raise RequestError("config.temperature", "must be at least 0 (0 is greedy)")
+    c["top_p"] = number_field(c["top_p"], "config.top_p", 0.0)
+    if c["top_p"] > 1:
+        raise RequestError("config.top_p", "must lie in (0, 1]")
+    c["top_k"] = int_field(c["top_k"], "config.top_k", 0)
+    if not isinstance(c["stop_strings"], list) or not all(isinstance(s, str) and s for s in c["stop_strings"]):
+        raise RequestError("config.stop_strings", "must be a list of non-empty strings")
+    c["steps"] = int_field(c["steps"], "config.steps", 1)
+    c["candidates_per_step"] = int_field(c["candidates_per_step"], "config.candidates_per_step", 1)
+    guardrails = c["guardrails"]
+    if not isinstance(guardrails, dict) or set(guardrails) - set(GUARDRAIL_DEFAULTS):
+        raise RequestError("config.guardrails", f"must hold only {', '.join(GUARDRAIL_DEFAULTS)}")
+    guardrails = {**GUARDRAIL_DEFAULTS, **guardrails}
+    guardrails["window"] = int_field(guardrails["window"], "config.guardrails.window", 1)
+    for name in GUARDRAILS:
+        guardrails[name] = number_field(guardrails[name], f"config.guardrails.{name}", allow_none=True)
+    for name in ("max_repetition_rate", "max_empty_rate"):
+        if guardrails[name] is not None and not 0 <= guardrails[name] <= 1:
+            raise RequestError(f"config.guardrails.{name}", "must lie in [0, 1]")
+    c["guardrails"] = guardrails
+    if c["base_adapter"] is not None:
+        if not isinstance(c["base_adapter"], str):
+            raise RequestError("config.base_adapter", "must be the path of a PEFT adapter directory")
+        roots = (settings.registry, settings.home / "adapters") + tuple(settings.data_roots)
+        directory = _confined_directory(c["base_adapter"], roots)
+        from trainer.peft import read_adapter_config
+        try:
+            shape = read_adapter_config(directory).shape_identity()
+        except (OSError, ValueError) as error:
+            raise RequestError("config.base_adapter", str(error)) from None
+        if given_lora and c["lora"] != shape:
+            raise RequestError("config.lora", f"differs from base_adapter's LoRA {shape}; omit lora to use the "
+                                              "adapter's shape")
+        c["lora"] = shape
+        c["base_adapter"] = str(directory)
+    return c
+
+
+def _confined_directory(path_text, roots) -> Path:
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise RequestError("config.base_adapter", "must be an absolute path inside the adapter registry or a data root")
+    resolved = path.resolve()
+    for root in roots:
+        root = Path(root).resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            if not resolved.is_dir():
+                raise AdmissionError("base_adapter_not_found", f"{path_text} is not a directory")
+            return resolved
+    raise AdmissionError("base_adapter_outside_roots", f"{path_text} is outside the adapter registry and data roots")
+
+
+def _prompt_record(record, where):
+    if isinstance(record, str):
+        return {"prompt": record}
+    if isinstance(record, dict) and set(record) == {"prompt"} and isinstance(record["prompt"], str):
+        return record
+    if isinstance(record, dict) and set(record) == {"messages"}:
+        messages = record["messages"]
+        if isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            return record
+    raise RequestError(where, "a prompt is a string, {prompt: string} or {messages: [{role, content}...]}")
+
+
+def read_prompts(request: dict, settings: RunSettings):
+    """(records, raw bytes, data_source_kind) from inline prompts or a JSON / JSONL file."""
+    has_path, has_prompts = request.get("dataset_path") is not None, request.get("prompts") is not None
+    if has_path == has_prompts:
+        raise RequestError("dataset_path", "give exactly one of dataset_path or prompts")
+    if has_path:
+        path = confined(request["dataset_path"], (settings.home / "datasets",) + tuple(settings.data_roots))
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+            if text.lstrip().startswith("["):
+                items = json.loads(text)
+            else:
+                items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RequestError("dataset_path", f"is not a UTF-8 JSON list or JSONL of prompts: {error}") from None
+        kind = "file"
+    else:
+        items = request["prompts"]
+        if not isinstance(items, list):
+            raise RequestError("prompts", "must be a list of prompts")
+        raw = None
+        kind = "inline"
+    records = [_prompt_record(item, f"prompts[{i}]") for i, item in enumerate(items)]
+    if not records:
+        raise RequestError("prompts", "there are no prompts")
+    if raw is None:
+        raw = b"".join(canonical(r) + b"\n" for r in records)
+    return records, raw, kind
+
+
+def prompt_ids(record, tokenizer, maximum_context, where) -> list:
+    text = (tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True)
+            if "messages" in record else record["prompt"])
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise RequestError(where, "the prompt has no tokens")
+    if len(ids) >= maximum_context:
+        raise RequestError(where, f"the prompt ({len(ids)} tokens) leaves no room to sample in the model's "
+                                  f"context of {maximum_context}")
+    return ids
+
+
+# -- identities -------------------------------------------------------------------------------
+
+
+def teacher_identity(config: dict, settings: RunSettings) -> dict:
+    """The alias, its identity revision and its content revision reconstructed now."""
+    spec = teachers.parse_teacher(config["teacher"])
+    try:
+        content = teachers.content_revision(spec, settings.bases_root)
+    except teachers.TeacherError as error:
+        raise AdmissionError(error.code, error.message) from None
+    return {"alias": spec.alias, "route": spec.route, "identity_revision": spec.identity_revision,
+            "content_revision": content["revision"], "content_evidence": content["evidence"]}
+
+
+def base_adapter_identity(config: dict):
+    if config["base_adapter"] is None:
+        return None
+    directory = Path(config["base_adapter"])
+    return {"path": str(directory), "lora": config["lora"],
+            "files": {name: file_sha256(directory / name) for name in teachers.ADAPTER_FILES
+                      if (directory / name).is_file()}}
+
+
+def check_teacher(checkpoint_teacher: dict, teacher: dict):
+    """AdmissionError("teacher_changed") unless the alias keeps the checkpoint's two revisions."""
+    checkpoint_teacher = checkpoint_teacher or {}
+    if checkpoint_teacher.get("identity_revision") != teacher["identity_revision"] \
+            or checkpoint_teacher.get("alias") != teacher["alias"]:
+        differences = [difference(f"teacher.{key}", checkpoint_teacher.get(key), teacher[key])
+                       for key in ("alias", "identity_revision") if checkpoint_teacher.get(key) != teacher[key]]
+        raise AdmissionError("teacher_changed", f"teacher alias {teacher['alias']} no longer has the checkpoint's "
+                             "identity revision: its configuration changed. Restore the alias or start a new run",
+                             differences)
+    if checkpoint_teacher.get("content_revision") != teacher["content_revision"]:
+        differences = [difference("teacher.content_revision", checkpoint_teacher.get("content_revision"),
+                                  teacher["content_revision"])]
+        before, now = checkpoint_teacher.get("content_evidence") or {}, teacher["content_evidence"]
+        differences += [difference(f"teacher.content_evidence.{key}", before.get(key), now.get(key))
+                        for key in sorted(set(before) | set(now)) if before.get(key) != now.get(key)]
+        raise AdmissionError("teacher_changed", f"teacher {teacher['alias']} keeps its configuration but its numeric "
+                             "content changed (weights, adapter or served model); exact resume needs the same "
+                             "teacher. Restore it or start a new run", differences)
+
+
+def _prepare(request: dict, settings: RunSettings):
+    from trainer.bases import show_base
+    if not isinstance(request, dict):
+        raise RequestError("request", "must be an object")
+    unknown = sorted(set(request) - {"dataset_path", "prompts", "config"})
+    if unknown:
+        raise RequestError(unknown[0], "is not a known request field")
+    config = normalise_config(request.get("config", {}), settings)
+    records, raw, kind = read_prompts(request, settings)
+    try:
+        base = show_base(config["base_model"], settings.bases_root)
+    except (LookupError, ValueError) as error:
+        raise AdmissionError("base_not_found", str(error)) from None
+    return config, records, raw, kind, base
+
+
+def admit_opd(request: dict, settings: RunSettings) -> Admission:
+    """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
+    from trainer.bases import load_base, show_base
+    config, records, raw, kind, base = _prepare(request, settings)
+    loss_route = select_loss_route(settings.backend)
+    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=loss_route)
+    context = model.config.maximum_context
+    model.close()
+    for index, record in enumerate(records):
+        prompt_ids(record, tokenizer, context, f"prompts[{index}]")
+    teacher = teacher_identity(config, settings)
+    if teacher["route"] == "native":
+        teacher_base = show_base(config["teacher"]["base"], settings.bases_root)
+        if teacher_base.tokenizer != tokenizer.identity():
+            raise AdmissionError("teacher_tokenizer_mismatch", f"teacher {teacher['alias']} uses another tokenizer "
+                                 "than the student; distillation scores the student's own tokens",
+                                 [difference("teacher.tokenizer", teacher_base.tokenizer, tokenizer.identity())])
+    identities = {
+        "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
+        "tokenizer": tokenizer.identity(),
+        "dataset": {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "prompts": len(records),
+                    "order": "source"},
+        "execution": execution_identity(settings.backend),
+        "planning": planning_identity(KIND, config, loss_route),
+        "teacher": teacher,
+        "base_adapter": base_adapter_identity(config),
+    }
+    resume, seed = None, config["seed"]
+    if config["resume_checkpoint"] is not None:
+        loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)
+        manifest = loaded.manifest
+        check_planning_schema(manifest)
+        check_teacher((manifest.get("training") or {}).get("teacher"), teacher)
+        request_view = {"training": _training_view(config["output_name"], kind, identities),
+                        "config": comparable_config(config), **{k: identities[k] for k in (
+                            "base", "tokenizer", "dataset", "execution", "planning")}}
+        refuse_drift(manifest, request_view, seed)
+        resume = resume_record(loaded)
+        seed = manifest["seed"]
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    config["seed"] = seed
+    return Admission(kind=KIND, adapter=config["output_name"], request=request, effective_config=config,
+                     effective_seed=seed, data_source_kind=kind, total_steps=config["steps"],
+                     identities=identities, resume=resume)
+
+
+def _training_view(adapter, kind, identities) -> dict:
+    return {"kind": KIND, "adapter": adapter, "data_source_kind": kind, "teacher": identities["teacher"],
+            "base_adapter": identities["base_adapter"]}
+
+
+def revalidate_opd(admission: Admission, settings: RunSettings) -> None:
+    """Dequeue-time proof: the checkpoint is unchanged and the teacher still has both revisions."""
+    revalidate(admission, settings)
+    check_teacher(admission.identities["teacher"], teacher_identity(admission.effective_config, settings))
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+def rollout_seed(seed: int) -> int:
+    """The named stream "rollout", derived from the effective seed."""
+    return int.from_bytes(hashlib.sha256(f"kiln.opd.rollout:{seed}".encode()).digest()[:8], "little")
+
+
+@dataclass
+class OPDLoop:
+    step: int = 0  # committed optimizer steps
+    candidate: int = 0  # next candidate (prompt index = candidate % prompts)
+    idle: int = 0  # consecutive candidates without an update
+    losses: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)  # per step
+    candidates: list = field(default_factory=list)  # per consumed candidate
+    window: list = field(default_factory=list)  # guardrail statistics of the last `window` candidates
+    rollout: dict | None = None  # the rollout RNG's state at the boundary
+
+
+class Guardrails:
+    """Collapse checks over the statistics of the last `window` candidates."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def observe(self, loop: OPDLoop, stats: dict):
+        loop.window.append(stats)
+        del loop.window[:-self.config["window"]]
+
+    def check(self, loop: OPDLoop):
+        if len(loop.window) < self.config["window"]:
+            return
+        for name, (key, direction, meaning) in GUARDRAILS.items():
+            threshold = self.config[name]
+            if threshold is None:
+                continue
+            values = [float(s[key]) for s in loop.window if s[key] is not None]
+            if not values:
+                continue
+            value = sum(values) / len(values)
+            tripped = value < threshold if direction == "below" else value > threshold
+            if tripped:
+                raise RunFailed(f"guardrail_{name}", (
+                    f"collapse guardrail {name} stopped the run at candidate {loop.candidate - 1} (after step "
+                    f"{loop.step}): the {meaning} over the last {len(loop.window)} candidates is {value:.4f}, "
+                    f"{direction} the limit {threshold}. Inspect recent completions; lower the learning rate or "
+                    "temperature, check the teacher, or resume from an earlier checkpoint"))
+
+
+def _special_free(text: str, tokenizer) -> str:
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = tokenizer.config.get(name)
+        if token:
+            text = text.replace(token, "")
+    return text
+
+
+def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResult:
+    """Train (or continue) the admitted OPD run; publish checkpoints; stop cooperatively or on a guardrail."""
+    from trainer import Adam
+    from trainer.bases import load_base
+    from trainer.generation import SamplingConfig, SamplingRNG
+    from trainer.peft import import_adapter
+    hooks = hooks or NullHooks()
+    config = admission.effective_config
+    route = admission.identities["planning"]["loss_route"]
+    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+        raise AdmissionError("loss_route_unavailable", f"loss route {route!r} is not available on backend "
+                                                       f"{settings.backend!r}")
+    _, records, raw, _, base = _prepare(admission.request, settings)
+    if sha256_hex(raw) != admission.identities["dataset"]["sha256"]:
+        raise AdmissionError("dataset_changed", "the prompts changed after admission")
+    if base.identity != admission.identities["base"]["identity"]:
+        raise AdmissionError("base_changed", "the base model changed after admission")
+    check_teacher(admission.identities["teacher"], teacher_identity(config, settings))
+    if base_adapter_identity(config) != admission.identities["base_adapter"]:
+        raise AdmissionError("base_adapter_changed", "the base_adapter files changed after admission")
+    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=route,
+                                 activation_checkpointing=config["activation_checkpointing"])
+    teacher = None
+    try:
+        try:
+            teacher = teachers.open_teacher(teachers.parse_teacher(config["teacher"]), settings.bases_root)
+        except teachers.TeacherError as error:
+            raise AdmissionError(error.code, error.message) from None
+        context = model.config.maximum_context
+        prompts = [prompt_ids(r, tokenizer, context, f"prompts[{i}]") for i, r in enumerate(records)]
+        model.attach_lora(lora_config(config, admission.effective_seed))
+        if config["base_adapter"] is not None and admission.resume is None:
+            try:
+                import_adapter(model, config["base_adapter"])
+            except (OSError, ValueError) as error:
+                raise AdmissionError("base_adapter_mismatch", str(error)) from None
+        stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        sampling = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
+                                  top_p=config["top_p"], top_k=config["top_k"], stop_token_ids=stop_ids,
+                                  stop_strings=tuple(config["stop_strings"]))
+        with model.adapter_parameters() as adapters, \
+                Adam(adapters, learning_rate=config["learning_rate"]) as optimizer:
+            loop = OPDLoop()
+            rng = SamplingRNG(rollout_seed(admission.effective_seed))
+            latest = None
+            if admission.resume is not None:
+                loaded = reopen_resume(admission, settings)
+                document = json.loads(loaded.read(STATE_FILE))
+                restore_optimizer(loaded, model, optimizer, document["optimizer"])
+                for key, value in document["loop"].items():
+                    setattr(loop, key, value)
+                loop.losses, loop.metrics = list(document["loss_history"]), list(document["metric_history"])
+                loop.candidates, loop.window = list(document["candidates"]), list(document["guardrails"]["window"])
+                rng = SamplingRNG.from_state(document["rng"]["rollout"])
+                if loop.step != optimizer.step_count or loop.step != loaded.manifest["progress"]["committed_step"]:
+                    raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
+                latest = checkpoint_dir.checkpoint_summary(loaded)
+                hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}, candidate "
+                                       f"{loop.candidate}")
+            return _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts,
+                          sampling, rng, loop, latest, hooks)
+    finally:
+        if teacher is not None:
+            teacher.close()
+        model.close()
+
+
+def _sample(model, tokenizer, teacher, prompt, sampling, rng):
+    """One candidate: its generation and statistics; teacher log-probabilities for a non-empty one."""
+    from trainer.generation import gather_logprobs, generate
+    generation = generate(model, prompt, sampling, rng, tokenizer=tokenizer)
+    tokens = list(generation.tokens)
+    text = _special_free(generation.text or "", tokenizer)
+    empty = not tokens or text.strip() == ""
+    stats = {"empty": empty, "entropy": None, "repetition": None, "kl": None}
+    teacher_logp = None
+    if not empty:
+        sequence = np.asarray(prompt + tokens, np.int64)
+        logits = model.logits(sequence[None, :-1])[0, len(prompt) - 1:]  # [n,V]
+        student = gather_logprobs(logits, np.asarray(tokens, np.int64))
+        teacher_logp = np.asarray(teacher.score(prompt, tokens), np.float32)
+        if teacher_logp.shape != (len(tokens),) or not np.all(np.isfinite(teacher_logp)):
+            raise RunFailed("teacher_invalid", "the teacher returned log-probabilities of the wrong shape or "
+                                               "non-finite values")
+        content = tokens[:-1] if generation.finish_reason == "stop" and tokens[-1] in sampling.stop_token_ids \
+            else tokens
+        stats.update(entropy=objectives.mean_entropy(logits), repetition=objectives.repetition_rate(content),
+                     kl=float(np.mean(student.astype(np.float64) - teacher_logp)))
+    return tokens, teacher_logp, stats
+
+
+def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts, sampling, rng,
+           loop, latest, hooks):
+    config = admission.effective_config
+    interval = config["checkpoint_interval"]
+    guardrails = Guardrails(config["guardrails"])
+    started = time.perf_counter()
+    while loop.step < admission.total_steps:
+        chosen, empties = [], 0
+        while len(chosen) < config["candidates_per_step"]:
+            index = loop.candidate
+            prompt = prompts[index % len(prompts)]
+            tokens, teacher_logp, stats = _sample(model, tokenizer, teacher, prompt, sampling, rng)
+            loop.candidate += 1
+            loop.candidates.append({"candidate": index, "prompt": index % len(prompts), "tokens": len(tokens),
+                                    "empty": stats["empty"], "update_step": None if stats["empty"] else loop.step + 1})
+            guardrails.observe(loop, stats)
+            guardrails.check(loop)
+            if stats["empty"]:
+                empties += 1
+                loop.idle += 1
+                if loop.idle >= MAX_IDLE_CANDIDATES:
+                    raise RunFailed("no_update", f"{loop.idle} consecutive candidates produced empty completions "
+                                                 "and no update; the student has collapsed or the stop strings "
+                                                 "end every completion")
+                continue
+            loop.idle = 0
+            chosen.append((prompt, tokens, teacher_logp, stats))
+        kls, token_count = [], 0
+        for prompt, tokens, teacher_logp, _ in chosen:
+            sequence = np.asarray(prompt + tokens, np.int64)
+            inputs = sequence[None, :-1]  # [1,T]
+            targets = np.full(inputs.shape, IGNORE_INDEX, np.int64)
+            targets[0, len(prompt) - 1:] = tokens
+            mask = targets != IGNORE_INDEX
+            aligned = np.zeros(inputs.shape, np.float32)
+            aligned[0, len(prompt) - 1:] = teacher_logp
+            captured = {}
+
+            def coefficients(logp, aligned=aligned, mask=mask):
+                kl, c, _ = objectives.opd_terms(logp, aligned, mask, len(chosen))
+                captured["kl"] = kl
+                return c
+
+            model.forward_backward_weighted(inputs, targets, coefficients)
+            kls.append(captured["kl"])
+            token_count += len(tokens)
+        loss = float(np.mean(kls))
+        grad_norm, clipped, learning_rate = clip_and_step(config, optimizer, adapters, loop.step,
+                                                          admission.total_steps, loss)
+        loop.step += 1
+        metrics = {
+            "kl": loss,
+            "entropy": float(np.mean([s["entropy"] for *_, s in chosen])),
+            "repetition_rate": float(np.mean([s["repetition"] for *_, s in chosen])),
+            "empty_candidates": empties,
+            "candidates_consumed": loop.candidate,
+            "tokens": token_count,
+            "grad_norm": grad_norm,
+            "clipped": clipped,
+            "learning_rate": learning_rate,
+        }
+        loop.losses.append(loss)
+        loop.metrics.append(metrics)
+        hooks.on_step({"step": loop.step, "loss": loss, **metrics,
+                       "elapsed_seconds": time.perf_counter() - started})
+        done = loop.step >= admission.total_steps
+        cancel = not done and hooks.should_cancel()
+        if interval and (loop.step % interval == 0 or done or cancel):
+            loop.rollout = rng.state()
+            latest = _publish(admission, settings, model, optimizer, loop, records, done, hooks)
+        if cancel:
+            hooks.on_event("info", f"cancelled after step {loop.step}")
+            return RunResult("cancelled", loop.step, latest, list(loop.losses))
+    return RunResult("succeeded", loop.step, latest, list(loop.losses))
+
+
+def _publish(admission, settings, model, optimizer, loop: OPDLoop, records, complete, hooks):
+    started = time.perf_counter()
+    files, scalars = optimizer_files(model, optimizer)
+    config = admission.effective_config
+    document = {
+        "optimizer": scalars,
+        "loop": {"step": loop.step, "candidate": loop.candidate, "idle": loop.idle},
+        "scheduler": {"step": loop.step},
+        "loss_history": loop.losses,
+        "metric_history": loop.metrics,
+        "candidates": loop.candidates,
+        "guardrails": {"config": config["guardrails"], "window": loop.window},
+        "rng": {"rollout": loop.rollout, "lora_init": {"seed": admission.effective_seed}},
+        "teacher": admission.identities["teacher"],
+        "base_adapter": admission.identities["base_adapter"],
+    }
+    files[STATE_FILE] = state_bytes(document)
+    snapshot_seconds = time.perf_counter() - started
+    n = len(records)
+    cursor = {"candidate": loop.candidate, "prompt": loop.candidate % n, "epoch": loop.candidate // n,
+              "prompt_sha256": sha256_hex(canonical(records[loop.candidate % n]))}
+    progress = {"next_cursor": cursor, "complete": complete,
+                "teacher": {"alias": admission.identities["teacher"]["alias"],
+                            "identity_revision": admission.identities["teacher"]["identity_revision"],
+                            "content_revision": admission.identities["teacher"]["content_revision"]}}
+    extra = {"teacher": admission.identities["teacher"], "base_adapter": admission.identities["base_adapter"]}
+    return publish(admission, settings, loop.step, files, progress, hooks, snapshot_seconds, extra)

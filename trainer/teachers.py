@@ -1,0 +1,258 @@
+"""Teacher aliases for on-policy distillation: the alias spec, its two revisions, and the scorers.
+
+A teacher alias `name@route` is configuration the control plane registers; it resolves an alias
+to a spec dict and hands it to the OPD run. Routes:
+
+- `native`: a registered base (optionally with a PEFT adapter directory) run in-process;
+- `openai`: an OpenAI-compatible `/v1/completions` endpoint (vLLM, Kiln serving) asked for
+  prompt log-probabilities with `echo` and `logprobs`.
+
+Each alias has an identity revision, the SHA-256 of its canonical configuration (what the alias
+says), and a content revision, the SHA-256 of what it scores with: for `native` the base's
+content identity plus the adapter files' digests; for `openai` what the endpoint reports about
+the model (its id and root, and a content digest from the `X-Kiln-Content-Digest` header or a
+`digest` field of `/v1/models/{model}` when the server reports one). A teacher scores the
+student's sampled tokens: log p_teacher(completion_t | prompt, completion_<t), float32.
+"""
+
+import hashlib
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROUTES = ("native", "openai")
+IDENTITY_FIELDS = ("alias", "route", "base", "adapter", "endpoint", "model")
+DIGEST_HEADER = "X-Kiln-Content-Digest"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+REQUEST_TIMEOUT = 120.0  # seconds per endpoint request; a teacher that hangs must not hang the run
+_ALIAS = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,99})@(?P<route>[a-z0-9_-]{1,32})\Z")
+
+
+class TeacherError(Exception):
+    """A teacher that cannot be used; `code` is stable, `differences` lists what changed."""
+
+    def __init__(self, code: str, message: str, differences=None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.differences = list(differences or [])
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def identity_revision(config: dict) -> str:
+    """SHA-256 of the alias's canonical configuration (the IDENTITY_FIELDS, absent ones null)."""
+    return hashlib.sha256(_canonical({k: config.get(k) for k in IDENTITY_FIELDS})).hexdigest()
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    alias: str
+    route: str
+    base: str | None = None  # native: a registered base name
+    adapter: str | None = None  # native: a PEFT adapter directory, or None
+    endpoint: str | None = None  # openai: the server root, e.g. http://host:8000 (…/v1 is appended)
+    model: str | None = None  # openai: the served model id
+
+    def config(self) -> dict:
+        return {k: getattr(self, k) for k in IDENTITY_FIELDS}
+
+    @property
+    def identity_revision(self) -> str:
+        return identity_revision(self.config())
+
+    def to_dict(self) -> dict:
+        return {**self.config(), "identity_revision": self.identity_revision}
+
+
+def parse_teacher(value) -> TeacherSpec:
+    """The spec of a resolved alias dict; ValueError saying what is wrong.
+
+    A given `identity_revision` must be the one its configuration hashes to (the control plane
+    computes it with `identity_revision`); a spec whose revision does not match was edited.
+    """
+    if not isinstance(value, dict):
+        raise ValueError("must be the resolved alias: {alias, route, base, adapter, endpoint, model, "
+                         "identity_revision}")
+    unknown = sorted(set(value) - set(IDENTITY_FIELDS) - {"identity_revision"})
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+    alias = value.get("alias")
+    match = _ALIAS.match(alias) if isinstance(alias, str) else None
+    if match is None:
+        raise ValueError(f"alias {alias!r} must look like name@route")
+    route = value.get("route", match["route"])
+    if route not in ROUTES:
+        raise ValueError(f"route {route!r} is not one of {', '.join(ROUTES)}")
+    if match["route"] in ROUTES and match["route"] != route:
+        raise ValueError(f"alias {alias!r} names route {match['route']!r} but the spec says {route!r}")
+    for key in ("base", "adapter", "endpoint", "model"):
+        if value.get(key) is not None and (not isinstance(value[key], str) or not value[key]):
+            raise ValueError(f"{key} must be a non-empty string or null")
+    if route == "native":
+        if not value.get("base"):
+            raise ValueError("a native teacher needs base (a registered base name)")
+        if value.get("endpoint") or value.get("model"):
+            raise ValueError("a native teacher has no endpoint or model")
+        if value.get("adapter") is not None and not Path(value["adapter"]).is_absolute():
+            raise ValueError("adapter must be an absolute path to a PEFT adapter directory")
+    else:
+        endpoint = value.get("endpoint")
+        if not endpoint or not re.match(r"https?://[^\s/]+", endpoint):
+            raise ValueError("an openai teacher needs endpoint, an http(s) URL")
+        if not value.get("model"):
+            raise ValueError("an openai teacher needs model (the served model id)")
+        if value.get("base") or value.get("adapter"):
+            raise ValueError("an openai teacher has no base or adapter")
+    spec = TeacherSpec(alias=alias, route=route, base=value.get("base"), adapter=value.get("adapter"),
+                       endpoint=value.get("endpoint"), model=value.get("model"))
+    given = value.get("identity_revision")
+    if given is not None and given != spec.identity_revision:
+        raise ValueError(f"identity_revision {given!r} is not the revision of this configuration "
+                         f"({spec.identity_revision}); the alias spec was edited or resolved incorrectly")
+    return spec
+
+
+# -- content revisions ---------------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _revision(evidence: dict) -> dict:
+    return {"revision": hashlib.sha256(_canonical(evidence)).hexdigest(), "evidence": evidence}
+
+
+def native_content(spec: TeacherSpec, bases_root) -> dict:
+    """{"revision", "evidence"}: the base's recomputed content identity and the adapter file digests."""
+    from trainer.bases import verify_base
+    try:
+        base = verify_base(spec.base, bases_root)
+    except (LookupError, ValueError) as error:
+        raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: {error}") from None
+    adapter = None
+    if spec.adapter is not None:
+        directory = Path(spec.adapter)
+        missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
+        if missing:
+            raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: adapter {directory} lacks "
+                                                      f"{', '.join(missing)}")
+        adapter = {name: _file_sha256(directory / name) for name in ADAPTER_FILES}
+    return _revision({"route": "native", "base_identity": base.identity, "adapter_files": adapter,
+                      "tokenizer": base.tokenizer})
+
+
+def _request(url: str, payload=None):
+    """(JSON body, headers) of a GET (payload None) or POST; TeacherError when unreachable or malformed."""
+    data = None if payload is None else json.dumps(payload).encode("utf-8")
+    request = urllib.request.Request(url, data=data, method="GET" if payload is None else "POST",
+                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+            body, headers = response.read(), response.headers
+    except urllib.error.HTTPError as error:
+        detail = error.read()[:300].decode("utf-8", "replace")
+        raise TeacherError("teacher_unavailable", f"{url} answered HTTP {error.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise TeacherError("teacher_unavailable", f"{url} is unreachable: {error}") from None
+    try:
+        return json.loads(body), headers
+    except json.JSONDecodeError:
+        raise TeacherError("teacher_unavailable", f"{url} did not answer JSON") from None
+
+
+def _v1(spec: TeacherSpec) -> str:
+    root = spec.endpoint.rstrip("/")
+    return root if root.endswith("/v1") else root + "/v1"
+
+
+def openai_content(spec: TeacherSpec) -> dict:
+    """{"revision", "evidence"}: what `/v1/models/{model}` reports (id, root, digest)."""
+    body, headers = _request(f"{_v1(spec)}/models/{spec.model}")
+    if not isinstance(body, dict) or body.get("id") != spec.model:
+        raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: the endpoint does not serve model "
+                                                  f"{spec.model!r}")
+    digest = headers.get(DIGEST_HEADER) or body.get("digest")
+    return _revision({"route": "openai", "model": body["id"], "root": body.get("root"), "digest": digest})
+
+
+def content_revision(spec: TeacherSpec, bases_root) -> dict:
+    """Reconstruct the teacher's content revision now: {"revision", "evidence"}."""
+    return native_content(spec, bases_root) if spec.route == "native" else openai_content(spec)
+
+
+# -- scoring ---------------------------------------------------------------------------------
+
+
+class NativeTeacher:
+    """A registered base (with an optional PEFT adapter) scoring in this process."""
+
+    def __init__(self, spec: TeacherSpec, bases_root, **execution_options):
+        from trainer.bases import load_base
+        from trainer.peft import import_adapter
+        self.spec = spec
+        self.model, self.tokenizer = load_base(spec.base, bases_root, verify=True, **execution_options)
+        try:
+            if spec.adapter is not None:
+                import_adapter(self.model, spec.adapter)
+        except (OSError, ValueError) as error:
+            self.model.close()
+            raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: {error}") from None
+
+    def score(self, prompt_ids, completion_ids) -> np.ndarray:
+        from trainer.generation import score_completion
+        return score_completion(self.model, prompt_ids, completion_ids)
+
+    def close(self):
+        self.model.close()
+
+
+class OpenAITeacher:
+    """An OpenAI-compatible completions endpoint asked for prompt log-probabilities (echo)."""
+
+    def __init__(self, spec: TeacherSpec):
+        self.spec = spec
+
+    def score(self, prompt_ids, completion_ids) -> np.ndarray:
+        prompt, completion = [int(t) for t in prompt_ids], [int(t) for t in completion_ids]
+        if not prompt or not completion:
+            raise ValueError("prompt and completion need at least one token each")
+        # token ids, not text, so the teacher scores exactly the student's tokens; max_tokens 1
+        # because some servers refuse 0; the generated token is ignored
+        body, _ = _request(f"{_v1(self.spec)}/completions", {
+            "model": self.spec.model, "prompt": prompt + completion, "max_tokens": 1, "echo": True,
+            "logprobs": 0, "temperature": 0.0})
+        try:
+            values = body["choices"][0]["logprobs"]["token_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise TeacherError("teacher_unavailable", f"teacher {self.spec.alias}: the endpoint returned no "
+                                                      "prompt log-probabilities (echo + logprobs)") from None
+        start, end = len(prompt), len(prompt) + len(completion)
+        if not isinstance(values, list) or len(values) < end or any(
+                not isinstance(v, (int, float)) or isinstance(v, bool) for v in values[start:end]):
+            raise TeacherError("teacher_unavailable", f"teacher {self.spec.alias}: the endpoint's echoed "
+                                                      "log-probabilities do not cover the completion")
+        return np.asarray(values[start:end], dtype=np.float32)
+
+    def close(self):
+        pass
+
+
+def open_teacher(spec: TeacherSpec, bases_root, **execution_options):
+    """A scorer with score(prompt_ids, completion_ids) -> float32 [n] and close()."""
+    if spec.route == "native":
+        return NativeTeacher(spec, bases_root, **execution_options)
+    return OpenAITeacher(spec)
