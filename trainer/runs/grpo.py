@@ -26,6 +26,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
+from trainer.runs.sft import publish_final
 from trainer.runs.common import (BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
                                  AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
                                  adapter_values, canonical, check_planning_schema, check_shared, clip_and_step,
@@ -614,8 +615,9 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
                     batch.ref = {int(k.split("/")[1]): v for k, v in rollout.items() if k.startswith("ref/")}
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            return _train(admission, settings, model, tokenizer, optimizer, adapters, source, loop, reference,
-                          batch, latest, hooks)
+            result = _train(admission, settings, model, tokenizer, optimizer, adapters, source, loop, reference,
+                            batch, latest, hooks)
+            return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         source.close()
         model.close()

@@ -26,6 +26,7 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
+from trainer.runs.sft import publish_final
 from trainer.runs.common import (BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
                                  AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
                                  canonical, check_planning_schema, check_shared, clip_and_step,
@@ -432,8 +433,9 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}, candidate "
                                        f"{loop.candidate}")
-            return _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts,
-                          sampling, rng, loop, latest, hooks)
+            result = _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts,
+                            sampling, rng, loop, latest, hooks)
+            return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         if teacher is not None:
             teacher.close()

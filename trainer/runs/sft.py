@@ -587,6 +587,16 @@ def _restore_state(loaded, model, optimizer, loop: LoopState):
         raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
 
 
+def publish_final(result: RunResult, model, settings: RunSettings, adapter: str, base_model: str,
+                  hooks) -> RunResult:
+    """On success, publish the PEFT snapshot of the trained adapter beside its checkpoints."""
+    if result.status == "succeeded":
+        result.final_adapter = publish_final_adapter(model, settings.registry, adapter, base_model)
+        hooks.on_event("info", f"published the final adapter {adapter} "
+                               f"(sha256 {result.final_adapter['adapter_sha256'][:12]})")
+    return result
+
+
 class _NullHooks:
     def on_step(self, metrics):
         pass
@@ -679,12 +689,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
             result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
                             latest, hooks)
-            if result.status == "succeeded":
-                result.final_adapter = publish_final_adapter(model, settings.registry, admission.adapter,
-                                                             config["base_model"])
-                hooks.on_event("info", f"published the final adapter {admission.adapter} "
-                                       f"(sha256 {result.final_adapter['adapter_sha256'][:12]})")
-            return result
+            return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         model.close()
 

@@ -1,0 +1,30 @@
+"""kiln qualify: fresh-repeat and cancel-then-resume equivalence with a receipt."""
+
+import itertools
+import json
+
+from trainer import qualify as qualification
+from trainer.runs import sft
+
+
+def test_every_route_qualifies_and_the_receipt_records_the_envelope(tmp_path):
+    output = tmp_path / "receipt.json"
+    receipt = qualification.qualify(output=output, progress=lambda line: None)
+    assert receipt["passed"] is True
+    assert [r["route"] for r in receipt["routes"]] == ["sft", "grpo_inline", "grpo_streamed", "opd"]
+    for route in receipt["routes"]:
+        assert route["mismatches"] == [] and route["outcome"]["status"] == "succeeded"
+        assert route["outcome"]["checkpoint_files"] and route["outcome"]["final_adapter"]
+    envelope = receipt["envelope"]
+    assert {"model", "execution", "tokenizer", "data"} <= set(envelope)
+    assert {"backend", "precision", "kernel_contract", "native_builds", "blas"} <= set(envelope["execution"])
+    assert json.loads(output.read_text()) == receipt
+
+
+def test_a_nondeterministic_run_fails_qualification(monkeypatch):
+    counter = itertools.count()
+    real = sft.epoch_order
+    monkeypatch.setattr(sft, "epoch_order", lambda seed, epoch, count: real(seed + next(counter), epoch, count))
+    receipt = qualification.qualify(routes=["sft"], progress=lambda line: None)
+    assert receipt["passed"] is False
+    assert "repeat.loss_history_sha256" in receipt["routes"][0]["mismatches"]
