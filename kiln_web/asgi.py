@@ -13,8 +13,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-# Consumers land with the dashboard; each app adds its routes here.
-websocket_urlpatterns: list = []
+from kiln_web.dashboard.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {

@@ -33,7 +33,7 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use true/false, 1/0, yes/no or on/off")
 
 
-def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+def env_int(name: str, default: int | None, *, minimum: int | None = None) -> int | None:
     raw = env_str(name)
     if raw is None:
         return default
@@ -52,6 +52,46 @@ def env_path(name: str, default: str | Path) -> Path:
     if not path.is_absolute():
         raise ImproperlyConfigured(f"{name}={raw!r} must be an absolute path (a leading ~ is expanded)")
     return path
+
+
+def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a finite number")
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} is below the minimum of {minimum}")
+    return value
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    if raw.strip() not in choices:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not one of: {', '.join(choices)}")
+    return raw.strip()
+
+
+def env_paths(name: str) -> list[Path]:
+    """A colon-separated list of absolute paths (like PATH); empty entries are skipped."""
+    raw = env_str(name)
+    if raw is None:
+        return []
+    paths = []
+    for item in raw.split(":"):
+        if not item.strip():
+            continue
+        path = Path(item.strip()).expanduser()
+        if not path.is_absolute():
+            raise ImproperlyConfigured(f"{name} entry {item!r} must be an absolute path (entries are separated by ':')")
+        paths.append(path)
+    return paths
 
 
 def env_list(name: str, default: list[str]) -> list[str]:
@@ -86,7 +126,15 @@ def database_config(url: str | None, kiln_home: Path) -> dict:
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": kiln_home / "kiln.sqlite3",
-            "OPTIONS": {"timeout": 20},  # seconds to wait on a lock held by the embedded worker
+            "OPTIONS": {
+                "timeout": 20,  # seconds to wait on a lock held by the embedded worker
+                # take the write lock when a transaction starts: a read-then-write transaction
+                # that upgrades later fails at once with "database is locked" instead of waiting
+                "transaction_mode": "IMMEDIATE",
+                # readers (the API) do not wait for the writer (the worker recording a step); in WAL
+                # mode NORMAL sync cannot corrupt the database, a power cut may drop the last commits
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
         }
     scheme = urlsplit(url).scheme
     if scheme not in {"postgres", "postgresql", "pgsql"}:
@@ -164,7 +212,12 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "ninja",
     "kiln_web.core",
+    "kiln_web.accounts",
+    "kiln_web.adapters",
+    "kiln_web.jobs",
+    "kiln_web.dashboard",
 ]
 
 MIDDLEWARE = [
@@ -203,7 +256,7 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "index"
+LOGIN_REDIRECT_URL = "dashboard:jobs"
 LOGOUT_REDIRECT_URL = "login"
 
 LANGUAGE_CODE = "en-us"
@@ -222,9 +275,9 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DATABASES = {"default": database_config(env_secret("DATABASE_URL"), KILN_HOME)}
 
 # -- broker and channel layer: Redis when REDIS_URL is set, in-process otherwise --
-# Without REDIS_URL the broker is "memory://": tasks only reach a worker in the same
-# process. The embedded worker that `kiln up` runs lands with the control plane; until
-# then a separate `celery worker` needs REDIS_URL.
+# Without REDIS_URL the broker is "memory://" and no task is sent: `kiln up` runs an
+# embedded worker (kiln_web.jobs.worker) that claims queued jobs from the database and runs
+# the same task code. With REDIS_URL, jobs go to Celery's "training" queue.
 
 REDIS_URL = env_secret("REDIS_URL")
 CELERY_BROKER_URL, CHANNEL_LAYERS = broker_config(REDIS_URL)
@@ -233,3 +286,52 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = TIME_ZONE
+CELERY_TASK_IGNORE_RESULT = True  # results live in the job rows; there is no result backend
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1  # a training task runs for minutes: never hold a second one back
+# one queue: `celery -A kiln_web worker -Q training` also runs the lost-job check
+CELERY_TASK_ROUTES = {"kiln.run_training_job": {"queue": "training"}, "kiln.mark_lost_jobs": {"queue": "training"}}
+
+# -- training: where runs read and write, and how workers are watched --
+
+KILN_ADAPTERS_DIR = KILN_HOME / "adapters"  # the adapter registry: checkpoints and final adapters
+KILN_BASES_DIR = KILN_HOME / "bases"  # the base-model registry (trainer.bases)
+KILN_DATASETS_DIR = KILN_HOME / "datasets"  # always a data root
+for _directory in (KILN_ADAPTERS_DIR, KILN_BASES_DIR, KILN_DATASETS_DIR):
+    try:
+        _directory.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ImproperlyConfigured(f"{_directory} cannot be created: {exc.strerror}; check KILN_HOME") from None
+# dataset_path must lie beneath one of these (resolved, so links cannot step outside)
+KILN_DATA_ROOTS = (KILN_DATASETS_DIR, *env_paths("KILN_DATA_ROOTS"))
+# the server-level training.checkpoint_interval: committed steps between checkpoints when a
+# request names none; unset means no periodic checkpoints unless the request asks
+KILN_CHECKPOINT_INTERVAL = env_int("KILN_CHECKPOINT_INTERVAL", None, minimum=1)
+KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda"))
+# largest request body the API reads (inline SFT data is sent in the body)
+KILN_UPLOAD_MAX_BYTES = env_int("KILN_UPLOAD_MAX_BYTES", 64 << 20, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = KILN_UPLOAD_MAX_BYTES
+# a running job's worker writes heartbeat_at this often; a job whose heartbeat is older
+# than KILN_LOST_AFTER_SECONDS is marked lost by the periodic check
+KILN_HEARTBEAT_SECONDS = env_float("KILN_HEARTBEAT_SECONDS", 10.0, minimum=0.1)
+KILN_LOST_AFTER_SECONDS = env_float("KILN_LOST_AFTER_SECONDS", 120.0, minimum=1.0)
+if KILN_LOST_AFTER_SECONDS < 3 * KILN_HEARTBEAT_SECONDS:
+    raise ImproperlyConfigured(
+        f"KILN_LOST_AFTER_SECONDS={KILN_LOST_AFTER_SECONDS:g} must be at least three heartbeats "
+        f"(3 x KILN_HEARTBEAT_SECONDS = {3 * KILN_HEARTBEAT_SECONDS:g}), or live jobs would be marked lost"
+    )
+# how often a running job asks the database whether it was cancelled (at step boundaries)
+KILN_CANCEL_POLL_SECONDS = env_float("KILN_CANCEL_POLL_SECONDS", 1.0, minimum=0.0)
+KILN_WORKER_POLL_SECONDS = env_float("KILN_WORKER_POLL_SECONDS", 2.0, minimum=0.05)  # embedded worker
+# the module with RunSettings, admit_sft, revalidate_sft, run_sft (tests swap in a fake)
+KILN_SFT_RUNNER = env_str("KILN_SFT_RUNNER", "trainer.runs.sft")
+KILN_CHECKPOINT_MODULE = env_str("KILN_CHECKPOINT_MODULE", "trainer.runs.checkpoint_dir")
+CELERY_BEAT_SCHEDULE = {
+    "kiln-mark-lost-jobs": {"task": "kiln.mark_lost_jobs", "schedule": max(KILN_LOST_AFTER_SECONDS / 2, 5.0)},
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"kiln": {"handlers": ["console"], "level": env_choice("KILN_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))}},
+}

@@ -1,13 +1,15 @@
-"""URL routes: the landing page, health check, sign-in and the admin."""
+"""URL routes: the dashboard at the root, health check, sign-in, the admin and the /v1/ API."""
 
 from django.contrib import admin
 from django.urls import include, path
 
+from kiln_web.api import api
 from kiln_web.core import views
 
 urlpatterns = [
-    path("", views.index, name="index"),
     path("healthz", views.healthz, name="healthz"),
     path("accounts/", include("django.contrib.auth.urls")),
     path("admin/", admin.site.urls),
+    path("v1/", api.urls),
+    path("", include("kiln_web.dashboard.urls")),
 ]

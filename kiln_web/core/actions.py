@@ -17,3 +17,8 @@ def do_ensure_admin() -> str | None:
         password = secrets.token_urlsafe(12)
         User.objects.create_superuser(username=ADMIN_USERNAME, email="", password=password)  # stored hashed
     return password
+
+
+def first_superuser():
+    """The superuser `kiln up` gives an API token: the first one created (normally "admin")."""
+    return get_user_model().objects.filter(is_superuser=True, is_active=True).order_by("pk").first()

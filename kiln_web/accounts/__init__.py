@@ -1,0 +1,1 @@
+"""API tokens: created once, printed once, stored as a SHA-256 hash."""

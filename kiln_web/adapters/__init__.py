@@ -1,0 +1,1 @@
+"""Adapters (named training outputs with an owner) and the index of their published checkpoints."""

@@ -1,0 +1,107 @@
+"""The /v1/ HTTP API: one NinjaAPI with bearer-token auth on every operation and one error shape.
+
+Every refusal is `{"error": {"code", "message", "field"?, "differences"?}}`. The schema at
+/v1/openapi.json (and the browsable /v1/docs) is generated from the routers' schemas and
+is the source of truth for request and response fields; it needs a token or a signed-in session.
+"""
+
+from functools import wraps
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import Http404, HttpRequest
+from ninja import NinjaAPI
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security import HttpBearer
+
+from kiln_web.accounts.actions import authenticate_token
+from kiln_web.core.http import error_response
+from kiln_web.jobs.api import router as train_router
+
+
+class BearerToken(HttpBearer):
+    def authenticate(self, request: HttpRequest, token: str):
+        user = authenticate_token(token)
+        if user is not None:
+            request.user = user
+        return user
+
+
+UNAUTHORIZED = ("a valid API token is required: send 'Authorization: Bearer <token>' "
+                "(create one with: kiln token create --user NAME)")
+
+
+def _docs_access(view):
+    """The schema and docs: for a bearer token or a signed-in session, like every other endpoint."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args, **kwargs):
+        if not request.user.is_authenticated and BearerToken()(request) is None:
+            return error_response(401, "unauthorized", UNAUTHORIZED)
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+api = NinjaAPI(
+    title="Kiln API",
+    version="1",
+    description="Training jobs, checkpoints and metrics. Send 'Authorization: Bearer <token>' on every request.",
+    auth=BearerToken(),
+    urls_namespace="v1",
+    docs_decorator=_docs_access,
+)
+
+
+def _field(location) -> str | None:
+    parts = [str(part) for part in location]
+    if parts and parts[0] in {"body", "query", "path"}:
+        parts = parts[1:]
+    if parts and parts[0] in {"payload", "body"}:  # the operation's parameter name
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def _sentence(error: dict) -> str:
+    kind = error.get("type", "")
+    field = _field(error.get("loc", ())) or "the request"
+    if kind == "extra_forbidden":
+        return f"unknown field {field!r}; /v1/openapi.json lists the accepted fields"
+    if kind == "missing":
+        return f"{field} is required"
+    return f"{field}: {error.get('msg', 'invalid value')}"
+
+
+@api.exception_handler(ValidationError)
+def _invalid(request, exc: ValidationError):
+    errors = exc.errors or [{}]
+    message = "; ".join(_sentence(error) for error in errors)
+    return error_response(400, "invalid_request", message, field=_field(errors[0].get("loc", ())))
+
+
+@api.exception_handler(AuthenticationError)
+def _unauthorized(request, exc):
+    return error_response(401, "unauthorized", UNAUTHORIZED)
+
+
+@api.exception_handler(Http404)
+def _not_found(request, exc):
+    return error_response(404, "not_found", str(exc) or "no such resource")
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_large(request, exc):
+    from django.conf import settings
+
+    return error_response(413, "request_too_large",
+                          f"the request body is larger than KILN_UPLOAD_MAX_BYTES ({settings.KILN_UPLOAD_MAX_BYTES} "
+                          "bytes); put the dataset in a data root and send dataset_path instead")
+
+
+@api.exception_handler(HttpError)
+def _http_error(request, exc: HttpError):
+    codes = {400: "invalid_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+             409: "conflict", 413: "request_too_large"}
+    return error_response(exc.status_code, codes.get(exc.status_code, "error"), exc.message)
+
+
+api.add_router("/train/", train_router)

@@ -1,0 +1,124 @@
+"""A small client for the /v1/ API, used by the `kiln` command (standard library only).
+
+The server URL and token come from KILN_URL and KILN_TOKEN, else from the config file
+$XDG_CONFIG_HOME/kiln/cli.json (default ~/.config/kiln/cli.json): {"url": ..., "token": ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ApiError(Exception):
+    """A refusal from the server (status, code, message, the whole error object) or no answer at all."""
+
+    def __init__(self, status: int | None, error: dict):
+        self.status, self.error = status, error
+        self.code = error.get("code", "error")
+        self.message = error.get("message", "")
+        super().__init__(f"{self.code}: {self.message}")
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "kiln" / "cli.json"
+
+
+def load_config() -> tuple[str, str | None]:
+    """(url, token): the environment first, then the config file."""
+    stored: dict = {}
+    path = config_path()
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ApiError(None, {"code": "config_unreadable", "message": f"{path} cannot be read as JSON: {exc}"})
+        if not isinstance(stored, dict):
+            raise ApiError(None, {"code": "config_unreadable", "message": f"{path} must hold a JSON object"})
+    url = os.environ.get("KILN_URL") or stored.get("url") or DEFAULT_URL
+    token = os.environ.get("KILN_TOKEN") or stored.get("token")
+    return url.rstrip("/"), token
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 300.0):
+        configured_url, configured_token = load_config() if url is None or token is None else (url, token)
+        self.url = (url or configured_url).rstrip("/")
+        self.token = token or configured_token
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: dict | None = None, query: dict | None = None) -> dict:
+        if not self.token:
+            raise ApiError(None, {"code": "no_token", "message": "no API token: set KILN_TOKEN (or \"token\" in "
+                                  f"{config_path()}); create one with: kiln token create --user NAME"})
+        url = f"{self.url}/v1{path}"
+        if query:
+            url += "?" + urllib.parse.urlencode({key: value for key, value in query.items() if value is not None})
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                error = json.loads(raw)["error"]
+            except (ValueError, KeyError, TypeError):
+                error = {"code": f"http_{exc.code}", "message": raw.decode(errors="replace")[:500] or exc.reason}
+            raise ApiError(exc.code, error) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ApiError(None, {"code": "unreachable", "message": f"cannot reach Kiln at {self.url} ({reason}); "
+                                  "is `kiln up` running there? set KILN_URL to its address"}) from None
+
+    def submit_sft(self, body: dict) -> dict:
+        return self.request("POST", "/train/sft", body)
+
+    def job(self, job_id: str) -> dict:
+        return self.request("GET", f"/train/jobs/{job_id}")
+
+    def jobs(self, **query) -> dict:
+        return self.request("GET", "/train/jobs", query=query)
+
+    def cancel(self, job_id: str) -> dict:
+        return self.request("POST", f"/train/jobs/{job_id}/cancel")
+
+
+def local_data_roots() -> list[Path]:
+    """The data roots as this machine's environment configures them ($KILN_HOME/datasets and KILN_DATA_ROOTS);
+    when the CLI runs beside the server these are the server's, so a file inside one is sent by path."""
+    home = Path(os.environ.get("KILN_HOME") or "~/.kiln").expanduser()
+    roots = [home / "datasets"]
+    for item in (os.environ.get("KILN_DATA_ROOTS") or "").split(":"):
+        if item.strip() and Path(item.strip()).expanduser().is_absolute():
+            roots.append(Path(item.strip()).expanduser())
+    return roots
+
+
+def within_data_root(path: Path) -> bool:
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root.resolve()) and resolved != root.resolve() for root in local_data_roots())
+
+
+def read_jsonl(path: Path) -> list:
+    """The records of a JSONL file, refusing a line that is not JSON with its number."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError as exc:
+                raise ApiError(None, {"code": "invalid_file", "message": f"{path}:{number} is not JSON ({exc})"})
+    return records

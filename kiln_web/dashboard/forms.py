@@ -1,0 +1,387 @@
+"""New-job forms generated from the API's request schemas, so the browser offers every field the API does.
+
+A `JobForm` subclass names a request schema (a pydantic model from the API) and the training
+kind. Each leaf of the schema's `config` becomes one form field (nested objects become
+fieldsets); each other top-level field is a data source: a string is a path, a list of
+records is a JSONL upload. A valid form holds `body`, the request as the API would receive
+it, already checked by the same schema. Admission then runs in `do_submit_job`, exactly as
+for the API; its refusals come back through `add_refusal` and land next to their fields.
+
+Adding a kind: subclass JobForm with its request schema and register it in JOB_FORMS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass
+
+import pydantic
+from annotated_types import Ge, Gt
+from django import forms
+from django.conf import settings
+from pydantic_core import PydanticUndefined
+
+from kiln_web.jobs.models import JobKind
+from kiln_web.jobs.schemas import SFTRequest
+
+# Labels where the field name alone reads badly; any other field is its name, humanised.
+LABELS = {
+    "output_name": "Adapter name",
+    "lr_schedule": "Learning-rate schedule",
+    "lora": "LoRA",
+    "use_rslora": "rsLoRA scaling",
+    "max_grad_norm": "Max gradient norm",
+    "max_sequence_length": "Max sequence length",
+    "dataset_path": "Dataset path",
+    "data": "Upload a JSONL file",
+    "double_quantization": "Double quantization",
+    "type": "Type",
+    "resume_checkpoint": "Resume checkpoint",
+}
+# Top-level config fields shown in a fieldset of their own instead of "Run".
+SECTION_OF = {"seed": "Checkpoints and seed", "checkpoint_interval": "Checkpoints and seed",
+              "resume_checkpoint": "Checkpoints and seed"}
+# Fields whose null means something other than "the server default": a checkbox sends null.
+EXPLICIT_NULL = {"config.max_grad_norm": "No gradient clipping"}
+BOOLEAN_CHOICES = [("", "server default"), ("true", "yes"), ("false", "no")]
+DEFAULT_HINT = re.compile(r"absent: ([^;]+)")
+
+
+def _label(name: str) -> str:
+    return LABELS.get(name) or name.replace("_", " ").capitalize()
+
+
+def _unwrap(annotation) -> tuple[typing.Any, bool]:
+    """(the annotation without None, whether None was allowed)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def _is_model(annotation) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
+
+
+def _minimum(info, integer: bool):
+    for item in info.metadata:
+        if isinstance(item, Ge):
+            return item.ge
+        if isinstance(item, Gt) and integer:
+            return item.gt + 1
+    return None
+
+
+def _placeholder(info, fallback: str = "server default") -> str:
+    """What a blank field becomes: the schema default, or the short "absent: X" hint of its description."""
+    if info.default is not None and info.default is not PydanticUndefined:
+        return str(info.default)
+    match = DEFAULT_HINT.search(info.description or "")
+    if match and len(match.group(1).strip()) <= 24:
+        return match.group(1).strip()
+    return fallback
+
+
+@dataclass
+class Fieldset:
+    title: str
+    help: str
+    names: list[str]
+
+
+@dataclass
+class Leaf:
+    """One form field and where its value goes in the request."""
+
+    name: str  # form field name: the path with "__" (config. dropped)
+    path: tuple[str, ...]  # ("config", "lora", "rank")
+    shape: str  # text, int, float, bool, choice, list, records
+
+
+class JobForm(forms.Form):
+    """Subclasses set `request_schema` (the API's pydantic request model) and `kind`."""
+
+    request_schema: type[pydantic.BaseModel]
+    kind: str
+    title: str
+    leaves: dict[str, Leaf]
+    fieldsets: list[Fieldset]
+    source_names: list[str]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.leaves, cls.fieldsets, cls.source_names = {}, [], []
+        cls._field_factories = {}
+        cls._collect(cls.request_schema, (), True, None)
+
+    # -- building the fields from the schema --
+
+    @classmethod
+    def _collect(cls, model, path: tuple[str, ...], required: bool, fieldset: Fieldset | None) -> None:
+        for name, info in model.model_fields.items():
+            annotation, _ = _unwrap(info.annotation)
+            here = path + (name,)
+            if _is_model(annotation):  # config itself, or an object inside it: a fieldset of its own
+                top = here == ("config",)
+                child = cls._fieldset("Run" if top else _label(name), "" if top else info.description or "")
+                cls._collect(annotation, here, required and info.is_required(), child)
+                continue
+            if not path:  # beside config: a data source
+                target = cls._fieldset("Data", "", first=True)
+                cls.source_names.append(name)
+            elif len(path) == 1 and name in SECTION_OF:
+                target = cls._fieldset(SECTION_OF[name], "")
+            else:
+                target = fieldset
+            form_name = "__".join(here[1:] if here[0] == "config" else here)
+            shape, factory = cls._factory(name, annotation, info, required and info.is_required())
+            cls.leaves[form_name] = Leaf(form_name, here, shape)
+            cls._field_factories[form_name] = factory
+            target.names.append(form_name)
+            dotted = ".".join(here)
+            if dotted in EXPLICIT_NULL:
+                cls._field_factories[form_name + "__null"] = (lambda label=EXPLICIT_NULL[dotted]: forms.BooleanField(
+                    required=False, label=label))
+                target.names.append(form_name + "__null")
+
+    @classmethod
+    def _fieldset(cls, title: str, help_text: str, first: bool = False) -> Fieldset:
+        for fieldset in cls.fieldsets:
+            if fieldset.title == title:
+                return fieldset
+        fieldset = Fieldset(title, help_text, [])
+        cls.fieldsets.insert(0, fieldset) if first else cls.fieldsets.append(fieldset)
+        return fieldset
+
+    @classmethod
+    def _factory(cls, name, annotation, info, required):
+        common = {"label": _label(name), "help_text": info.description or "", "required": required}
+        origin = typing.get_origin(annotation)
+        if origin is typing.Literal:
+            if info.is_required():  # required inside an optional object: blank leaves the object out
+                blank = "none"
+            elif info.default is not None:
+                blank = f"server default ({info.default})"
+            else:
+                hint = _placeholder(info, fallback="")
+                blank = f"server default ({hint})" if hint else "server default"
+            choices = [("", blank)] + [(value, value) for value in typing.get_args(annotation)]
+            return "choice", lambda: forms.ChoiceField(choices=choices, **{**common, "required": False})
+        if annotation is bool:
+            return "bool", lambda: forms.ChoiceField(choices=BOOLEAN_CHOICES, **{**common, "required": False})
+        if annotation is int:
+            minimum = _minimum(info, integer=True)
+            return "int", lambda: forms.IntegerField(
+                min_value=minimum, widget=forms.NumberInput(attrs={"placeholder": _placeholder(info)}), **common)
+        if annotation is float:
+            return "float", lambda: forms.FloatField(
+                widget=forms.NumberInput(attrs={"placeholder": _placeholder(info), "step": "any"}), **common)
+        if origin is list:
+            (item,) = typing.get_args(annotation) or (str,)
+            if item is str:
+                return "list", lambda: forms.CharField(
+                    widget=forms.TextInput(attrs={"placeholder": _placeholder(info)}),
+                    **{**common, "help_text": (info.description or "") + " (comma-separated)"})
+            return "records", lambda: forms.FileField(
+                widget=forms.ClearableFileInput(attrs={"accept": ".jsonl,.json,application/json,text/plain"}),
+                **{**common, "required": False,
+                   "help_text": "JSONL, one record per line: " + (info.description or "")})
+        attrs = {"placeholder": _placeholder(info, fallback="") if not required else ""}
+        if name in ("dataset_path", "resume_checkpoint", "output_name", "base_model"):
+            attrs |= {"autocomplete": "off", "spellcheck": "false"}
+        return "text", lambda: forms.CharField(widget=forms.TextInput(attrs=attrs), **common)
+
+    # -- the form itself --
+
+    def __init__(self, *args, resume_from: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.resume_from = resume_from  # the checkpoint a prepared resume continues (changes the messages)
+        for name, factory in self._field_factories.items():
+            self.fields[name] = factory()
+        self.body: dict | None = None
+        self.payload: dict | None = None
+        self.refusal: dict | None = None
+
+    def grouped(self):
+        """[(fieldset, [bound fields])] in schema order, for the template."""
+        return [(fieldset, [self[name] for name in fieldset.names]) for fieldset in self.fieldsets if fieldset.names]
+
+    def clean(self):
+        cleaned = super().clean()
+        supplied = [name for name in self.source_names if self._present(cleaned.get(name))]
+        if not supplied:
+            message = ("Supply the training data again: the checkpoint keeps no copy of inline data. Upload the "
+                       "identical file (or give the dataset path the run used)."
+                       if self.resume_from else "Upload a JSONL file or give a dataset path.")
+            self.add_error(self.source_names[0] if self.source_names else None, message)
+            return cleaned
+        if len(supplied) > 1:
+            self.add_error(supplied[-1], "Give one data source, not both.")
+            return cleaned
+        if self.errors:
+            return cleaned
+        body = self._body(cleaned)
+        if body is None:
+            return cleaned
+        try:
+            payload = self.request_schema.model_validate(body)
+        except pydantic.ValidationError as exc:
+            for error in exc.errors():
+                self._add_at(tuple(str(part) for part in error.get("loc", ())), error.get("msg", "invalid value"))
+            return cleaned
+        self.body, self.payload = body, payload.model_dump(exclude_unset=True)
+        return cleaned
+
+    @staticmethod
+    def _present(value) -> bool:
+        return value not in (None, "", [])
+
+    def _body(self, cleaned) -> dict | None:
+        body: dict = {}
+        for name, leaf in self.leaves.items():
+            value = cleaned.get(name)
+            if cleaned.get(name + "__null"):
+                value = None
+                self._put(body, leaf.path, None)
+                continue
+            if not self._present(value):
+                continue
+            if leaf.shape == "bool":
+                value = value == "true"
+            elif leaf.shape == "list":
+                value = [item.strip() for item in value.split(",") if item.strip()]
+            elif leaf.shape == "records":
+                value = self._records(name, value)
+                if value is None:
+                    return None
+            elif leaf.shape == "text":
+                value = value.strip()
+            self._put(body, leaf.path, value)
+        body.setdefault("config", {})
+        return body
+
+    @staticmethod
+    def _put(body: dict, path: tuple[str, ...], value) -> None:
+        for part in path[:-1]:
+            body = body.setdefault(part, {})
+        body[path[-1]] = value
+
+    def _records(self, name: str, upload) -> list | None:
+        """An uploaded JSONL file as a list of records (one JSON object per non-empty line)."""
+        if upload.size > settings.KILN_UPLOAD_MAX_BYTES:
+            self.add_error(name, f"The file is larger than KILN_UPLOAD_MAX_BYTES ({settings.KILN_UPLOAD_MAX_BYTES} "
+                                 "bytes); put it in a data root and give its dataset path instead.")
+            return None
+        try:
+            text = upload.read().decode("utf-8")
+        except UnicodeDecodeError:
+            self.add_error(name, "The file is not UTF-8 text.")
+            return None
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                self.add_error(name, f"Line {number} is not JSON: {exc.msg}.")
+                return None
+            if not isinstance(record, dict):
+                self.add_error(name, f"Line {number} is not a JSON object.")
+                return None
+            records.append(record)
+        if not records:
+            self.add_error(name, "The file holds no records.")
+            return None
+        return records
+
+    # -- refusals, from the schema or from admission --
+
+    def field_for(self, path: tuple[str, ...]) -> str | None:
+        """The form field for a request path (("config", "lora", "rank") or "config.lora.rank"), or the first
+        field of the fieldset it names; None when no field matches."""
+        for leaf in self.leaves.values():
+            if leaf.path == path:
+                return leaf.name
+        for leaf in self.leaves.values():
+            if path and leaf.path[:len(path)] == path:
+                return leaf.name
+        return None
+
+    def _add_at(self, path: tuple[str, ...], message: str) -> None:
+        name = self.field_for(path)
+        if name is None:
+            where = ".".join(path)
+            self.add_error(None, f"{where}: {message}" if where else message)
+        else:
+            self.add_error(name, message)
+
+    def add_refusal(self, status: int, error: dict) -> None:
+        """Show an admission refusal ({code, message, field?, differences?}) where it belongs."""
+        self.refusal = {"status": status, **error}
+        if error.get("differences"):
+            return  # the template shows the drift table
+        where = error.get("field")
+        if where:
+            self._add_at(tuple(where.split(".")), error["message"])
+        elif error.get("code") in CHECKPOINT_CODES and "resume_checkpoint" in self.fields:
+            self.add_error("resume_checkpoint", error["message"])
+        elif error.get("code", "").startswith("dataset") and "dataset_path" in self.fields:
+            self.add_error("dataset_path", error["message"])
+        else:
+            self.add_error(None, error["message"])
+
+    # -- prefilling from a job (prepare resume) --
+
+    @classmethod
+    def initial_from(cls, config: dict, request: dict, resume_checkpoint: str | None) -> dict:
+        """Form values from an effective configuration: every field the schema knows, the data source
+        path when the run read a file, no inline records (the checkpoint cannot reconstruct them)."""
+        initial: dict = {}
+        for name, leaf in cls.leaves.items():
+            if leaf.path[0] == "config":
+                node, found = config, True
+                for part in leaf.path[1:]:
+                    if not isinstance(node, dict) or part not in node:
+                        found = False
+                        break
+                    node = node[part]
+                if not found:
+                    continue
+                if node is None:
+                    if ".".join(leaf.path) in EXPLICIT_NULL:
+                        initial[name + "__null"] = True
+                    continue
+                if leaf.shape == "bool":
+                    node = "true" if node else "false"
+                elif leaf.shape == "list":
+                    node = ", ".join(map(str, node))
+                initial[name] = node
+            elif leaf.shape != "records" and isinstance(request.get(leaf.path[0]), str):
+                initial[name] = request[leaf.path[0]]
+        if resume_checkpoint and "resume_checkpoint" in cls.leaves:
+            initial["resume_checkpoint"] = resume_checkpoint
+        return initial
+
+
+CHECKPOINT_CODES = {"not_found", "noncanonical_name", "outside_registry", "not_a_checkpoint", "wrong_kind",
+                    "wrong_adapter", "incomplete", "missing_manifest", "missing_file", "extra_file",
+                    "size_mismatch", "checksum_mismatch", "inconsistent_state", "symlink", "hard_link",
+                    "bad_field", "bad_path", "unknown_field", "untracked_file", "unsupported_schema",
+                    "unsupported_type", "planning_schema", "checkpoint_invalid"}
+
+
+class SFTJobForm(JobForm):
+    request_schema = SFTRequest
+    kind = JobKind.SFT
+    title = "SFT"
+
+
+# The new-job pages, by training kind. GRPO and OPD join here with their request schemas
+# (JobForm subclasses like SFTJobForm) once their API endpoints and JobKind values exist.
+JOB_FORMS: dict[str, type[JobForm]] = {JobKind.SFT: SFTJobForm}

@@ -1,0 +1,306 @@
+"""What the dashboard pages show, read from the database and the adapter registry; nothing here changes state.
+
+The registry on disk is the authority for checkpoints: a panel reports a checkpoint as
+usable only after the light validation (`load_checkpoint(full=False)`: manifest, file set,
+sizes; nothing hashed) passed just now. Resume admission does the full SHA-256 proof.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from django.conf import settings
+
+from kiln_web.adapters.models import Adapter, CheckpointRecord
+from kiln_web.jobs import runtime
+from kiln_web.jobs.models import ACTIVE_STATUSES, JobMetric, JobStatus, TrainingJob
+
+PEFT_CONFIG = "adapter_config.json"  # what marks a PEFT snapshot directory (weights only)
+PEFT_WEIGHTS = "adapter_model.safetensors"
+LINEAGE_DEPTH = 20  # earlier runs followed through resume_from for the charts
+EVENT_LIMIT = 300  # newest events shown on job detail
+
+# Charts per training kind: (metric key, title). A chart is drawn when some step carries the key.
+CHARTS = {
+    "sft": [("loss", "Loss")],
+    "grpo": [("loss", "Loss"), ("reward_mean", "Reward (mean)"), ("kl_mean", "KL to reference"),
+             ("clip_region_fraction", "Clip fraction")],
+    "opd": [("kl", "Reverse KL to teacher")],
+}
+STEP_KEYS = ("step", "elapsed_seconds")
+
+TERMINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.LOST)
+
+
+def visible_jobs(user):
+    """A person's own jobs; staff see everyone's."""
+    jobs = TrainingJob.objects.select_related("owner", "adapter")
+    return jobs if user.is_staff else jobs.filter(owner=user)
+
+
+def visible_adapters(user):
+    adapters = Adapter.objects.select_related("owner")
+    return adapters if user.is_staff else adapters.filter(owner=user)
+
+
+def chart_specs(kind: str) -> list[dict]:
+    return [{"key": key, "title": title} for key, title in CHARTS.get(kind, CHARTS["sft"])]
+
+
+def _chart_point(metrics: dict, keys: tuple[str, ...]) -> dict:
+    return {key: metrics.get(key) for key in keys if key in metrics}
+
+
+def chart_metrics(job: TrainingJob, after_step: int = 0) -> list[dict]:
+    """This job's committed steps after AFTER_STEP, reduced to what the charts and the ETA need."""
+    keys = STEP_KEYS + tuple(spec["key"] for spec in chart_specs(job.kind))
+    rows = JobMetric.objects.filter(job=job, step__gt=after_step).order_by("step").values_list("step", "metrics")
+    return [{**_chart_point(metrics, keys), "step": step} for step, metrics in rows]
+
+
+def earlier_metrics(job: TrainingJob, user) -> list[dict]:
+    """The steps earlier runs committed before this one resumed (through resume_from, as far as the
+    checkpoint index and the user's visibility reach), so a resumed run's charts start at step 1."""
+    keys = STEP_KEYS + tuple(spec["key"] for spec in chart_specs(job.kind))
+    points: list[dict] = []
+    basename, upto, seen = job.resume_from, None, {job.pk}
+    for _ in range(LINEAGE_DEPTH):
+        if not basename:
+            break
+        record = CheckpointRecord.objects.filter(basename=basename).select_related("job").first()
+        if record is None or record.job_id in seen or not visible_jobs(user).filter(pk=record.job_id).exists():
+            break
+        seen.add(record.job_id)
+        limit = record.step if upto is None else min(record.step, upto)
+        rows = JobMetric.objects.filter(job_id=record.job_id, step__lte=limit).order_by("step")
+        points = [{**_chart_point(row.metrics, keys), "step": row.step} for row in rows
+                  if not points or row.step < points[0]["step"]] + points
+        basename, upto = record.job.resume_from, limit
+    return points
+
+
+# -- checkpoints --
+
+
+@dataclass
+class CheckpointState:
+    """One checkpoint directory as the registry holds it now."""
+
+    basename: str
+    state: str  # valid, invalid, missing, incomplete
+    summary: dict = field(default_factory=dict)
+    error: dict | None = None
+    record: CheckpointRecord | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self.summary.get("step") if self.summary else (self.record.step if self.record else None)
+
+
+def read_checkpoint(basename: str, kind: str, adapter: str) -> CheckpointState:
+    try:
+        summary, error = runtime.read_checkpoint_summary(basename, kind, adapter)
+    except runtime.RunnerUnavailable as exc:
+        return CheckpointState(basename, "invalid", error={"code": exc.code, "message": str(exc)})
+    if summary is None:
+        state = "missing" if error and error.get("code") == "not_found" else "invalid"
+        return CheckpointState(basename, state, error=error)
+    return CheckpointState(basename, "valid", summary=summary)
+
+
+def adapter_checkpoints(adapter: Adapter) -> tuple[list[CheckpointState], str | None]:
+    """Every checkpoint of ADAPTER, newest first: each directory in the registry (light-validated now),
+    indexed ones that are gone, and hidden staging directories of unfinished publications.
+    The second value says why the registry could not be read, if it could not."""
+    records = {record.basename: record for record in
+               CheckpointRecord.objects.filter(adapter=adapter).select_related("job")}
+    try:
+        module = runtime.checkpoint_module()
+    except runtime.RunnerUnavailable as exc:
+        return [], str(exc)
+    try:
+        paths = module.list_checkpoints(settings.KILN_ADAPTERS_DIR, adapter.name)
+        orphans = module.list_staging_orphans(settings.KILN_ADAPTERS_DIR, adapter.name)
+    except (OSError, module.CheckpointError) as exc:  # CheckpointError: a name the registry refuses
+        return [], f"the adapter registry cannot be read: {exc}"
+    states = []
+    for path in paths:
+        try:
+            loaded = module.load_checkpoint(path, full=False, expected_adapter=adapter.name)
+            state = CheckpointState(path.name, "valid", summary=module.checkpoint_summary(loaded))
+        except module.CheckpointError as exc:
+            state = CheckpointState(path.name, "invalid", error={
+                "code": getattr(exc, "code", "checkpoint_invalid"), "message": str(getattr(exc, "message", "") or exc)})
+        except OSError as exc:
+            state = CheckpointState(path.name, "invalid", error={"code": "checkpoint_unreadable",
+                                                                 "message": exc.strerror or str(exc)})
+        state.record = records.pop(path.name, None)
+        states.append(state)
+    for basename, record in records.items():
+        states.append(CheckpointState(basename, "missing", record=record, error={
+            "code": "not_found", "message": "indexed when published, no longer in the registry"}))
+    for path in orphans:
+        states.append(CheckpointState(path.name, "incomplete", error={
+            "code": "staging", "message": "a publication that never finished (or is finishing now); "
+                                          "never loadable as a checkpoint"}))
+    states.sort(key=lambda s: (s.step or -1, s.state == "valid"), reverse=True)
+    return states, None
+
+
+def peft_snapshot(adapter_name: str) -> dict | None:
+    """The final PEFT snapshot `registry/<adapter>` (weights only), or None when there is none."""
+    path = settings.KILN_ADAPTERS_DIR / adapter_name
+    config_path = path / PEFT_CONFIG
+    if path.is_symlink() or not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        config = {}
+    weights = path / PEFT_WEIGHTS
+    try:
+        stat = weights.stat()
+        size, modified = stat.st_size, stat.st_mtime
+    except OSError:
+        size, modified = None, None
+    return {"path": str(path), "rank": config.get("r"), "alpha": config.get("lora_alpha"),
+            "targets": config.get("target_modules") or [], "base": config.get("base_model_name_or_path"),
+            "use_rslora": config.get("use_rslora"), "size": size,
+            "modified": datetime.fromtimestamp(modified, timezone.utc) if modified else None}
+
+
+def cursor_text(cursor) -> str:
+    """`{"epoch": 3, "example": 1}` -> "epoch 3, example 1" (SFT); other kinds' cursors likewise."""
+    if isinstance(cursor, dict):
+        return ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in cursor.items())
+    return "" if cursor is None else str(cursor)
+
+
+def checkpoint_panel(job: TrainingJob) -> dict:
+    """The latest checkpoint panel: the newest checkpoint the job published (else the one it resumed
+    from), validated now, and which kind of continuation the adapter's artifacts allow."""
+    basename = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
+    checkpoint = read_checkpoint(basename, job.kind, job.adapter.name) if basename else None
+    snapshot = peft_snapshot(job.adapter.name)
+    if checkpoint is not None and checkpoint.state == "valid":
+        resume_kind = "exact"
+    elif snapshot is not None:
+        resume_kind = "warm"
+    else:
+        resume_kind = None
+    summary = checkpoint.summary if checkpoint else {}
+    return {"checkpoint": checkpoint, "summary": summary, "cursor": cursor_text(summary.get("next_cursor")),
+            "snapshot": snapshot, "resume_kind": resume_kind,
+            "resumable": (checkpoint is not None and checkpoint.state == "valid" and not summary.get("complete")
+                          and job.status not in ACTIVE_STATUSES)}
+
+
+def stop_outcome(job: TrainingJob, panel: dict) -> dict | None:
+    """What "Stop and save" achieved. Success only when the job ended cancelled AND the checkpoint read
+    from the registry just now is valid and holds the step the run stopped at."""
+    if job.status == JobStatus.CANCELLING:
+        return {"state": "pending", "step": job.committed_step}
+    if job.status != JobStatus.CANCELLED:
+        return None
+    checkpoint, summary = panel["checkpoint"], panel["summary"]
+    stopped_at = job.committed_step
+    if not job.started_at:
+        return {"state": "never_started", "step": 0}
+    if checkpoint is None:
+        return {"state": "none", "step": stopped_at}
+    if checkpoint.state != "valid":
+        return {"state": "invalid", "step": stopped_at, "error": checkpoint.error, "basename": checkpoint.basename}
+    saved = summary.get("committed_step", summary.get("step"))
+    if saved == stopped_at:
+        return {"state": "confirmed", "step": saved, "total": summary.get("total_steps"),
+                "basename": checkpoint.basename}
+    return {"state": "behind", "step": stopped_at, "saved": saved, "basename": checkpoint.basename,
+            "lost_steps": stopped_at - (saved or 0)}
+
+
+PROMOTION_LABELS = {
+    "promoted": "Promoted",
+    "gate_failed": "Gate failed",
+    "inconclusive": "Inconclusive",
+    "unavailable": "Unavailable",
+    "not_requested": "Not requested",
+}
+
+
+def outcome(job: TrainingJob, panel: dict) -> dict:
+    """"Adapter was trained" and "adapter was promoted" are separate facts. The promotion outcome and the
+    linked evaluation ids are read from the job (a field, or its result) wherever the run records them;
+    a job that records none was never asked for a promotion gate."""
+    result = job.result if isinstance(job.result, dict) else {}
+    promotion = getattr(job, "promotion", None) or result.get("promotion")
+    if isinstance(promotion, str):
+        promotion = {"outcome": promotion}
+    promotion = dict(promotion or {})
+    state = promotion.get("outcome") or getattr(job, "promotion_outcome", None) or "not_requested"
+    evaluation_ids = list(getattr(job, "evaluation_ids", None) or result.get("evaluation_ids") or [])
+    trained = job.status == JobStatus.SUCCEEDED
+    return {"trained": trained, "snapshot": panel["snapshot"] if trained else None,
+            "promotion": state if state in PROMOTION_LABELS else "unavailable",
+            "promotion_label": PROMOTION_LABELS.get(state, str(state)), "reason": promotion.get("reason"),
+            "evaluation_ids": evaluation_ids}
+
+
+def effective_settings(job: TrainingJob) -> list[tuple[str, str]]:
+    """The effective configuration flattened to (dotted name, value) rows for a readable table."""
+    rows: list[tuple[str, str]] = []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for key in value:
+                walk(f"{prefix}.{key}" if prefix else key, value[key])
+        elif isinstance(value, list):
+            rows.append((prefix, ", ".join(map(str, value)) if all(not isinstance(v, (dict, list)) for v in value)
+                         else json.dumps(value)))
+        else:
+            rows.append((prefix, "null" if value is None else json.dumps(value) if isinstance(value, dict)
+                         else str(value).lower() if isinstance(value, bool) else str(value)))
+
+    walk("", job.effective_config or {})
+    return rows
+
+
+def identity_rows(job: TrainingJob) -> list[tuple[str, str]]:
+    """A few identities a person checks at a glance; the admin and the API carry all of them."""
+    identities = job.identities or {}
+    rows = []
+    base = identities.get("base") or {}
+    if base.get("name"):
+        rows.append(("base", base["name"]))
+    dataset = identities.get("dataset") or {}
+    if dataset.get("sha256"):
+        detail = ", ".join(f"{dataset[key]} {key}" for key in ("records", "bytes") if dataset.get(key) is not None)
+        rows.append(("dataset sha256", dataset["sha256"][:16] + (f"… ({detail})" if detail else "…")))
+    planning = identities.get("planning") or {}
+    for key in ("schema", "sft_loss_route"):
+        if planning.get(key):
+            rows.append((f"planning {key.replace('_', ' ')}", str(planning[key])))
+    execution = identities.get("execution") or {}
+    if execution.get("backend"):
+        rows.append(("backend", str(execution["backend"])))
+    return rows
+
+
+def job_row(job: TrainingJob) -> dict:
+    """One line of the jobs list."""
+    latest = job.latest_checkpoint or {}
+    return {"job": job, "checkpoint_step": latest.get("committed_step", latest.get("step")),
+            "checkpoint_name": latest.get("resume_checkpoint"), "checkpoint_complete": latest.get("complete"),
+            "percent": percent(job)}
+
+
+def percent(job: TrainingJob) -> int:
+    if not job.total_steps:
+        return 100 if job.status == JobStatus.SUCCEEDED else 0
+    return max(0, min(100, round(100 * job.committed_step / job.total_steps)))
+
+
+def events(job: TrainingJob) -> list:
+    rows = list(job.events.order_by("-time", "-id")[:EVENT_LIMIT])
+    return [row.to_dict() for row in rows]

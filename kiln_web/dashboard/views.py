@@ -1,0 +1,235 @@
+"""Dashboard pages. Each view parses, authorises (sign-in, then the job or adapter must be visible to the
+person), calls at most one action from kiln_web.jobs.actions and responds; reads come from readers."""
+
+from __future__ import annotations
+
+from functools import wraps
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from kiln_web.adapters.models import Adapter
+from kiln_web.dashboard import readers
+from kiln_web.dashboard.forms import JOB_FORMS
+from kiln_web.jobs import actions, runtime
+from kiln_web.jobs.models import InvalidTransition, JobKind, JobStatus, TrainingJob
+
+PANELS = {"actions": "dashboard/_job_actions.html", "checkpoint": "dashboard/_checkpoint_panel.html",
+          "stop": "dashboard/_stop_panel.html", "outcome": "dashboard/_outcome_panel.html",
+          "checkpoints": "dashboard/_checkpoint_list.html", "error": "dashboard/_job_error.html",
+          "events": "dashboard/_events.html"}
+
+
+def job_view(view):
+    """Sign-in required, and the job in the URL must be the person's own (or they are staff); else 404."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, job_id, *args, **kwargs):
+        job = readers.visible_jobs(request.user).filter(pk=job_id).first()
+        if job is None:
+            raise Http404("no such job (or it belongs to someone else)")
+        return view(request, job, *args, **kwargs)
+
+    return wrapper
+
+
+# -- jobs list --
+
+
+def _filtered_jobs(request: HttpRequest):
+    jobs = readers.visible_jobs(request.user)
+    status, kind = request.GET.get("status", ""), request.GET.get("kind", "")
+    if status in JobStatus.values:
+        jobs = jobs.filter(status=status)
+    if kind in JobKind.values:
+        jobs = jobs.filter(kind=kind)
+    return jobs, status, kind
+
+
+@require_GET
+@login_required
+def jobs(request: HttpRequest) -> HttpResponse:
+    rows, status, kind = _filtered_jobs(request)
+    return render(request, "dashboard/jobs.html", {
+        "rows": [readers.job_row(job) for job in rows[:200]], "status": status, "kind": kind,
+        "statuses": JobStatus.choices, "kinds": JobKind.choices, "show_owner": request.user.is_staff,
+        "query": request.GET.urlencode(), "nav": "jobs"})
+
+
+@require_GET
+@login_required
+def job_rows(request: HttpRequest) -> HttpResponse:
+    """The jobs table body, for the page to resynchronise after a reconnect or a job it has not seen."""
+    rows, _, _ = _filtered_jobs(request)
+    return render(request, "dashboard/_job_rows.html", {
+        "rows": [readers.job_row(job) for job in rows[:200]], "show_owner": request.user.is_staff})
+
+
+# -- one job --
+
+
+def _detail_context(request: HttpRequest, job: TrainingJob) -> dict:
+    panel = readers.checkpoint_panel(job)
+    checkpoints, registry_error = readers.adapter_checkpoints(job.adapter)
+    return {"job": job, "panel": panel, "stop": readers.stop_outcome(job, panel),
+            "outcome": readers.outcome(job, panel), "checkpoints": checkpoints, "registry_error": registry_error,
+            "events": readers.events(job), "percent": readers.percent(job),
+            "terminal": job.status in readers.TERMINAL_STATUSES}
+
+
+def _panels(request: HttpRequest, context: dict) -> dict:
+    return {name: render_to_string(template, context, request=request) for name, template in PANELS.items()}
+
+
+@require_GET
+@job_view
+def job_detail(request: HttpRequest, job: TrainingJob) -> HttpResponse:
+    context = _detail_context(request, job)
+    context |= {"charts": readers.chart_specs(job.kind), "metrics": readers.chart_metrics(job),
+                "earlier": readers.earlier_metrics(job, request.user), "config_rows": readers.effective_settings(job),
+                "identity_rows": readers.identity_rows(job), "nav": "jobs"}
+    return render(request, "dashboard/job_detail.html", context)
+
+
+def _job_state(job: TrainingJob) -> dict:
+    return {"id": str(job.pk), "kind": job.kind, "status": job.status, "status_label": job.get_status_display(),
+            "committed_step": job.committed_step, "total_steps": job.total_steps, "percent": readers.percent(job),
+            "started_at": job.started_at, "finished_at": job.finished_at}
+
+
+@require_GET
+@job_view
+def job_snapshot(request: HttpRequest, job: TrainingJob) -> JsonResponse:
+    """Everything the detail page shows, now: state, the steps after ?after_step=N and the panels' HTML.
+    The page asks after each (re)connect and when a checkpoint or status event arrives."""
+    try:
+        after_step = max(0, int(request.GET.get("after_step", "0")))
+    except ValueError:
+        after_step = 0
+    context = _detail_context(request, job)
+    return JsonResponse({"job": _job_state(job), "metrics": readers.chart_metrics(job, after_step),
+                         "panels": _panels(request, context)})
+
+
+@require_POST
+@job_view
+def stop_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
+    """Stop and save: the same cooperative cancel as the API; the run publishes at its next safe boundary."""
+    try:
+        actions.do_cancel_job(job.pk, reason=f"stopped from the dashboard by {request.user.get_username()}")
+    except InvalidTransition:
+        messages.info(request, f"The job had already ended ({job.get_status_display().lower()}).")
+    return redirect("dashboard:job", job_id=job.pk)
+
+
+# -- submitting --
+
+
+def _refusal(exc: Exception) -> tuple[int, dict] | None:
+    """(status, error) for a refusal a person can act on, as the API answers it; None for anything else."""
+    if isinstance(exc, actions.ActionRefused):
+        return exc.status, exc.as_error()
+    if isinstance(exc, runtime.RunnerUnavailable):
+        return 503, {"code": exc.code, "message": str(exc)}
+    refusal = runtime.refusal_for(exc)
+    return (refusal.status, refusal.as_error()) if refusal is not None else None
+
+
+def _submit(request: HttpRequest, form) -> TrainingJob | None:
+    """do_submit_job with the form's request; a refusal lands on the form and None is returned."""
+    try:
+        return actions.do_submit_job(request.user, form.body, form.payload, kind=form.kind)
+    except Exception as exc:  # noqa: BLE001 (a refusal is shown; anything else propagates)
+        refusal = _refusal(exc)
+        if refusal is None:
+            raise
+        form.add_refusal(*refusal)
+        return None
+
+
+def _form_page(request, form, *, kind: str, source_job=None, status: int = 200) -> HttpResponse:
+    if form.refusal is not None:
+        status = form.refusal["status"]
+    elif form.is_bound and form.errors:
+        status = 400
+    return render(request, "dashboard/job_form.html", {
+        "form": form, "kind": kind, "kinds": [(name, cls.title) for name, cls in JOB_FORMS.items()],
+        "source_job": source_job, "nav": "new"}, status=status)
+
+
+@require_http_methods(["GET", "POST"])
+@login_required
+def new_job(request: HttpRequest, kind: str) -> HttpResponse:
+    form_class = JOB_FORMS.get(kind)
+    if form_class is None:
+        raise Http404(f"no new-job form for training kind {kind!r}")
+    if request.method == "GET":
+        return _form_page(request, form_class(), kind=kind)
+    form = form_class(request.POST, request.FILES)
+    if form.is_valid():
+        job = _submit(request, form)
+        if job is not None:
+            return redirect("dashboard:job", job_id=job.pk)
+    return _form_page(request, form, kind=kind)
+
+
+@require_http_methods(["GET", "POST"])
+@job_view
+def resume_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
+    """Prepare resume: the job's effective request with resume_checkpoint = its latest checkpoint; inline data
+    is left out (the checkpoint cannot reconstruct it), so the form refuses until the source is supplied."""
+    form_class = JOB_FORMS.get(job.kind)
+    panel = readers.checkpoint_panel(job)
+    if form_class is None or not panel["resumable"]:
+        messages.error(request, "This job has no checkpoint to resume from: it is still active, its run "
+                                "completed, or its latest checkpoint is missing or invalid.")
+        return redirect("dashboard:job", job_id=job.pk)
+    basename = panel["checkpoint"].basename
+    if request.method == "GET":
+        config = dict(job.effective_config or {}, seed=job.effective_seed)
+        initial = form_class.initial_from(config, job.request if isinstance(job.request, dict) else {}, basename)
+        return _form_page(request, form_class(initial=initial, resume_from=basename), kind=job.kind, source_job=job)
+    form = form_class(request.POST, request.FILES, resume_from=basename)
+    if form.is_valid():
+        new = _submit(request, form)
+        if new is not None:
+            return redirect("dashboard:job", job_id=new.pk)
+    return _form_page(request, form, kind=job.kind, source_job=job)
+
+
+# -- adapters --
+
+
+@require_GET
+@login_required
+def adapters(request: HttpRequest) -> HttpResponse:
+    rows = []
+    for adapter in readers.visible_adapters(request.user):
+        checkpoints, error = readers.adapter_checkpoints(adapter)
+        latest_job = adapter.jobs.order_by("-created_at").first()
+        rows.append({"adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name),
+                     "valid": sum(1 for c in checkpoints if c.state == "valid"),
+                     "invalid": sum(1 for c in checkpoints if c.state != "valid"),
+                     "latest": next((c for c in checkpoints if c.state == "valid"), None),
+                     "latest_job": latest_job, "registry_error": error})
+    return render(request, "dashboard/adapters.html", {"rows": rows, "show_owner": request.user.is_staff,
+                                                       "nav": "adapters"})
+
+
+@require_GET
+@login_required
+def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
+    adapter = readers.visible_adapters(request.user).filter(name=name).first()
+    if adapter is None:
+        raise Http404("no such adapter (or it belongs to someone else)")
+    checkpoints, error = readers.adapter_checkpoints(adapter)
+    return render(request, "dashboard/adapter_detail.html", {
+        "adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name), "checkpoints": checkpoints,
+        "registry_error": error,
+        "jobs": [readers.job_row(job) for job in readers.visible_jobs(request.user).filter(adapter=adapter)[:50]],
+        "show_owner": request.user.is_staff, "nav": "adapters"})

@@ -1,0 +1,1 @@
+"""Training jobs: submission, the worker that claims and runs them, progress, cancellation."""

@@ -1,0 +1,276 @@
+"""Every change to a training job, one function each, used by the API, the CLI, tasks and workers.
+
+Status changes lock the row (transaction.atomic() + select_for_update()) and ask the model
+whether the move is allowed; the claim is a conditional UPDATE that exactly one worker wins.
+Channel-layer messages go out only after the commit (kiln_web.jobs.events).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from kiln_web.adapters.models import Adapter, CheckpointRecord
+from kiln_web.jobs import events, runtime
+from kiln_web.jobs.models import (ACTIVE_STATUSES, RUNNING_STATUSES, EventLevel, JobEvent, JobKind, JobMetric,
+                                  JobStatus, TrainingJob)
+
+logger = logging.getLogger("kiln.jobs")
+
+
+class ActionRefused(Exception):
+    """A refusal with an HTTP status, a machine-readable code and a sentence a person can act on."""
+
+    def __init__(self, status: int, code: str, message: str, **extra):
+        self.status, self.code, self.message, self.extra = status, code, message, extra
+        super().__init__(message)
+
+    def as_error(self) -> dict:
+        return {"code": self.code, "message": self.message} | self.extra
+
+
+# -- helpers --
+
+
+def _locked(job_id) -> TrainingJob:
+    return TrainingJob.objects.select_for_update().select_related("adapter", "owner").get(pk=job_id)
+
+
+def _event(job: TrainingJob, level: str, message: str) -> None:
+    row = JobEvent.objects.create(job=job, level=level, message=message)
+    events.publish_after_commit(job.pk, job.owner_id, events.JOB_EVENT, row.to_dict())
+
+
+def _status_changed(job: TrainingJob) -> None:
+    events.publish_after_commit(job.pk, job.owner_id, events.JOB_STATUS, {
+        "status": job.status, "progress": {"committed_step": job.committed_step, "total_steps": job.total_steps},
+        "error": {"code": job.error_code, "message": job.error_message} if job.error_code else None})
+
+
+def _check_adapter_owner(name: str, user) -> None:
+    adapter = Adapter.objects.filter(name=name).select_related("owner").first()
+    if adapter is not None and adapter.owner_id != user.pk and not user.is_staff:
+        raise ActionRefused(403, "adapter_not_yours",
+                            f"the adapter {name!r} belongs to another user; choose another output_name")
+
+
+def enqueue_job(job_id) -> None:
+    """Hand a committed queued job to a worker: Celery with REDIS_URL, else wake the embedded worker."""
+    if settings.KILN_EMBEDDED_WORKER:
+        from kiln_web.jobs.worker import wake_embedded_workers
+
+        wake_embedded_workers()
+        return
+    from kiln_web.jobs.tasks import run_training_job
+
+    try:
+        run_training_job.apply_async(args=[str(job_id)])
+    except Exception as exc:  # the row is committed and stays queued; say so instead of a bare 500
+        logger.exception("could not send job %s to the broker", job_id)
+        JobEvent.objects.create(job_id=job_id, level=EventLevel.ERROR,
+                                message=f"could not reach the broker ({exc}); the job stays queued, "
+                                        "check REDIS_URL and that a `celery -A kiln_web worker -Q training` runs")
+
+
+# -- submission --
+
+
+def do_submit_job(user, body: dict, request: dict, kind: str = JobKind.SFT) -> TrainingJob:
+    """Admit REQUEST (the validated body), then create the queued job; nothing exists if admission refuses.
+
+    BODY is kept as submitted. Admission (which hashes the base, the data and any resume
+    checkpoint) runs before the transaction; trainer refusals propagate for the view to map.
+    """
+    if kind != JobKind.SFT:
+        raise ActionRefused(400, "invalid_request", f"training kind {kind!r} cannot be submitted yet; use sft")
+    name = request["config"]["output_name"]
+    _check_adapter_owner(name, user)
+    runner = runtime.sft_runner()
+    admission = runner.admit_sft(request, runtime.run_settings(runner))
+    resume = admission.resume or {}
+    with transaction.atomic():
+        adapter, _ = Adapter.objects.get_or_create(name=admission.adapter, defaults={"owner": user})
+        adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)  # one submission per adapter at a time
+        if adapter.owner_id != user.pk and not user.is_staff:
+            raise ActionRefused(403, "adapter_not_yours",
+                                f"the adapter {adapter.name!r} belongs to another user; choose another output_name")
+        active = TrainingJob.objects.filter(adapter=adapter, status__in=ACTIVE_STATUSES).first()
+        if active is not None:
+            raise ActionRefused(409, "adapter_busy",
+                                f"the adapter {adapter.name!r} already has a {active.status} job ({active.pk}); "
+                                "wait for it to finish or cancel it first", job_id=str(active.pk))
+        job = TrainingJob.objects.create(
+            owner=user, kind=kind, adapter=adapter, request=body, admission=admission.to_json(),
+            effective_config=admission.effective_config, effective_seed=admission.effective_seed,
+            data_source_kind=admission.data_source_kind, identities=admission.identities,
+            resume_from=resume.get("checkpoint") or "", total_steps=admission.total_steps,
+            committed_step=resume.get("step") or 0)
+        resumed = f", resuming from {job.resume_from}" if job.resume_from else ""
+        _event(job, EventLevel.INFO, f"queued: {job.total_steps} steps, seed {job.effective_seed}{resumed}")
+        _status_changed(job)
+        job_id = job.pk
+        transaction.on_commit(lambda: enqueue_job(job_id))
+    return job
+
+
+# -- worker side --
+
+
+def do_claim_job(job_id, worker_id: str) -> bool:
+    """queued -> running for WORKER_ID, if no other worker got there first. True when this one won."""
+    now = timezone.now()
+    with transaction.atomic():
+        changed = TrainingJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
+            status=JobStatus.RUNNING, worker_id=worker_id, started_at=now, heartbeat_at=now)
+        if changed != 1:
+            return False
+        job = TrainingJob.objects.select_related("owner").get(pk=job_id)
+        _event(job, EventLevel.INFO, f"claimed by worker {worker_id}")
+        _status_changed(job)
+    return True
+
+
+def do_heartbeat(job_id, worker_id: str) -> str | None:
+    """Record that WORKER_ID still runs the job; returns the job's status (None if it is not this worker's)."""
+    TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(
+        heartbeat_at=timezone.now())
+    return TrainingJob.objects.filter(pk=job_id, worker_id=worker_id).values_list("status", flat=True).first()
+
+
+def do_record_step(job_id, worker_id: str, metrics: dict) -> bool:
+    """Store one committed step's metrics and move the job's progress; False if the job is no longer this worker's."""
+    step = int(metrics["step"])
+    metrics = {key: (None if isinstance(value, float) and not math.isfinite(value) else value)
+               for key, value in metrics.items()}  # JSON (and PostgreSQL jsonb) has no NaN or infinity
+    with transaction.atomic():
+        changed = TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(
+            committed_step=step, heartbeat_at=timezone.now())
+        if changed != 1:
+            return False
+        JobMetric.objects.update_or_create(job_id=job_id, step=step, defaults={"metrics": metrics})
+        owner_id = TrainingJob.objects.filter(pk=job_id).values_list("owner_id", flat=True).get()
+        events.publish_after_commit(job_id, owner_id, events.JOB_STEP, {"metrics": metrics})
+    return True
+
+
+def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | None = None,
+                         manifest_digest: str = "") -> bool:
+    """Index a published checkpoint and make it the job's latest; the directory itself is the authority.
+    (The run reports the publication, with its timings, as an event of its own.)"""
+    with transaction.atomic():
+        job = _locked(job_id)
+        if job.worker_id != worker_id or job.status not in RUNNING_STATUSES:
+            return False
+        CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
+            "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
+            "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
+            "summary": summary, "timing": dict(timing or {})})
+        job.latest_checkpoint = summary
+        job.heartbeat_at = timezone.now()
+        job.save(update_fields=["latest_checkpoint", "heartbeat_at"])
+        events.publish_after_commit(job.pk, job.owner_id, events.JOB_CHECKPOINT, {"checkpoint": summary})
+    return True
+
+
+def do_add_event(job_id, level: str, message: str) -> None:
+    if level not in EventLevel.values:
+        level = EventLevel.INFO
+    with transaction.atomic():
+        job = TrainingJob.objects.select_related("owner").get(pk=job_id)
+        _event(job, level, message)
+
+
+def do_finish_job(job_id, worker_id: str, status: str, *, result: dict | None = None,
+                  error_code: str = "", error_message: str = "", error_details=None) -> bool:
+    """running/cancelling -> succeeded, cancelled or failed. False when the job is no longer this worker's
+    (it was marked lost meanwhile); a finished job is never reopened."""
+    now = timezone.now()
+    with transaction.atomic():
+        job = _locked(job_id)
+        if job.worker_id != worker_id or job.status not in RUNNING_STATUSES:
+            logger.warning("job %s is %s (worker %r); not recording %s from %s",
+                           job_id, job.status, job.worker_id, status, worker_id)
+            return False
+        job.check_transition(status)
+        job.status = status
+        job.finished_at = now
+        job.heartbeat_at = now
+        fields = ["status", "finished_at", "heartbeat_at"]
+        if result is not None:
+            job.result = {key: value for key, value in result.items() if key != "loss_history"}
+            job.committed_step = int(result.get("steps_completed", job.committed_step) or job.committed_step)
+            if result.get("latest_checkpoint"):
+                job.latest_checkpoint = result["latest_checkpoint"]
+            fields += ["result", "committed_step", "latest_checkpoint"]
+        if error_code:
+            job.error_code, job.error_message, job.error_details = error_code, error_message, error_details
+            fields += ["error_code", "error_message", "error_details"]
+        job.save(update_fields=fields)
+        if status == JobStatus.FAILED:
+            _event(job, EventLevel.ERROR, f"failed: {error_code}: {error_message}")
+        else:
+            checkpoint = (job.latest_checkpoint or {}).get("resume_checkpoint")
+            _event(job, EventLevel.INFO, f"{status} after step {job.committed_step}"
+                   + (f"; latest checkpoint {checkpoint}" if checkpoint else ""))
+        _status_changed(job)
+    return True
+
+
+# -- people --
+
+
+def do_cancel_job(job_id, reason: str = "cancelled by request") -> TrainingJob:
+    """queued -> cancelled at once; running -> cancelling (the run publishes at its next safe boundary
+    and ends cancelled); cancelling stays. A finished job raises InvalidTransition."""
+    with transaction.atomic():
+        job = _locked(job_id)
+        if job.status == JobStatus.CANCELLING:
+            return job
+        if job.status == JobStatus.QUEUED:
+            job.check_transition(JobStatus.CANCELLED)
+            job.status, job.finished_at = JobStatus.CANCELLED, timezone.now()
+            job.save(update_fields=["status", "finished_at"])
+            _event(job, EventLevel.INFO, f"{reason}; it never started")
+        else:
+            job.check_transition(JobStatus.CANCELLING)
+            job.status = JobStatus.CANCELLING
+            job.save(update_fields=["status"])
+            _event(job, EventLevel.INFO, f"{reason}; the run stops at its next safe boundary")
+        _status_changed(job)
+    return job
+
+
+def do_mark_lost(now=None) -> list:
+    """Mark running jobs whose worker sent no heartbeat for KILN_LOST_AFTER_SECONDS as lost; returns their ids."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS)
+    stale = list(TrainingJob.objects.filter(status__in=RUNNING_STATUSES, heartbeat_at__lt=cutoff)
+                 .values_list("pk", flat=True))
+    stale += list(TrainingJob.objects.filter(status__in=RUNNING_STATUSES, heartbeat_at__isnull=True)
+                  .values_list("pk", flat=True))
+    lost = []
+    for job_id in stale:
+        with transaction.atomic():
+            job = _locked(job_id)
+            if job.status not in RUNNING_STATUSES or (job.heartbeat_at is not None and job.heartbeat_at >= cutoff):
+                continue  # it moved on, or beat, since the first look
+            job.check_transition(JobStatus.LOST)
+            checkpoint = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
+            last_beat = job.heartbeat_at.isoformat(timespec="seconds") if job.heartbeat_at else "never"
+            job.status, job.finished_at = JobStatus.LOST, now
+            job.error_code = "worker_lost"
+            job.error_message = (f"worker {job.worker_id or '?'} sent no heartbeat since {last_beat}; "
+                                 + (f"resume from {checkpoint} (it is intact)" if checkpoint else
+                                    "no checkpoint was published; submit the run again"))
+            job.save(update_fields=["status", "finished_at", "error_code", "error_message"])
+            _event(job, EventLevel.ERROR, f"lost: {job.error_message}")
+            _status_changed(job)
+            lost.append(job_id)
+    if lost:
+        logger.warning("marked %d job(s) lost: %s", len(lost), ", ".join(map(str, lost)))
+    return lost

@@ -1,0 +1,159 @@
+"""/v1/train/: submit SFT, list and inspect jobs, cancel, checkpoints, metrics, events.
+
+Each view parses (the schema), authorises (the token, then ownership), calls one action
+and responds. A person sees their own jobs; staff see everyone's. Someone else's job
+answers 404, the same as a job that does not exist.
+"""
+
+import json
+from uuid import UUID
+
+from django.http import Http404, HttpRequest
+from ninja import Query, Router, Schema
+from pydantic import Field
+
+from kiln_web.core.http import error_response
+from kiln_web.jobs import actions, runtime
+from kiln_web.jobs.models import InvalidTransition, JobMetric, JobStatus, TrainingJob
+from kiln_web.jobs.schemas import (CheckpointListOut, ErrorOut, EventListOut, JobListOut, JobOut, MetricListOut,
+                                   SFTRequest)
+
+try:
+    from ninja import Status
+except ImportError:  # django-ninja before 1.6 returned (status, body) tuples
+    def Status(status_code: int, body):  # noqa: N802
+        return status_code, body
+
+router = Router(tags=["training"])
+
+REFUSALS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut}
+SUBMIT_REFUSALS = {**REFUSALS, 413: ErrorOut, 503: ErrorOut}
+
+
+def _visible_jobs(request: HttpRequest):
+    jobs = TrainingJob.objects.select_related("owner", "adapter")
+    return jobs if request.auth.is_staff else jobs.filter(owner=request.auth)
+
+
+def _job(request: HttpRequest, job_id: UUID) -> TrainingJob:
+    job = _visible_jobs(request).filter(pk=job_id).first()
+    if job is None:
+        raise Http404(f"no training job {job_id} (or it belongs to someone else)")
+    return job
+
+
+def _detail(job: TrainingJob) -> dict:
+    """The job, with latest_checkpoint read from its directory (the filesystem is the authority)."""
+    out = job.to_dict()
+    out["latest_checkpoint"], out["latest_checkpoint_error"] = None, None
+    basename = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
+    if basename:
+        try:
+            out["latest_checkpoint"], out["latest_checkpoint_error"] = runtime.read_checkpoint_summary(
+                basename, job.kind, job.adapter.name)
+        except runtime.RunnerUnavailable as exc:
+            out["latest_checkpoint_error"] = {"code": exc.code, "message": str(exc)}
+    return out
+
+
+def _refused(exc: Exception):
+    if isinstance(exc, actions.ActionRefused):
+        return error_response(exc.status, exc.code, exc.message, **exc.extra)
+    if isinstance(exc, InvalidTransition):
+        return error_response(409, exc.code, exc.message)
+    if isinstance(exc, runtime.RunnerUnavailable):
+        return error_response(503, exc.code, str(exc))
+    refusal = runtime.refusal_for(exc)
+    if refusal is None:
+        raise exc
+    return error_response(refusal.status, **refusal.as_error())
+
+
+@router.post("/sft", response={201: JobOut, **SUBMIT_REFUSALS}, summary="Submit an SFT run",
+             operation_id="submit_sft")
+def submit_sft(request: HttpRequest, payload: SFTRequest):
+    """Admission validates the request, resolves the effective configuration and seed, and fully
+    validates a resume checkpoint (refusing any drift field by field) before the job exists."""
+    body = json.loads(request.body)  # kept as submitted
+    try:
+        job = actions.do_submit_job(request.auth, body, payload.model_dump(exclude_unset=True))
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by _refused)
+        return _refused(exc)
+    return Status(201, _detail(job))
+
+
+class JobFilter(Schema):
+    status: JobStatus | None = Field(None, description="only jobs in this status")
+    adapter: str | None = Field(None, description="only jobs training this adapter")
+    limit: int = Field(50, ge=1, le=500)
+    offset: int = Field(0, ge=0)
+
+
+@router.get("/jobs", response={200: JobListOut, **REFUSALS}, summary="List training jobs", operation_id="list_jobs")
+def list_jobs(request: HttpRequest, filters: Query[JobFilter]):
+    jobs = _visible_jobs(request)
+    if filters.status:
+        jobs = jobs.filter(status=filters.status)
+    if filters.adapter:
+        jobs = jobs.filter(adapter__name=filters.adapter)
+    items = []
+    for job in jobs[filters.offset:filters.offset + filters.limit]:
+        out = job.to_dict()
+        out["latest_checkpoint"] = (job.latest_checkpoint or {}).get("resume_checkpoint")
+        items.append(out)
+    return {"items": items, "count": jobs.count()}
+
+
+@router.get("/jobs/{job_id}", response={200: JobOut, **REFUSALS}, summary="One training job",
+            operation_id="get_job")
+def get_job(request: HttpRequest, job_id: UUID):
+    return _detail(_job(request, job_id))
+
+
+@router.post("/jobs/{job_id}/cancel", response={200: JobOut, **REFUSALS}, summary="Cancel a training job",
+             operation_id="cancel_job")
+def cancel_job(request: HttpRequest, job_id: UUID):
+    """A queued job is cancelled at once; a running one becomes `cancelling`, publishes a checkpoint at its
+    next safe boundary (when checkpointing is on) and ends `cancelled`. A finished job answers 409."""
+    job = _job(request, job_id)
+    try:
+        job = actions.do_cancel_job(job.pk, reason=f"cancelled by {request.auth.get_username()}")
+    except Exception as exc:  # noqa: BLE001
+        return _refused(exc)
+    return _detail(job)
+
+
+@router.get("/jobs/{job_id}/checkpoints", response={200: CheckpointListOut, **REFUSALS},
+            summary="Checkpoints a job published", operation_id="list_job_checkpoints")
+def list_checkpoints(request: HttpRequest, job_id: UUID):
+    job = _job(request, job_id)
+    items = []
+    for record in job.checkpoints.select_related("adapter").order_by("step"):
+        out = record.to_dict()
+        out["present"] = runtime.checkpoint_path(record.basename).is_dir()
+        items.append(out)
+    return {"items": items}
+
+
+class MetricPage(Schema):
+    after_step: int = Field(0, ge=0, description="only steps after this one")
+    limit: int = Field(1000, ge=1, le=10000)
+
+
+@router.get("/jobs/{job_id}/metrics", response={200: MetricListOut, **REFUSALS},
+            summary="Per-step metrics of a job", operation_id="list_job_metrics")
+def list_metrics(request: HttpRequest, job_id: UUID, page: Query[MetricPage]):
+    """loss, learning rate, gradient norm, clipped and loss-spike flags, tokens, epoch, elapsed seconds."""
+    job = _job(request, job_id)
+    rows = list(JobMetric.objects.filter(job=job, step__gt=page.after_step).order_by("step")[:page.limit + 1])
+    more = len(rows) > page.limit
+    rows = rows[:page.limit]
+    return {"items": [row.to_dict() for row in rows], "next_after_step": rows[-1].step if more else None}
+
+
+@router.get("/jobs/{job_id}/events", response={200: EventListOut, **REFUSALS},
+            summary="The job's log: claims, checkpoints with their timings, warnings, errors",
+            operation_id="list_job_events")
+def list_events(request: HttpRequest, job_id: UUID):
+    job = _job(request, job_id)
+    return {"items": [event.to_dict() for event in job.events.order_by("time", "id")]}

@@ -1,0 +1,158 @@
+"""Run one training job to a final state: the body of the Celery task and of the embedded worker.
+
+claim (conditional update: queued -> running) -> revalidate the admission at dequeue ->
+run_sft with hooks that record steps, checkpoints and events -> succeeded or cancelled;
+any exception -> failed with a code and a message. A heartbeat thread keeps heartbeat_at
+fresh so a dead worker's job is detected as lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from django.conf import settings
+from django.db import connection
+
+from kiln_web.jobs import actions, runtime
+from kiln_web.jobs.models import EventLevel, InvalidTransition, JobStatus, TrainingJob
+
+logger = logging.getLogger("kiln.jobs")
+
+
+class JobHooks:
+    """What run_sft calls back into: every call writes through one action."""
+
+    def __init__(self, job_id, worker_id: str, stop: threading.Event | None = None,
+                 poll_seconds: float | None = None, clock=time.monotonic):
+        self.job_id, self.worker_id, self.stop = job_id, worker_id, stop
+        self.poll_seconds = settings.KILN_CANCEL_POLL_SECONDS if poll_seconds is None else poll_seconds
+        self._clock = clock
+        self._last_poll: float | None = None
+        self._cancel = False
+
+    def on_step(self, metrics: dict) -> None:
+        actions.do_record_step(self.job_id, self.worker_id, metrics)
+
+    def should_cancel(self) -> bool:
+        """True once the job is no longer plainly running (cancelling, lost) or the worker is stopping;
+        asks the database at most once every poll_seconds."""
+        if self._cancel:
+            return True
+        if self.stop is not None and self.stop.is_set():
+            self._cancel = True
+            try:  # so the job reads "cancelling" until the run has published and ended
+                actions.do_cancel_job(self.job_id, reason="the worker is stopping")
+            except InvalidTransition:
+                pass
+            return True
+        now = self._clock()
+        if self._last_poll is None or now - self._last_poll >= self.poll_seconds:
+            self._last_poll = now
+            status = TrainingJob.objects.filter(pk=self.job_id).values_list("status", flat=True).first()
+            self._cancel = status != JobStatus.RUNNING
+        return self._cancel
+
+    def on_checkpoint(self, summary: dict, timing: dict) -> None:
+        digest = runtime.manifest_digest(summary["resume_checkpoint"])
+        actions.do_record_checkpoint(self.job_id, self.worker_id, summary, timing, manifest_digest=digest)
+
+    def on_event(self, level: str, message: str) -> None:
+        actions.do_add_event(self.job_id, level, message)
+
+
+class Heartbeat:
+    """A thread that marks the job alive every KILN_HEARTBEAT_SECONDS while the run computes."""
+
+    def __init__(self, job_id, worker_id: str, interval: float | None = None):
+        self.job_id, self.worker_id = job_id, worker_id
+        self.interval = settings.KILN_HEARTBEAT_SECONDS if interval is None else interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kiln-heartbeat-{job_id}", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval):
+                try:
+                    actions.do_heartbeat(self.job_id, self.worker_id)
+                except Exception:
+                    logger.warning("heartbeat for job %s failed", self.job_id, exc_info=True)
+        finally:
+            connection.close()  # this thread's own connection
+
+
+def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = None) -> str:
+    """Claim and run JOB_ID; returns the job's final status, or "not_claimed" when another worker has it."""
+    if stop is not None and stop.is_set():
+        return "not_claimed"
+    if not actions.do_claim_job(job_id, worker_id):
+        logger.info("job %s was not claimed by %s (gone, cancelled or claimed by another worker)", job_id, worker_id)
+        return "not_claimed"
+    logger.info("job %s claimed by %s", job_id, worker_id)
+    status, error = _run_claimed(job_id, worker_id, stop)
+    if status == JobStatus.FAILED:
+        actions.do_finish_job(job_id, worker_id, JobStatus.FAILED, **error)
+    else:
+        actions.do_finish_job(job_id, worker_id, status, result=error)
+    final = TrainingJob.objects.filter(pk=job_id).values_list("status", flat=True).first()
+    logger.info("job %s ended %s", job_id, final)
+    return final
+
+
+def _run_claimed(job_id, worker_id: str, stop: threading.Event | None) -> tuple[str, dict]:
+    """(status, result) on a normal end, (FAILED, error fields) on an exception."""
+    try:
+        runner = runtime.sft_runner()
+        run_settings = runtime.run_settings(runner)
+        admission = runner.SFTAdmission.from_json(TrainingJob.objects.values_list("admission", flat=True).get(pk=job_id))
+        hooks = JobHooks(job_id, worker_id, stop=stop)
+        with Heartbeat(job_id, worker_id):
+            runner.revalidate_sft(admission, run_settings)  # before any memory is reserved
+            actions.do_add_event(job_id, EventLevel.INFO, "dequeue revalidation passed; starting the run")
+            result = runner.run_sft(admission, run_settings, hooks)
+    except BaseException as exc:  # noqa: BLE001 (mapped to a state; KeyboardInterrupt/SystemExit re-raised below)
+        error = failure_fields(exc)
+        if not isinstance(exc, Exception):
+            actions.do_finish_job(job_id, worker_id, JobStatus.FAILED, **error)
+            raise
+        return JobStatus.FAILED, error
+    status = JobStatus.CANCELLED if result.status == "cancelled" else JobStatus.SUCCEEDED
+    return status, {"status": result.status, "steps_completed": result.steps_completed,
+                    "latest_checkpoint": result.latest_checkpoint,
+                    "final_loss": result.loss_history[-1] if result.loss_history else None}
+
+
+def failure_fields(exc: BaseException) -> dict:
+    """error_code, error_message, error_details for an exception that ended a run."""
+    try:
+        refusal = runtime.refusal_for(exc) if isinstance(exc, Exception) else None
+    except runtime.RunnerUnavailable:
+        refusal = None
+    if refusal is not None:
+        details = {"differences": refusal.differences} if refusal.differences else None
+        if refusal.field:
+            details = (details or {}) | {"field": refusal.field}
+        return {"error_code": refusal.code, "error_message": refusal.message, "error_details": details}
+    name = type(exc).__name__
+    if name == "SoftTimeLimitExceeded":
+        return {"error_code": "time_limit", "error_message": "the run exceeded the worker's time limit"}
+    if isinstance(exc, runtime.RunnerUnavailable):
+        return {"error_code": exc.code, "error_message": str(exc)}
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return {"error_code": "worker_stopped", "error_message": f"the worker stopped ({name}) during the run"}
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code:  # e.g. CheckpointError raised inside the run
+        return {"error_code": code, "error_message": str(getattr(exc, "message", None) or exc)}
+    logger.error("job failed with an unexpected error", exc_info=exc)
+    return {"error_code": "internal_error", "error_message": f"{name}: {exc}",
+            "error_details": {"traceback": traceback.format_exception(exc)[-12:]}}

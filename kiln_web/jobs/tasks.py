@@ -1,0 +1,66 @@
+"""Celery tasks: thin shells around kiln_web.jobs.execution and kiln_web.jobs.actions."""
+
+import os
+import threading
+
+from celery import shared_task
+from celery.signals import worker_ready, worker_shutting_down
+
+from kiln_web.jobs import actions
+from kiln_web.jobs.execution import execute_training_job
+
+# a run longer than this is stopped; the soft limit lets the task record "failed: time_limit"
+SOFT_TIME_LIMIT = 7 * 24 * 3600
+HARD_TIME_LIMIT = SOFT_TIME_LIMIT + 600
+_SHUTDOWN = threading.Event()  # set by a warm shutdown: a run in this process stops at its next boundary
+
+
+def celery_worker_id(hostname: str | None) -> str:
+    return f"celery:{hostname or 'unknown'}:{os.getpid()}"
+
+
+@shared_task(name="kiln.run_training_job", bind=True, queue="training", ignore_result=True,
+             soft_time_limit=SOFT_TIME_LIMIT, time_limit=HARD_TIME_LIMIT)
+def run_training_job(self, job_id: str) -> str:
+    return execute_training_job(job_id, celery_worker_id(self.request.hostname), stop=_SHUTDOWN)
+
+
+@shared_task(name="kiln.mark_lost_jobs", queue="training", ignore_result=True)
+def mark_lost_jobs() -> int:
+    return len(actions.do_mark_lost())
+
+
+@worker_ready.connect
+def _check_lost_at_start(sender=None, **kwargs) -> None:
+    actions.do_mark_lost()
+
+
+@worker_shutting_down.connect
+def _cancel_this_workers_jobs(sender=None, sig=None, how=None, exitcode=None, **kwargs) -> None:
+    """A warm shutdown (SIGTERM, or Ctrl-C once) cancels this worker's runs, so they publish a
+    checkpoint at the next safe boundary and end cancelled while Celery waits for the task.
+
+    This runs inside a signal handler, on the thread that may be running the task itself (the solo
+    pool) and in the middle of its database work: so the stop flag is set for an in-process run, and
+    the cancellation is written from a thread of its own, with its own connection."""
+    if how != "Warm" or not sender:  # sender: this worker's hostname, e.g. celery@host
+        return
+    _SHUTDOWN.set()
+    prefix = celery_worker_id(sender).rsplit(":", 1)[0] + ":"
+    threading.Thread(target=_cancel_jobs_of, args=(prefix,), name="kiln-shutdown-cancel", daemon=True).start()
+
+
+def _cancel_jobs_of(worker_prefix: str) -> None:
+    from django.db import connection
+
+    from kiln_web.jobs.models import RUNNING_STATUSES, TrainingJob
+
+    try:
+        for job_id in TrainingJob.objects.filter(status__in=RUNNING_STATUSES, worker_id__startswith=worker_prefix
+                                                 ).values_list("pk", flat=True):
+            try:
+                actions.do_cancel_job(job_id, reason="the Celery worker is shutting down")
+            except Exception:
+                pass  # it ended meanwhile
+    finally:
+        connection.close()

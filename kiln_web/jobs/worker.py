@@ -1,0 +1,160 @@
+"""The embedded worker: polls the database for queued jobs and runs them with the task's own code.
+
+`kiln up` runs one in a thread when REDIS_URL is unset; `kiln worker` runs one alone. Any
+number may poll the same database: the conditional claim gives each job to exactly one.
+Stopping cancels the running job cooperatively (it publishes a checkpoint at its next safe
+boundary and ends cancelled) and waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+
+from kiln_web.jobs import actions
+from kiln_web.jobs.execution import execute_training_job
+from kiln_web.jobs.models import JobStatus, TrainingJob
+
+logger = logging.getLogger("kiln.jobs")
+
+_WAKE_LOCK = threading.Lock()
+_WAKE_EVENTS: list[threading.Event] = []  # the running embedded workers in this process
+
+
+def wake_embedded_workers() -> None:
+    """Called after a submission commits, so a worker in this process starts without waiting a poll."""
+    with _WAKE_LOCK:
+        for event in _WAKE_EVENTS:
+            event.set()
+
+
+class EmbeddedWorker:
+    def __init__(self, poll_seconds: float | None = None, housekeeping_seconds: float | None = None):
+        self.worker_id = f"embedded:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.poll_seconds = settings.KILN_WORKER_POLL_SECONDS if poll_seconds is None else poll_seconds
+        self.housekeeping_seconds = (max(settings.KILN_LOST_AFTER_SECONDS / 4, 1.0)
+                                     if housekeeping_seconds is None else housekeeping_seconds)
+        self.current_job = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- running --
+
+    def start(self) -> "EmbeddedWorker":
+        self._thread = threading.Thread(target=self.run, name="kiln-embedded-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        with _WAKE_LOCK:
+            _WAKE_EVENTS.append(self._wake)
+        logger.info("embedded worker %s started", self.worker_id)
+        last_housekeeping = None
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if last_housekeeping is None or now - last_housekeeping >= self.housekeeping_seconds:
+                    last_housekeeping = now
+                    self._housekeeping()
+                close_old_connections()  # a broken or stale connection is replaced, as between requests
+                if self.run_once():
+                    continue
+                self._wake.wait(self.poll_seconds)
+                self._wake.clear()
+        finally:
+            with _WAKE_LOCK:
+                _WAKE_EVENTS.remove(self._wake)
+            connection.close()
+            logger.info("embedded worker %s stopped", self.worker_id)
+
+    def run_once(self) -> bool:
+        """Run the oldest queued job this worker can claim; False when there was none."""
+        try:
+            queued = list(TrainingJob.objects.filter(status=JobStatus.QUEUED).order_by("created_at")
+                          .values_list("pk", flat=True)[:20])
+        except Exception:
+            logger.warning("embedded worker cannot read the job queue", exc_info=True)
+            return False
+        for job_id in queued:
+            if self._stop.is_set():
+                return False
+            self.current_job = job_id
+            try:
+                outcome = execute_training_job(job_id, self.worker_id, stop=self._stop)
+            except Exception:
+                logger.exception("job %s: the worker failed outside the run", job_id)
+                outcome = "error"
+            finally:
+                self.current_job = None
+            if outcome != "not_claimed":
+                return True
+        return False
+
+    def _housekeeping(self) -> None:
+        try:
+            actions.do_mark_lost()
+        except Exception:
+            logger.warning("the lost-job check failed", exc_info=True)
+
+    # -- stopping --
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop polling; the running job sees the stop at its next step boundary, becomes cancelling,
+        publishes a checkpoint and ends cancelled. Waits for that; True when the worker thread has ended."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    @property
+    def running_job(self):
+        return self.current_job
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class Housekeeper:
+    """The lost-job check alone, for `kiln up` when Celery workers run the jobs (no beat needed)."""
+
+    running_job = None
+
+    def __init__(self, interval: float | None = None):
+        self.interval = max(settings.KILN_LOST_AFTER_SECONDS / 4, 1.0) if interval is None else interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kiln-housekeeper", daemon=True)
+
+    def start(self) -> "Housekeeper":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    actions.do_mark_lost()
+                except Exception:
+                    logger.warning("the lost-job check failed", exc_info=True)
+                if self._stop.wait(self.interval):
+                    return
+        finally:
+            connection.close()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        self._stop.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

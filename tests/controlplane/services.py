@@ -1,0 +1,135 @@
+"""Kiln as deployed, for end-to-end tests: `kiln up` in a temporary KILN_HOME and, with a Redis URL,
+a separate `celery -A kiln_web worker -Q training` process; both stopped by the caller."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from kiln_web.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL")
+STATE_FILES = ("adapter.safetensors", "optimizer.safetensors", "state.json")
+TERMINAL = {"succeeded", "cancelled", "failed", "lost"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """A child process whose combined output is collected by a thread, so it never blocks on a full pipe."""
+
+    def __init__(self, argv, env):
+        self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.popen.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not seen; output:\n{self.output[-4000:]}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60):
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+class Stack:
+    """`kiln up` in a temporary KILN_HOME; with a Redis URL, also a separate Celery worker process."""
+
+    def __init__(self, home: Path, redis_url: str | None = REDIS_URL, **env):
+        self.home = home
+        self.port = free_port()
+        self.env = {k: v for k, v in os.environ.items()
+                    if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+        self.env |= {"KILN_HOME": str(home), "PYTHONUNBUFFERED": "1", "KILN_HEARTBEAT_SECONDS": "0.5",
+                     "KILN_LOST_AFTER_SECONDS": "3", "KILN_CANCEL_POLL_SECONDS": "0.1",
+                     "KILN_WORKER_POLL_SECONDS": "0.2", **env}
+        if redis_url is not None:
+            self.env["REDIS_URL"] = redis_url
+        self.web = Process([sys.executable, "-m", "kiln_web.cli", "up", "--port", str(self.port)], self.env)
+        token_line = self.web.wait_for("API token for", 120)
+        self.token = token_line.split(": ", 1)[1].strip()
+        self.web.wait_for("Kiln is serving", 60)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_healthy()
+        self.client = Client(self.url, self.token)
+        self.worker = None
+        if redis_url is not None:
+            self.start_worker()
+
+    def _wait_healthy(self):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(self.web.output[-4000:])
+
+    def start_worker(self):
+        self.worker = Process([sys.executable, "-m", "celery", "-A", "kiln_web", "worker", "-Q", "training",
+                               "--pool", "solo", "-l", "info", "-n", f"kiln-test-{self.port}@%h"], self.env)
+        self.worker.wait_for("ready.", 120)
+
+    def stop(self):
+        if self.worker is not None:
+            self.worker.stop(signal.SIGTERM)
+        self.web.stop(signal.SIGINT)
+        self.web.stop(signal.SIGKILL)
+
+    def submit(self, body) -> dict:
+        return self.client.submit_sft(body)
+
+    def wait(self, job_id, until, timeout=120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.client.job(job_id)
+            if until(job):
+                return job
+            time.sleep(0.05)
+        output = (self.worker or self.web).output[-4000:]
+        raise AssertionError(f"job {job_id} is still {job['status']} at {job['progress']}; output:\n{output}")
+
+    def final_bytes(self, job) -> dict:
+        path = self.home / "adapters" / job["latest_checkpoint"]["resume_checkpoint"]
+        return {name: (path / name).read_bytes() for name in STATE_FILES}
+
+
+def sft_request(adapter, **config) -> dict:
+    """A kiln-tiny SFT request of 100 steps (4 chat records, 25 epochs) with a checkpoint every 5."""
+    words = ("kiln", "clay", "glaze", "fire")
+    data = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": f"{w.upper()}!"}]}
+            for w in words]
+    return {"data": data, "config": {"output_name": adapter, "epochs": 25, "checkpoint_interval": 5, "seed": 29,
+                                     **config}}
