@@ -140,6 +140,26 @@ def bench_torch(cfg, B, T, steps, tokens, targets):
     return float(np.median(times[1:]))
 
 
+def loss_route_memory(shape):
+    """Peak traced memory of one forward+backward (after a warm-up step) for each loss route."""
+    import tracemalloc
+    B, T = shape["batch"], shape["context"]
+    rng = np.random.default_rng(0)
+    out = {}
+    for route in ("full_logits", "kt_tape_flce"):
+        cfg = TransformerConfig(**shape["config"], loss_route=route)
+        tokens = rng.integers(0, cfg.vocabulary_size, (B, T))
+        with DecoderOnlyTransformer(cfg) as model, model.parameters() as params, Adam(params) as optimizer:
+            model.forward_backward(tokens, tokens)
+            optimizer.step()
+            tracemalloc.start()
+            model.forward_backward(tokens, tokens)
+            out[route] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            optimizer.zero_gradients()
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -170,6 +190,12 @@ def main():
         flops = step_flops(cfg, B, T)
         print(f"{name:10s} {B * T / kiln:12.1f} {B * T / ref:12.1f} {ref / kiln:7.2f} "
               f"{flops / kiln / 1e9:13.1f} {flops / kiln / peak:8.1%}")
+    if "smollm2" in args.shapes.split(","):
+        memory = loss_route_memory(SHAPES["smollm2"])
+        print("peak memory allocated during one forward+backward (smollm2 shape, tracemalloc; "
+              "weights, gradients and moments excluded):")
+        for route, peak_bytes in memory.items():
+            print(f"  {route:13s} {peak_bytes / 2**20:8.1f} MiB")
 
 
 if __name__ == "__main__":

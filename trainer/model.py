@@ -8,9 +8,8 @@ are row views into them, so one matrix product serves three (or two) projections
 """
 
 import numpy as np
-from scipy.linalg import blas as scipy_blas
 
-from native_ext import kernels
+from native_ext import blas, kernels
 from trainer import attention
 from trainer.config import TransformerConfig
 from trainer.lora import LoraAdapter, LoraConfig
@@ -26,10 +25,9 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 
 
 def accumulate_weight_grad(grad, dy, x, accumulate):
-    """grad [M,K] (=|+=) dy.T [M,N] @ x [N,K], in place through BLAS when accumulating."""
+    """grad [M,K] (=|+=) dy.T [M,N] @ x [N,K], in place through numpy's BLAS when accumulating."""
     if accumulate:
-        # grad.T is Fortran-ordered [K,M]: grad.T += x.T @ dy, with C = 1*A*B + 1*C in place
-        scipy_blas.sgemm(1.0, x.T, dy.T, beta=1.0, c=grad.T, trans_b=1, overwrite_c=1)
+        blas.accumulate_at_b(grad, dy, x)
     else:
         np.matmul(dy.T, x, out=grad)
 
