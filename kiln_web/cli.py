@@ -516,6 +516,33 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_qualify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
+                        help="the backend to qualify (default: cpu)")
+    parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json)")
+
+
+def cmd_qualify(args: argparse.Namespace) -> int:
+    """Fresh-repeat and cancel-then-resume equivalence for SFT, GRPO (inline, streamed) and OPD."""
+    import json
+
+    from trainer.qualify import qualify
+
+    from pathlib import Path
+
+    home = Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln")
+    output = Path(args.output) if args.output else home / "qualification" / f"latest-{args.backend}.json"
+    try:
+        receipt = qualify(backend=args.backend, output=output)
+    except RuntimeError as error:
+        print(f"kiln qualify: {error}", file=sys.stderr)
+        return 2
+    stamped = output.with_name(f"receipt-{args.backend}-{receipt['created'].replace(':', '')}.json")
+    stamped.write_text(json.dumps(receipt, indent=1, sort_keys=True) + "\n")
+    print(f"{'PASSED' if receipt['passed'] else 'FAILED'}: receipt written to {output}")
+    return 0 if receipt["passed"] else 1
+
+
 # name, help, add arguments, run. A new subcommand is one more row.
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Callable[[argparse.Namespace], int]]] = [
     ("up", "migrate, ensure an admin user and API token, serve Kiln with its worker", _add_up, cmd_up),
@@ -527,6 +554,8 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | No
     ("doctor", "show the Python, numpy, BLAS, native kernels and configuration in use", None, cmd_doctor),
     ("version", "print the Kiln version", None, cmd_version),
     ("base", "import, list and show base models ($KILN_HOME/bases)", _add_base, cmd_base),
+    ("qualify", "prove fresh-repeat and cancel-then-resume equivalence on this backend; write a receipt",
+     _add_qualify, cmd_qualify),
 ]
 
 

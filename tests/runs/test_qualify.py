@@ -28,3 +28,18 @@ def test_a_nondeterministic_run_fails_qualification(monkeypatch):
     receipt = qualification.qualify(routes=["sft"], progress=lambda line: None)
     assert receipt["passed"] is False
     assert "repeat.loss_history_sha256" in receipt["routes"][0]["mismatches"]
+
+
+def test_cli_writes_latest_and_stamped_receipts(tmp_path, monkeypatch):
+    from kiln_web import cli
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    monkeypatch.setattr(qualification, "_routes", lambda home: {
+        k: v for k, v in real_routes(home).items() if k == "sft"})
+    assert cli.main(["qualify"]) == 0
+    latest = json.loads((tmp_path / "qualification" / "latest-cpu.json").read_text())
+    assert latest["passed"] and [r["route"] for r in latest["routes"]] == ["sft"]
+    assert len(list((tmp_path / "qualification").glob("receipt-cpu-*.json"))) == 1
+
+
+real_routes = qualification._routes
