@@ -217,6 +217,9 @@ INSTALLED_APPS = [
     "kiln_web.accounts",
     "kiln_web.adapters",
     "kiln_web.jobs",
+    "kiln_web.teachers",
+    "kiln_web.evals",
+    "kiln_web.serving",
     "kiln_web.dashboard",
 ]
 
@@ -288,8 +291,12 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_TASK_IGNORE_RESULT = True  # results live in the job rows; there is no result backend
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1  # a training task runs for minutes: never hold a second one back
-# one queue: `celery -A kiln_web worker -Q training` also runs the lost-job check
-CELERY_TASK_ROUTES = {"kiln.run_training_job": {"queue": "training"}, "kiln.mark_lost_jobs": {"queue": "training"}}
+# one queue: `celery -A kiln_web worker -Q training` also runs the lost-job check; its name can be
+# changed so that separate deployments (or test runs) can share one Redis
+KILN_TRAINING_QUEUE = env_str("KILN_TRAINING_QUEUE", "training")
+CELERY_TASK_DEFAULT_QUEUE = KILN_TRAINING_QUEUE
+CELERY_TASK_ROUTES = {name: {"queue": KILN_TRAINING_QUEUE}
+                      for name in ("kiln.run_training_job", "kiln.mark_lost_jobs", "kiln.run_evaluation")}
 
 # -- training: where runs read and write, and how workers are watched --
 
@@ -324,7 +331,16 @@ KILN_CANCEL_POLL_SECONDS = env_float("KILN_CANCEL_POLL_SECONDS", 1.0, minimum=0.
 KILN_WORKER_POLL_SECONDS = env_float("KILN_WORKER_POLL_SECONDS", 2.0, minimum=0.05)  # embedded worker
 # the module with RunSettings, admit_sft, revalidate_sft, run_sft (tests swap in a fake)
 KILN_SFT_RUNNER = env_str("KILN_SFT_RUNNER", "trainer.runs.sft")
+KILN_GRPO_RUNNER = env_str("KILN_GRPO_RUNNER", "trainer.runs.grpo")  # admit_grpo, revalidate_grpo, run_grpo
+KILN_OPD_RUNNER = env_str("KILN_OPD_RUNNER", "trainer.runs.opd")  # admit_opd, revalidate_opd, run_opd
 KILN_CHECKPOINT_MODULE = env_str("KILN_CHECKPOINT_MODULE", "trainer.runs.checkpoint_dir")
+
+# -- serving: one pool per web process, kept in step with the served adapters in the database --
+
+# completions run on this many threads per process (the kernels release the GIL); more requests wait
+KILN_SERVING_THREADS = env_int("KILN_SERVING_THREADS", 8, minimum=1)
+# new tokens of a chat completion that names neither max_tokens nor max_completion_tokens
+KILN_SERVING_MAX_TOKENS = env_int("KILN_SERVING_MAX_TOKENS", 256, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "kiln-mark-lost-jobs": {"task": "kiln.mark_lost_jobs", "schedule": max(KILN_LOST_AFTER_SECONDS / 2, 5.0)},
 }

@@ -19,13 +19,13 @@ def celery_worker_id(hostname: str | None) -> str:
     return f"celery:{hostname or 'unknown'}:{os.getpid()}"
 
 
-@shared_task(name="kiln.run_training_job", bind=True, queue="training", ignore_result=True,
+@shared_task(name="kiln.run_training_job", bind=True, ignore_result=True,
              soft_time_limit=SOFT_TIME_LIMIT, time_limit=HARD_TIME_LIMIT)
 def run_training_job(self, job_id: str) -> str:
     return execute_training_job(job_id, celery_worker_id(self.request.hostname), stop=_SHUTDOWN)
 
 
-@shared_task(name="kiln.mark_lost_jobs", queue="training", ignore_result=True)
+@shared_task(name="kiln.mark_lost_jobs", ignore_result=True)
 def mark_lost_jobs() -> int:
     return len(actions.do_mark_lost())
 

@@ -98,7 +98,8 @@ class Stack:
         raise AssertionError(self.web.output[-4000:])
 
     def start_worker(self):
-        self.worker = Process([sys.executable, "-m", "celery", "-A", "kiln_web", "worker", "-Q", "training",
+        self.worker = Process([sys.executable, "-m", "celery", "-A", "kiln_web", "worker", "-Q",
+                               os.environ.get("KILN_TRAINING_QUEUE", "training"),
                                "--pool", "solo", "-l", "info", "-n", f"kiln-test-{self.port}@%h"], self.env)
         self.worker.wait_for("ready.", 120)
 
