@@ -25,7 +25,7 @@ from django.conf import settings
 from pydantic_core import PydanticUndefined
 
 from kiln_web.jobs.models import JobKind
-from kiln_web.jobs.schemas import SFTRequest
+from kiln_web.jobs.schemas import GRPORequest, OPDRequest, SFTRequest
 
 # Labels where the field name alone reads badly; any other field is its name, humanised.
 LABELS = {
@@ -37,6 +37,9 @@ LABELS = {
     "max_sequence_length": "Max sequence length",
     "dataset_path": "Dataset path",
     "data": "Upload a JSONL file",
+    "groups": "Upload groups (JSONL)",
+    "prompts": "Upload prompts (JSONL or a JSON list)",
+    "base_adapter": "Base adapter (warm start)",
     "double_quantization": "Double quantization",
     "type": "Type",
     "resume_checkpoint": "Resume checkpoint",
@@ -62,6 +65,12 @@ def _unwrap(annotation) -> tuple[typing.Any, bool]:
         if len(args) == 1:
             return args[0], True
     return annotation, False
+
+
+def _allows_strings(annotation) -> bool:
+    """list[str | dict]: a record may be a plain string."""
+    (item,) = typing.get_args(annotation) or (None,)
+    return typing.get_origin(item) in (typing.Union, types.UnionType) and str in typing.get_args(item)
 
 
 def _is_model(annotation) -> bool:
@@ -101,23 +110,37 @@ class Leaf:
     name: str  # form field name: the path with "__" (config. dropped)
     path: tuple[str, ...]  # ("config", "lora", "rank")
     shape: str  # text, int, float, bool, choice, list, records
+    strings: bool = False  # records: a record may also be a plain string (OPD prompts)
+
+    @property
+    def wide(self) -> bool:
+        """Paths and name lists need room."""
+        return self.shape == "list" or self.path[-1] in WIDE
+
+
+WIDE = {"dataset_path", "resume_checkpoint"}
 
 
 class JobForm(forms.Form):
-    """Subclasses set `request_schema` (the API's pydantic request model) and `kind`."""
+    """Subclasses set `request_schema` (the API's pydantic request model), `kind`, `title` and `summary`;
+    the fields, fieldsets and data sources are derived from the schema when the subclass is defined."""
 
     request_schema: type[pydantic.BaseModel]
     kind: str
     title: str
+    summary: str
     leaves: dict[str, Leaf]
     fieldsets: list[Fieldset]
     source_names: list[str]
+    _field_factories: dict
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.leaves, cls.fieldsets, cls.source_names = {}, [], []
         cls._field_factories = {}
         cls._collect(cls.request_schema, (), True, None)
+        sections = set(SECTION_OF.values())  # these close the form, after the kind's own fieldsets
+        cls.fieldsets.sort(key=lambda fieldset: fieldset.title in sections)
 
     # -- building the fields from the schema --
 
@@ -140,7 +163,8 @@ class JobForm(forms.Form):
                 target = fieldset
             form_name = "__".join(here[1:] if here[0] == "config" else here)
             shape, factory = cls._factory(name, annotation, info, required and info.is_required())
-            cls.leaves[form_name] = Leaf(form_name, here, shape)
+            strings = shape == "records" and _allows_strings(annotation)
+            cls.leaves[form_name] = Leaf(form_name, here, shape, strings=strings)
             cls._field_factories[form_name] = factory
             target.names.append(form_name)
             dotted = ".".join(here)
@@ -155,7 +179,7 @@ class JobForm(forms.Form):
             if fieldset.title == title:
                 return fieldset
         fieldset = Fieldset(title, help_text, [])
-        cls.fieldsets.insert(0, fieldset) if first else cls.fieldsets.append(fieldset)
+        cls.fieldsets.insert(0 if first else len(cls.fieldsets), fieldset)
         return fieldset
 
     @classmethod
@@ -185,12 +209,12 @@ class JobForm(forms.Form):
             (item,) = typing.get_args(annotation) or (str,)
             if item is str:
                 return "list", lambda: forms.CharField(
-                    widget=forms.TextInput(attrs={"placeholder": _placeholder(info)}),
-                    **{**common, "help_text": (info.description or "") + " (comma-separated)"})
+                    widget=forms.Textarea(attrs={"rows": 2, "placeholder": _placeholder(info)}),
+                    **{**common, "help_text": (info.description or "") + " (one per line, or comma-separated)"})
             return "records", lambda: forms.FileField(
                 widget=forms.ClearableFileInput(attrs={"accept": ".jsonl,.json,application/json,text/plain"}),
                 **{**common, "required": False,
-                   "help_text": "JSONL, one record per line: " + (info.description or "")})
+                   "help_text": "JSONL (one per line) or a JSON list: " + (info.description or "")})
         attrs = {"placeholder": _placeholder(info, fallback="") if not required else ""}
         if name in ("dataset_path", "resume_checkpoint", "output_name", "base_model"):
             attrs |= {"autocomplete": "off", "spellcheck": "false"}
@@ -203,22 +227,35 @@ class JobForm(forms.Form):
         self.resume_from = resume_from  # the checkpoint a prepared resume continues (changes the messages)
         for name, factory in self._field_factories.items():
             self.fields[name] = factory()
+        self.suggestions = {}  # field name -> values the browser offers as it is typed (a datalist)
+        for name, values in self.suggest().items():
+            if name in self.fields and values:
+                self.fields[name].widget.attrs["list"] = f"suggest-{name}"
+                self.suggestions[name] = values
         self.body: dict | None = None
         self.payload: dict | None = None
         self.refusal: dict | None = None
 
+    def suggest(self) -> dict[str, list[str]]:
+        """Known values for free-text fields; subclasses add theirs."""
+        return {}
+
     def grouped(self):
-        """[(fieldset, [bound fields])] in schema order, for the template."""
-        return [(fieldset, [self[name] for name in fieldset.names]) for fieldset in self.fieldsets if fieldset.names]
+        """[(fieldset, [(bound field, wide)])] in schema order, for the template."""
+        return [(fieldset, [(self[name], name in self.leaves and self.leaves[name].wide) for name in fieldset.names])
+                for fieldset in self.fieldsets if fieldset.names]
 
     def clean(self):
         cleaned = super().clean()
         supplied = [name for name in self.source_names if self._present(cleaned.get(name))]
+        if any(name in self.errors for name in self.source_names):
+            return cleaned  # an unreadable upload already says what is wrong
         if not supplied:
             message = ("Supply the training data again: the checkpoint keeps no copy of inline data. Upload the "
                        "identical file (or give the dataset path the run used)."
                        if self.resume_from else "Upload a JSONL file or give a dataset path.")
-            self.add_error(self.source_names[0] if self.source_names else None, message)
+            uploads = [name for name in self.source_names if self.leaves[name].shape == "records"]
+            self.add_error((uploads or self.source_names or [None])[0], message)
             return cleaned
         if len(supplied) > 1:
             self.add_error(supplied[-1], "Give one data source, not both.")
@@ -254,9 +291,11 @@ class JobForm(forms.Form):
             if leaf.shape == "bool":
                 value = value == "true"
             elif leaf.shape == "list":
-                value = [item.strip() for item in value.split(",") if item.strip()]
+                lines = [line for line in value.splitlines() if line.strip()]
+                items = lines if len(lines) > 1 else value.split(",")
+                value = [item.strip() for item in items if item.strip()]
             elif leaf.shape == "records":
-                value = self._records(name, value)
+                value = self._records(name, value, strings=leaf.strings)
                 if value is None:
                     return None
             elif leaf.shape == "text":
@@ -271,8 +310,9 @@ class JobForm(forms.Form):
             body = body.setdefault(part, {})
         body[path[-1]] = value
 
-    def _records(self, name: str, upload) -> list | None:
-        """An uploaded JSONL file as a list of records (one JSON object per non-empty line)."""
+    def _records(self, name: str, upload, strings: bool = False) -> list | None:
+        """An uploaded file as a list of records: JSONL (one JSON value per non-empty line) or one JSON list.
+        Records are JSON objects (or, where the schema allows, strings)."""
         if upload.size > settings.KILN_UPLOAD_MAX_BYTES:
             self.add_error(name, f"The file is larger than KILN_UPLOAD_MAX_BYTES ({settings.KILN_UPLOAD_MAX_BYTES} "
                                  "bytes); put it in a data root and give its dataset path instead.")
@@ -282,23 +322,33 @@ class JobForm(forms.Form):
         except UnicodeDecodeError:
             self.add_error(name, "The file is not UTF-8 text.")
             return None
-        records = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
+        if text.lstrip().startswith("["):
             try:
-                record = json.loads(line)
+                records = json.loads(text)
             except json.JSONDecodeError as exc:
-                self.add_error(name, f"Line {number} is not JSON: {exc.msg}.")
+                self.add_error(name, f"The file is not a JSON list: {exc.msg} (line {exc.lineno}).")
                 return None
-            if not isinstance(record, dict):
-                self.add_error(name, f"Line {number} is not a JSON object.")
+            where = "Item {}"
+            numbered = list(enumerate(records, 1))
+        else:
+            numbered, where = [], "Line {}"
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    self.add_error(name, f"Line {number} is not JSON: {exc.msg}.")
+                    return None
+        for number, record in numbered:
+            if not isinstance(record, dict) and not (strings and isinstance(record, str)):
+                kind = "a JSON object or a string" if strings else "a JSON object"
+                self.add_error(name, f"{where.format(number)} is not {kind}.")
                 return None
-            records.append(record)
-        if not records:
+        if not numbered:
             self.add_error(name, "The file holds no records.")
             return None
-        return records
+        return [record for _, record in numbered]
 
     # -- refusals, from the schema or from admission --
 
@@ -360,7 +410,7 @@ class JobForm(forms.Form):
                 if leaf.shape == "bool":
                     node = "true" if node else "false"
                 elif leaf.shape == "list":
-                    node = ", ".join(map(str, node))
+                    node = "\n".join(map(str, node))
                 initial[name] = node
             elif leaf.shape != "records" and isinstance(request.get(leaf.path[0]), str):
                 initial[name] = request[leaf.path[0]]
@@ -380,8 +430,52 @@ class SFTJobForm(JobForm):
     request_schema = SFTRequest
     kind = JobKind.SFT
     title = "SFT"
+    summary = "Supervised fine-tuning on chat ({messages}) or {prompt, completion} records."
 
 
-# The new-job pages, by training kind. GRPO and OPD join here with their request schemas
-# (JobForm subclasses like SFTJobForm) once their API endpoints and JobKind values exist.
-JOB_FORMS: dict[str, type[JobForm]] = {JobKind.SFT: SFTJobForm}
+class GRPOJobForm(JobForm):
+    request_schema = GRPORequest
+    kind = JobKind.GRPO
+    title = "GRPO"
+    summary = "Group-relative policy optimisation over prompts with scored completions, as TRL defines it."
+
+
+class OPDJobForm(JobForm):
+    request_schema = OPDRequest
+    kind = JobKind.OPD
+    title = "OPD"
+    summary = ("On-policy distillation: the student samples, a registered teacher alias scores every token, "
+               "the loss is the reverse KL.")
+
+    def suggest(self) -> dict[str, list[str]]:
+        from kiln_web.teachers.models import TeacherAlias
+
+        return {"teacher": list(TeacherAlias.objects.values_list("name", flat=True)[:200])}
+
+
+# The new-job pages, by training kind: a JobForm subclass over the kind's API request schema.
+JOB_FORMS: dict[str, type[JobForm]] = {JobKind.SFT: SFTJobForm, JobKind.GRPO: GRPOJobForm, JobKind.OPD: OPDJobForm}
+
+
+class TeacherForm(forms.Form):
+    """Register a teacher alias; the help texts are the API schema's (TeacherIn), the checks the action's."""
+
+    name = forms.CharField(max_length=120, widget=forms.TextInput(attrs={"placeholder": "tutor@native",
+                                                                          "autocomplete": "off"}))
+    base = forms.CharField(required=False, max_length=100)
+    adapter = forms.CharField(required=False, max_length=1000)
+    endpoint = forms.CharField(required=False, max_length=1000,
+                               widget=forms.TextInput(attrs={"placeholder": "http://gpu-1:8000"}))
+    model = forms.CharField(required=False, max_length=200)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from kiln_web.teachers.schemas import TeacherIn
+
+        for name, info in TeacherIn.model_fields.items():
+            if name in self.fields:
+                self.fields[name].help_text = info.description or ""
+
+    def add_refusal(self, exc) -> None:
+        field = exc.extra.get("field")
+        self.add_error(field if field in self.fields else None, exc.message)

@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from django.apps import apps
 from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist
 
 from kiln_web.adapters.models import Adapter, CheckpointRecord
 from kiln_web.jobs import runtime
@@ -21,6 +23,7 @@ PEFT_CONFIG = "adapter_config.json"  # what marks a PEFT snapshot directory (wei
 PEFT_WEIGHTS = "adapter_model.safetensors"
 LINEAGE_DEPTH = 20  # earlier runs followed through resume_from for the charts
 EVENT_LIMIT = 300  # newest events shown on job detail
+VALIDATE_LIMIT = 50  # newest checkpoint directories light-validated per page; older ones are listed unchecked
 
 # Charts per training kind: (metric key, title). A chart is drawn when some step carries the key.
 CHARTS = {
@@ -89,14 +92,11 @@ class CheckpointState:
     """One checkpoint directory as the registry holds it now."""
 
     basename: str
-    state: str  # valid, invalid, missing, incomplete
+    state: str  # valid, invalid, missing, incomplete (a staging directory), unchecked
     summary: dict = field(default_factory=dict)
     error: dict | None = None
     record: CheckpointRecord | None = None
-
-    @property
-    def step(self) -> int | None:
-        return self.summary.get("step") if self.summary else (self.record.step if self.record else None)
+    step: int | None = None
 
 
 def read_checkpoint(basename: str, kind: str, adapter: str) -> CheckpointState:
@@ -107,7 +107,7 @@ def read_checkpoint(basename: str, kind: str, adapter: str) -> CheckpointState:
     if summary is None:
         state = "missing" if error and error.get("code") == "not_found" else "invalid"
         return CheckpointState(basename, state, error=error)
-    return CheckpointState(basename, "valid", summary=summary)
+    return CheckpointState(basename, "valid", summary=summary, step=summary.get("step"))
 
 
 def adapter_checkpoints(adapter: Adapter) -> tuple[list[CheckpointState], str | None]:
@@ -126,26 +126,31 @@ def adapter_checkpoints(adapter: Adapter) -> tuple[list[CheckpointState], str | 
     except (OSError, module.CheckpointError) as exc:  # CheckpointError: a name the registry refuses
         return [], f"the adapter registry cannot be read: {exc}"
     states = []
-    for path in paths:
-        try:
-            loaded = module.load_checkpoint(path, full=False, expected_adapter=adapter.name)
-            state = CheckpointState(path.name, "valid", summary=module.checkpoint_summary(loaded))
-        except module.CheckpointError as exc:
-            state = CheckpointState(path.name, "invalid", error={
-                "code": getattr(exc, "code", "checkpoint_invalid"), "message": str(getattr(exc, "message", "") or exc)})
-        except OSError as exc:
-            state = CheckpointState(path.name, "invalid", error={"code": "checkpoint_unreadable",
-                                                                 "message": exc.strerror or str(exc)})
+    for position, path in enumerate(reversed(paths)):  # newest first
+        step = module.parse_basename(path.name)[1]
+        if position >= VALIDATE_LIMIT:
+            state = CheckpointState(path.name, "unchecked", step=step)
+        else:
+            try:
+                loaded = module.load_checkpoint(path, full=False, expected_adapter=adapter.name)
+                state = CheckpointState(path.name, "valid", summary=module.checkpoint_summary(loaded), step=step)
+            except module.CheckpointError as exc:
+                state = CheckpointState(path.name, "invalid", step=step, error={
+                    "code": getattr(exc, "code", "checkpoint_invalid"),
+                    "message": str(getattr(exc, "message", "") or exc)})
+            except OSError as exc:
+                state = CheckpointState(path.name, "invalid", step=step, error={
+                    "code": "checkpoint_unreadable", "message": exc.strerror or str(exc)})
         state.record = records.pop(path.name, None)
         states.append(state)
     for basename, record in records.items():
-        states.append(CheckpointState(basename, "missing", record=record, error={
+        states.append(CheckpointState(basename, "missing", record=record, step=record.step, error={
             "code": "not_found", "message": "indexed when published, no longer in the registry"}))
     for path in orphans:
         states.append(CheckpointState(path.name, "incomplete", error={
             "code": "staging", "message": "a publication that never finished (or is finishing now); "
                                           "never loadable as a checkpoint"}))
-    states.sort(key=lambda s: (s.step or -1, s.state == "valid"), reverse=True)
+    states.sort(key=lambda s: (s.step if s.step is not None else -1, s.state == "valid"), reverse=True)
     return states, None
 
 
@@ -225,26 +230,57 @@ PROMOTION_LABELS = {
     "gate_failed": "Gate failed",
     "inconclusive": "Inconclusive",
     "unavailable": "Unavailable",
+    "canary_failed": "Canary failed",
+    "pending": "Awaiting the gate",
     "not_requested": "Not requested",
 }
 
 
+def evaluation_rows(job: TrainingJob) -> list[dict]:
+    """The evaluation runs linked to the job (kiln_web.evals), oldest first."""
+    if not apps.is_installed("kiln_web.evals"):
+        return []
+    rows = []
+    for run in job.evaluations.select_related("suite").order_by("created_at"):
+        candidate, baseline = run.candidate_summary or {}, run.baseline_summary or {}
+        rows.append({"id": str(run.pk), "suite": run.suite.name, "status": run.status, "purpose": run.purpose,
+                     "candidate": candidate.get("accuracy"), "baseline": baseline.get("accuracy"),
+                     "baseline_name": run.baseline, "total": candidate.get("total"),
+                     "error": run.error_message if run.error_code else ""})
+    return rows
+
+
 def outcome(job: TrainingJob, panel: dict) -> dict:
-    """"Adapter was trained" and "adapter was promoted" are separate facts. The promotion outcome and the
-    linked evaluation ids are read from the job (a field, or its result) wherever the run records them;
-    a job that records none was never asked for a promotion gate."""
-    result = job.result if isinstance(job.result, dict) else {}
-    promotion = getattr(job, "promotion", None) or result.get("promotion")
-    if isinstance(promotion, str):
-        promotion = {"outcome": promotion}
-    promotion = dict(promotion or {})
-    state = promotion.get("outcome") or getattr(job, "promotion_outcome", None) or "not_requested"
-    evaluation_ids = list(getattr(job, "evaluation_ids", None) or result.get("evaluation_ids") or [])
+    """"Adapter was trained" and "adapter was promoted" are separate facts: the first is the job's own end
+    (and its final PEFT snapshot), the second the newest promotion decision recorded for the job
+    (kiln_web.serving), with the evaluation runs linked to it (kiln_web.evals). A job with neither a
+    decision nor a gate evaluation in flight was not asked to promote anything."""
+    evaluations = evaluation_rows(job)
+    decision = None
+    if apps.is_installed("kiln_web.serving"):
+        decision = job.promotions.order_by("-decided_at", "-id").first()
+    if decision is not None:
+        state, reason = decision.outcome, decision.reason
+    elif any(e["purpose"] == "gate" and e["status"] in ("queued", "running") for e in evaluations):
+        state, reason = "pending", "the gate evaluation has not finished; the previous adapter stays active"
+    else:
+        state, reason = "not_requested", ""
     trained = job.status == JobStatus.SUCCEEDED
-    return {"trained": trained, "snapshot": panel["snapshot"] if trained else None,
-            "promotion": state if state in PROMOTION_LABELS else "unavailable",
-            "promotion_label": PROMOTION_LABELS.get(state, str(state)), "reason": promotion.get("reason"),
-            "evaluation_ids": evaluation_ids}
+    return {"trained": trained, "snapshot": panel["snapshot"] if trained else None, "promotion": state,
+            "promotion_label": PROMOTION_LABELS.get(state, state.replace("_", " ").capitalize()),
+            "reason": reason, "decided_by": decision.decided_by if decision else None,
+            "decided_at": decision.decided_at if decision else None, "evaluations": evaluations}
+
+
+def served(adapter: Adapter) -> dict | None:
+    """Whether every web process serves the adapter (loaded) and whether it is the active one."""
+    if not apps.is_installed("kiln_web.serving"):
+        return None
+    try:
+        row = adapter.serving  # the reverse one-to-one of ServedAdapter
+    except ObjectDoesNotExist:
+        return None
+    return {"active": row.active, "base": row.base, "loaded_at": row.loaded_at}
 
 
 def effective_settings(job: TrainingJob) -> list[tuple[str, str]]:
@@ -281,6 +317,12 @@ def identity_rows(job: TrainingJob) -> list[tuple[str, str]]:
     for key in ("schema", "sft_loss_route"):
         if planning.get(key):
             rows.append((f"planning {key.replace('_', ' ')}", str(planning[key])))
+    teacher = job.teacher  # OPD: the alias, and its identity and content revisions, kept apart
+    if teacher:
+        rows.append(("teacher", f"{teacher.get('alias')} ({teacher.get('route')})"))
+        for key in ("identity_revision", "content_revision"):
+            if teacher.get(key):
+                rows.append((f"teacher {key.replace('_', ' ')}", str(teacher[key])))
     execution = identities.get("execution") or {}
     if execution.get("backend"):
         rows.append(("backend", str(execution["backend"])))

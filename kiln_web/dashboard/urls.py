@@ -16,4 +16,6 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/resume/", views.resume_job, name="resume_job"),
     path("adapters/", views.adapters, name="adapters"),
     path("adapters/<str:name>/", views.adapter_detail, name="adapter"),
+    path("teachers/", views.teachers, name="teachers"),
+    path("teachers/<str:name>/delete/", views.delete_teacher, name="delete_teacher"),
 ]

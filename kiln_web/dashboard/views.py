@@ -1,5 +1,6 @@
 """Dashboard pages. Each view parses, authorises (sign-in, then the job or adapter must be visible to the
-person), calls at most one action from kiln_web.jobs.actions and responds; reads come from readers."""
+person), calls at most one do_* action (the same ones the API and the CLI call) and responds; what the
+pages show comes from readers."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from kiln_web.adapters.models import Adapter
+from kiln_web.core.http import ActionRefused
 from kiln_web.dashboard import readers
-from kiln_web.dashboard.forms import JOB_FORMS
+from kiln_web.dashboard.forms import JOB_FORMS, TeacherForm
 from kiln_web.jobs import actions, runtime
 from kiln_web.jobs.models import InvalidTransition, JobKind, JobStatus, TrainingJob
 
-PANELS = {"actions": "dashboard/_job_actions.html", "checkpoint": "dashboard/_checkpoint_panel.html",
-          "stop": "dashboard/_stop_panel.html", "outcome": "dashboard/_outcome_panel.html",
-          "checkpoints": "dashboard/_checkpoint_list.html", "error": "dashboard/_job_error.html",
-          "events": "dashboard/_events.html"}
+# The parts of job detail the page swaps in from the snapshot view: [data-panel=NAME] <- template.
+PANELS = {"actions": "dashboard/_job_actions.html", "facts": "dashboard/_job_facts.html",
+          "checkpoint": "dashboard/_checkpoint_panel.html", "stop": "dashboard/_stop_panel.html",
+          "outcome": "dashboard/_outcome_panel.html", "checkpoints": "dashboard/_checkpoint_list.html",
+          "error": "dashboard/_job_error.html", "events": "dashboard/_events.html"}
 
 
 def job_view(view):
@@ -76,7 +78,7 @@ def job_rows(request: HttpRequest) -> HttpResponse:
 def _detail_context(request: HttpRequest, job: TrainingJob) -> dict:
     panel = readers.checkpoint_panel(job)
     checkpoints, registry_error = readers.adapter_checkpoints(job.adapter)
-    return {"job": job, "panel": panel, "stop": readers.stop_outcome(job, panel),
+    return {"job": job, "adapter": job.adapter, "panel": panel, "stop": readers.stop_outcome(job, panel),
             "outcome": readers.outcome(job, panel), "checkpoints": checkpoints, "registry_error": registry_error,
             "events": readers.events(job), "percent": readers.percent(job),
             "terminal": job.status in readers.TERMINAL_STATUSES}
@@ -130,13 +132,13 @@ def stop_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
 # -- submitting --
 
 
-def _refusal(exc: Exception) -> tuple[int, dict] | None:
+def _refusal(exc: Exception, kind: str) -> tuple[int, dict] | None:
     """(status, error) for a refusal a person can act on, as the API answers it; None for anything else."""
-    if isinstance(exc, actions.ActionRefused):
+    if isinstance(exc, ActionRefused):
         return exc.status, exc.as_error()
     if isinstance(exc, runtime.RunnerUnavailable):
         return 503, {"code": exc.code, "message": str(exc)}
-    refusal = runtime.refusal_for(exc)
+    refusal = runtime.refusal_for(exc, kind)
     return (refusal.status, refusal.as_error()) if refusal is not None else None
 
 
@@ -145,7 +147,7 @@ def _submit(request: HttpRequest, form) -> TrainingJob | None:
     try:
         return actions.do_submit_job(request.user, form.body, form.payload, kind=form.kind)
     except Exception as exc:  # noqa: BLE001 (a refusal is shown; anything else propagates)
-        refusal = _refusal(exc)
+        refusal = _refusal(exc, form.kind)
         if refusal is None:
             raise
         form.add_refusal(*refusal)
@@ -159,7 +161,7 @@ def _form_page(request, form, *, kind: str, source_job=None, status: int = 200) 
         status = 400
     return render(request, "dashboard/job_form.html", {
         "form": form, "kind": kind, "kinds": [(name, cls.title) for name, cls in JOB_FORMS.items()],
-        "source_job": source_job, "nav": "new"}, status=status)
+        "source_job": source_job, "nav": "jobs" if source_job else "new"}, status=status)
 
 
 @require_http_methods(["GET", "POST"])
@@ -216,7 +218,7 @@ def adapters(request: HttpRequest) -> HttpResponse:
                      "valid": sum(1 for c in checkpoints if c.state == "valid"),
                      "invalid": sum(1 for c in checkpoints if c.state != "valid"),
                      "latest": next((c for c in checkpoints if c.state == "valid"), None),
-                     "latest_job": latest_job, "registry_error": error})
+                     "latest_job": latest_job, "registry_error": error, "served": readers.served(adapter)})
     return render(request, "dashboard/adapters.html", {"rows": rows, "show_owner": request.user.is_staff,
                                                        "nav": "adapters"})
 
@@ -230,6 +232,50 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
     checkpoints, error = readers.adapter_checkpoints(adapter)
     return render(request, "dashboard/adapter_detail.html", {
         "adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name), "checkpoints": checkpoints,
+        "served": readers.served(adapter),
         "registry_error": error,
         "jobs": [readers.job_row(job) for job in readers.visible_jobs(request.user).filter(adapter=adapter)[:50]],
         "show_owner": request.user.is_staff, "nav": "adapters"})
+
+
+# -- teachers --
+
+
+@require_http_methods(["GET", "POST"])
+@login_required
+def teachers(request: HttpRequest) -> HttpResponse:
+    """Teacher aliases (global names an OPD run's config.teacher resolves) and registering one."""
+    from kiln_web.teachers.actions import do_create_teacher
+    from kiln_web.teachers.models import TeacherAlias
+
+    form = TeacherForm(request.POST or None)
+    status = 200
+    if request.method == "POST":
+        if form.is_valid():
+            fields = {key: value for key, value in form.cleaned_data.items() if key != "name"}
+            try:
+                alias = do_create_teacher(request.user, form.cleaned_data["name"].strip(), fields)
+            except ActionRefused as exc:
+                form.add_refusal(exc)
+            else:
+                messages.success(request, f"Registered {alias.name} "
+                                          f"(identity revision {alias.identity_revision[:12]}).")
+                return redirect("dashboard:teachers")
+        status = 400
+    aliases = TeacherAlias.objects.select_related("owner").order_by("name")
+    return render(request, "dashboard/teachers.html", {"aliases": aliases, "form": form, "nav": "teachers"},
+                  status=status)
+
+
+@require_POST
+@login_required
+def delete_teacher(request: HttpRequest, name: str) -> HttpResponse:
+    from kiln_web.teachers.actions import do_delete_teacher
+
+    try:
+        do_delete_teacher(request.user, name)
+    except ActionRefused as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, f"Deleted the teacher alias {name}.")
+    return redirect("dashboard:teachers")

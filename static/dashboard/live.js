@@ -22,9 +22,11 @@
     let stopped = false;
 
     function open() {
+      let opened = false;
       indicator(attempt ? "reconnecting" : "connecting", attempt ? "reconnecting" : "connecting");
       socket = new WebSocket(scheme + "//" + location.host + path);
       socket.addEventListener("open", function () {
+        opened = true;
         attempt = 0;
         indicator("live", "live");
         if (handlers.onopen) handlers.onopen();
@@ -44,7 +46,16 @@
         const delay = Math.min(MAX_DELAY, MIN_DELAY * Math.pow(2, attempt)) * (0.75 + Math.random() / 2);
         attempt += 1;
         indicator("reconnecting", "reconnecting in " + Math.max(1, Math.round(delay / 1000)) + " s");
-        setTimeout(open, delay);
+        const retry = setTimeout(open, delay);
+        if (!opened) {
+          // a refused handshake looks like a network error to the page: ask whether the session ended
+          fetch(location.pathname, { credentials: "same-origin", redirect: "manual" }).then(function (response) {
+            if (response.type === "opaqueredirect") {
+              clearTimeout(retry);
+              stop("signed out: reload the page to sign in");
+            }
+          }).catch(function () {});
+        }
       });
     }
 

@@ -31,3 +31,12 @@ def filesize(value) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(value)
+
+
+@register.filter
+def percent(value) -> str:
+    """0.8125 -> "81.2%"."""
+    try:
+        return f"{100 * float(value):.1f}%"
+    except (TypeError, ValueError):
+        return "–"

@@ -1,0 +1,238 @@
+"""The dashboard in Chromium (Playwright) against Kiln as deployed: `kiln up` serving the ASGI app, a
+SEPARATE Celery worker process, Redis as broker and channel layer, the real trainer on kiln-tiny.
+
+One story, a screenshot per step under test-output/dashboard/: sign in; submit an SFT job from the
+form; watch progress advance without reloading (detail page and jobs list), through a dropped and
+re-established WebSocket; stop and save; see the
+confirmed checkpoint; prepare resume; see the form refuse without data; supply it; submit; see the
+job succeed; reload and see the same charts. Then every page at 1280x800 and 390x844 without
+horizontal scrolling.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from controlplane.services import REDIS_URL, ROOT, Stack
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path(os.environ.get("KILN_TEST_CHROMIUM", "/usr/bin/chromium"))
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--no-first-run"]
+SHOTS = ROOT / "test-output" / "dashboard"
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+WORDS = ("kiln", "clay", "glaze", "fire")
+EPOCHS = 50  # 4 records x 50 epochs = 200 steps: long enough to watch and stop, short enough for CI
+INTERVAL = 5  # a checkpoint every 5 committed steps
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if REDIS_URL is None:
+        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
+    pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+    # a database of its own on the test Redis: another Kiln test stack on the same server (another
+    # checkout's CI run) would otherwise consume this stack's tasks from the shared "training" queue
+    redis_url = urlunsplit(urlsplit(REDIS_URL)._replace(path="/14"))
+    running = Stack(tmp_path_factory.mktemp("kiln-dashboard-home"), redis_url=redis_url)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def chromium(stack):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "greetings.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
+                                                     {"role": "assistant", "content": f"{w.upper()}!"}]}) + "\n"
+                            for w in WORDS))
+    return path
+
+
+def admin_password(stack: Stack) -> str:
+    return re.search(r"Created the admin user 'admin' with password: (\S+)", stack.web.output).group(1)
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def committed(page) -> int:
+    return int(page.get_attribute("[data-job-page]", "data-committed"))
+
+
+def chart_paths(page) -> list:
+    return page.eval_on_selector_all("[data-chart] svg path",
+                                     "paths => paths.map(p => [p.dataset.series, p.getAttribute('d')])")
+
+
+def no_horizontal_scroll(page) -> None:
+    width, inner = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert width <= inner, f"{page.url} scrolls sideways at {inner}px: content is {width}px wide"
+
+
+def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    for old in SHOTS.glob("*.png"):
+        old.unlink()
+    context = chromium.new_context(viewport=DESKTOP)
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+
+    # sign in
+    page.goto(stack.url + "/")
+    assert "/accounts/login/" in page.url
+    shot(page, "01-sign-in")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", admin_password(stack))
+    page.click("button[type=submit]")
+    page.wait_for_selector("text=Training jobs")
+    shot(page, "02-jobs")
+
+    # submit an SFT job from the form
+    page.click("nav >> text=New job")
+    page.fill("input[name=output_name]", "dash-bot")
+    page.fill("input[name=epochs]", str(EPOCHS))
+    page.fill("input[name=checkpoint_interval]", str(INTERVAL))
+    page.fill("input[name=seed]", "29")
+    page.set_input_files("input[name=data]", str(dataset))
+    shot(page, "03-new-job")
+    sockets = []  # the page's WebSockets pass through here, so the test can cut one
+
+    def forward(route):
+        route.connect_to_server()  # messages flow both ways unchanged
+        sockets.append(route)
+
+    page.route_web_socket(re.compile(r"/ws/jobs/"), forward)
+    page.click("button:has-text('Submit job')")
+    page.wait_for_url(re.compile(r"/jobs/[0-9a-f-]{36}/$"))
+    job_url = page.url
+    job_id = job_url.rstrip("/").rsplit("/", 1)[1]
+
+    # progress advances without a reload: the page keeps its own state object while it moves
+    page.evaluate("window.__sameDocument = true")
+    page.wait_for_function("Number(document.querySelector('[data-job-page]').dataset.committed) >= 3")
+    first = committed(page)
+    page.wait_for_function(f"Number(document.querySelector('[data-job-page]').dataset.committed) >= {first + 4}")
+    assert page.evaluate("window.__sameDocument") is True
+    assert page.inner_text("[data-live-indicator]") == "live"
+    assert page.get_attribute("[data-chart=loss] path[data-series=run]", "data-points")
+    assert re.fullmatch(r"Step \d+ of 200", page.inner_text("[data-progress-text]"))
+    assert "left" in page.inner_text("[data-eta]")
+    shot(page, "04-progress-live")
+
+    # a dropped socket: the page reconnects with backoff, re-reads what it missed, and its chart has no gap
+    dropped_at = committed(page)
+    sockets[-1].close(code=1012, reason="test drops the connection")
+    page.wait_for_function("document.querySelector('[data-live-indicator]').dataset.state === 'reconnecting'")
+    page.wait_for_function("document.querySelector('[data-live-indicator]').dataset.state === 'live'")
+    page.wait_for_function(f"Number(document.querySelector('[data-job-page]').dataset.committed) >= {dropped_at + 5}")
+    drawn, last = page.evaluate("""() => [
+        Number(document.querySelector('[data-chart=loss] path[data-series=run]').dataset.points),
+        Number(document.querySelector('[data-job-page]').dataset.committed)]""")
+    assert drawn == last, f"the chart holds {drawn} steps of {last}: the resync after the reconnect missed some"
+    assert page.evaluate("window.__sameDocument") is True
+
+    # ... and on the jobs list, in a second tab
+    listing = context.new_page()
+    listing.goto(stack.url + "/")
+    cell = f"tr[data-job='{job_id}'] [data-field=progress]"
+    before = int(listing.inner_text(cell).split("/")[0])
+    listing.wait_for_function(f"parseInt(document.querySelector(\"{cell}\").textContent) > {before}")
+    shot(listing, "05-jobs-list-live")
+    listing.close()
+
+    # stop and save: the confirmed step is the checkpoint's, read back from the registry
+    page.click("[data-stop]")
+    page.wait_for_selector("[data-stop-state=confirmed]", timeout=60_000)
+    stopped_at = int(page.get_attribute("[data-stop-state=confirmed]", "data-stop-step"))
+    job = stack.client.job(job_id)
+    assert job["status"] == "cancelled"
+    assert job["latest_checkpoint"]["committed_step"] == job["progress"]["committed_step"] == stopped_at
+    basename = job["latest_checkpoint"]["resume_checkpoint"]
+    assert page.inner_text("[data-basename]") == basename
+    assert page.inner_text("[data-resume-kind]") == "Exact resume"
+    assert f"Stopped and saved at step {stopped_at} of 200" in page.inner_text("[data-panel=stop]")
+    shot(page, "06-stopped-and-saved")
+
+    # prepare resume: prefilled, resume_checkpoint set, the inline data cleared
+    page.click("[data-prepare-resume]")
+    page.wait_for_selector("text=Prepare resume")
+    assert page.input_value("input[name=resume_checkpoint]") == basename
+    assert page.input_value("input[name=epochs]") == str(EPOCHS)
+    assert page.input_value("input[name=seed]") == "29"
+    assert page.input_value("input[name=data]") == ""
+    shot(page, "07-prepare-resume")
+    page.click("button:has-text('Submit resume')")
+    page.wait_for_selector(".field-error")
+    assert "Supply the training data again" in page.inner_text("[data-field=data] .field-error")
+    assert stack.client.jobs()["count"] == 1
+    shot(page, "08-refused-without-data")
+
+    # supply the same data again and submit
+    page.set_input_files("input[name=data]", str(dataset))
+    page.click("button:has-text('Submit resume')")
+    page.wait_for_url(re.compile(r"/jobs/[0-9a-f-]{36}/$"))
+    assert page.url != job_url
+    resumed_id = page.url.rstrip("/").rsplit("/", 1)[1]
+    page.wait_for_function("document.querySelector('[data-job-page]').dataset.status === 'succeeded'",
+                           timeout=90_000)
+    page.wait_for_selector("[data-trained=yes]")
+    resumed = stack.client.job(resumed_id)
+    assert resumed["resume_from"] == basename and resumed["progress"]["committed_step"] == 200
+    assert page.inner_text("[data-progress-text]") == "Step 200 of 200"
+    assert "Not requested" in page.inner_text("[data-promotion]")
+    shot(page, "09-resumed-succeeded")
+
+    # reload: the same charts, now drawn from the database alone
+    live_paths = chart_paths(page)
+    assert [series for series, _ in live_paths] == ["earlier", "run"]
+    page.reload()
+    page.wait_for_selector("[data-chart=loss] path[data-series=run]")
+    assert chart_paths(page) == live_paths
+    shot(page, "10-after-reload")
+    assert not errors, errors
+
+    # every page fits both viewports
+    pages = {"jobs": "/", "job": f"/jobs/{resumed_id}/", "stopped-job": f"/jobs/{job_id}/",
+             "new-job": "/jobs/new/sft/", "prepare-resume": f"/jobs/{job_id}/resume/", "adapters": "/adapters/",
+             "adapter": "/adapters/dash-bot/"}
+    for label, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+        sized = chromium.new_context(viewport=viewport, storage_state=context.storage_state())
+        view = sized.new_page()
+        for name, path in pages.items():
+            view.goto(stack.url + path)
+            view.wait_for_load_state("networkidle")
+            no_horizontal_scroll(view)
+            if label == "phone" or name in ("adapters", "adapter"):
+                shot(view, f"11-{label}-{name}")
+        sized.close()
+    anonymous = chromium.new_context(viewport=PHONE).new_page()
+    anonymous.goto(stack.url + "/")
+    no_horizontal_scroll(anonymous)
+    anonymous.context.close()
+    context.close()

@@ -1,0 +1,158 @@
+"""The WebSocket consumers on the real ASGI app (session auth, origin check, routing): each job event
+reaches the right groups after the commit, nothing reaches anyone else, and a socket without a
+signed-in session (or for someone else's job) is refused."""
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.test import Client
+
+from kiln_web.adapters.models import Adapter
+from kiln_web.asgi import application
+from kiln_web.jobs import actions
+from kiln_web.jobs.models import JobKind, JobStatus, TrainingJob
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the consumers read the session and jobs from other threads
+
+ORIGIN = (b"origin", b"http://localhost")
+QUIET = 0.2  # seconds a socket must stay silent to count as "received nothing"
+
+
+def session_cookie(user) -> bytes:
+    client = Client()
+    client.force_login(user)
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+
+
+def socket(path: str, cookie: bytes | None = None, origin=ORIGIN) -> WebsocketCommunicator:
+    headers = [origin] if origin else []
+    if cookie is not None:
+        headers.append((b"cookie", cookie))
+    return WebsocketCommunicator(application, path, headers=headers)
+
+
+def job_of(user, name: str) -> TrainingJob:
+    """A running job, created directly: these tests are about delivery, not admission."""
+    adapter = Adapter.objects.create(name=name, owner=user)
+    return TrainingJob.objects.create(owner=user, kind=JobKind.SFT, adapter=adapter, request={}, admission={},
+                                      status=JobStatus.RUNNING, worker_id="w", total_steps=10)
+
+
+async def connected(communicator: WebsocketCommunicator) -> WebsocketCommunicator:
+    ok, code = await communicator.connect()
+    assert ok, code
+    return communicator
+
+
+def test_events_reach_the_owner_and_staff_and_no_one_else(ada, bob, make_user):
+    root = make_user("root", staff=True)
+    mine, theirs = job_of(ada, "ada-bot"), job_of(bob, "bob-bot")
+    ada_cookie, bob_cookie, root_cookie = session_cookie(ada), session_cookie(bob), session_cookie(root)
+
+    async def scenario():
+        ada_list = await connected(socket("/ws/jobs/", ada_cookie))
+        ada_job = await connected(socket(f"/ws/jobs/{mine.pk}/", ada_cookie))
+        bob_list = await connected(socket("/ws/jobs/", bob_cookie))
+        bob_job = await connected(socket(f"/ws/jobs/{theirs.pk}/", bob_cookie))
+        staff_list = await connected(socket("/ws/jobs/", root_cookie))
+
+        await database_sync_to_async(actions.do_record_step)(mine.pk, "w", {"step": 3, "loss": 0.5})
+        for communicator in (ada_list, ada_job, staff_list):
+            message = await communicator.receive_json_from(timeout=5)
+            assert message == {"type": "job.step", "job_id": str(mine.pk), "metrics": {"step": 3, "loss": 0.5}}
+        for communicator in (bob_list, bob_job):
+            assert await communicator.receive_nothing(timeout=QUIET)
+
+        await database_sync_to_async(actions.do_add_event)(theirs.pk, "warning", "bob's run is slow")
+        for communicator in (bob_list, bob_job, staff_list):
+            message = await communicator.receive_json_from(timeout=5)
+            assert message["type"] == "job.event" and message["job_id"] == str(theirs.pk)
+            assert message["level"] == "warning" and message["message"] == "bob's run is slow"
+        for communicator in (ada_list, ada_job):
+            assert await communicator.receive_nothing(timeout=QUIET)
+
+        await database_sync_to_async(actions.do_cancel_job)(mine.pk, "stop and save")
+        kinds = [(await ada_job.receive_json_from(timeout=5))["type"] for _ in range(2)]
+        assert kinds == ["job.event", "job.status"]  # the log line, then the status, in commit order
+        assert [(await ada_list.receive_json_from(timeout=5))["type"] for _ in range(2)] == kinds
+        assert await bob_list.receive_nothing(timeout=QUIET)
+
+        summary = {"resume_checkpoint": "ada-bot-checkpoint-step-00000003.kiln-checkpoint", "step": 3}
+        await database_sync_to_async(actions.do_record_checkpoint)(mine.pk, "w", summary)
+        message = await ada_job.receive_json_from(timeout=5)
+        assert message == {"type": "job.checkpoint", "job_id": str(mine.pk), "checkpoint": summary}
+        assert await bob_job.receive_nothing(timeout=QUIET)
+
+        for communicator in (ada_list, ada_job, bob_list, bob_job, staff_list):
+            await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_nothing_is_sent_before_the_commit_or_after_a_rollback(ada):
+    job = job_of(ada, "ada-bot")
+    cookie = session_cookie(ada)
+
+    def add_event_then_roll_back():
+        from django.db import transaction
+
+        try:
+            with transaction.atomic():
+                actions.do_add_event(job.pk, "info", "never committed")
+                raise RuntimeError("roll back")
+        except RuntimeError:
+            pass
+
+    async def scenario():
+        listener = await connected(socket(f"/ws/jobs/{job.pk}/", cookie))
+        await database_sync_to_async(add_event_then_roll_back)()
+        assert await listener.receive_nothing(timeout=QUIET)
+        await listener.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_a_socket_without_a_session_is_refused(ada):
+    job = job_of(ada, "ada-bot")
+
+    async def scenario():
+        for path in ("/ws/jobs/", f"/ws/jobs/{job.pk}/"):
+            ok, code = await socket(path).connect()
+            assert not ok and code == 4401, (path, code)
+
+    async_to_sync(scenario)()
+
+
+def test_someone_elses_job_socket_is_refused(ada, bob):
+    theirs = job_of(bob, "bob-bot")
+    cookie = session_cookie(ada)
+
+    async def scenario():
+        ok, code = await socket(f"/ws/jobs/{theirs.pk}/", cookie).connect()
+        assert not ok and code == 4404
+
+    async_to_sync(scenario)()
+
+
+def test_a_foreign_origin_is_refused(ada):
+    cookie = session_cookie(ada)
+
+    async def scenario():
+        ok, _ = await socket("/ws/jobs/", cookie, origin=(b"origin", b"http://evil.example")).connect()
+        assert not ok
+
+    async_to_sync(scenario)()
+
+
+def test_the_socket_ignores_what_the_page_sends(ada):
+    cookie = session_cookie(ada)
+
+    async def scenario():
+        listener = await connected(socket("/ws/jobs/", cookie))
+        await listener.send_json_to({"type": "job.status", "status": "succeeded"})
+        assert await listener.receive_nothing(timeout=QUIET)
+        await listener.disconnect()
+
+    async_to_sync(scenario)()
