@@ -1,42 +1,200 @@
-"""What the GRPO and OPD runs share: their admission record, configuration checks, the v3
-planning identity, resume loading and drift refusal, adapter/optimizer state files and publication.
+"""What every training kind shares: errors, settings, request checks, execution identity,
+drift comparison, the learning-rate schedule, the run result and final publication; and what
+GRPO and OPD share besides (their admission record, the v3 planning identity, resume loading,
+adapter/optimizer state files and publication).
 
-The errors, settings and identities are SFT's own (trainer.runs.sft), so the control plane maps
-one set of exceptions for every training kind.
+One set of exceptions for every kind, so the control plane maps them once.
 """
 
 import copy
 import hashlib
 import json
 import math
+import os
+import platform
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
+import trainer
 from trainer import LoraConfig
 from trainer.lora import PROJECTIONS
+from trainer.peft import publish_final_adapter
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
-from trainer.runs.sft import (ADAPTER_FILE, BACKEND_LOSS_ROUTES, MANIFEST_FIELDS, OPTIMIZER_FILE,  # noqa: F401
-                              STATE_FILE, AdmissionError, RequestError, RunFailed, RunResult, RunSettings,
-                              _compare, _confined, _difference, _int, _number, execution_identity,
-                              learning_rate_at)
-
 PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
 LORA_DEFAULT = {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False}
 SCHEDULE_DEFAULT = {"type": "constant", "warmup_steps": 0}
 NULLABLE = ("seed", "checkpoint_interval", "resume_checkpoint", "max_grad_norm")
 
-# SFT's helpers under public names (sft.py stays as it is)
-difference = _difference
-compare = _compare
-confined = _confined
-int_field = _int
-number_field = _number
+
+KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
+STATE_FILE = "state.json"
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "dataset", "config",
+                   "seed", "progress"}
+# capability-derived loss routes of each backend, in order of preference
+BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits")}
+
+
+class RequestError(ValueError):
+    """The request itself is malformed; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class AdmissionError(Exception):
+    """The request is well formed but cannot run (drift, an invalid checkpoint, ...)."""
+
+    def __init__(self, code: str, message: str, differences=None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.differences = list(differences or [])
+
+
+class RunFailed(Exception):
+    """Training stopped on a condition a person must look at (non-finite loss, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    home: Path
+    registry: Path  # the adapter registry: checkpoints are its direct children
+    bases_root: Path  # the data root that holds bases/ (trainer.bases' `root`)
+    data_roots: tuple = ()
+    default_checkpoint_interval: int | None = None  # server-level training.checkpoint_interval
+    backend: str = "cpu"
+
+
+def int_field(value, name, minimum=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise RequestError(name, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def number_field(value, name, minimum_exclusive=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(name, f"must be a finite number, got {value!r}")
+    if minimum_exclusive is not None and not value > minimum_exclusive:
+        raise RequestError(name, f"must be greater than {minimum_exclusive}, got {value}")
+    return float(value)
+
+
+def confined(path_text, roots) -> Path:
+    if not isinstance(path_text, str) or not path_text or "\x00" in path_text:
+        raise RequestError("dataset_path", "must be a path")
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise RequestError("dataset_path", "must be an absolute path inside a data root")
+    resolved = path.resolve()
+    for root in roots:
+        root = Path(root).resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            if not resolved.is_file():
+                raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
+            return resolved
+    raise AdmissionError("dataset_outside_roots",
+                         f"{path_text} is outside the configured data roots "
+                         f"({', '.join(str(r) for r in roots) or 'none'})")
+
+
+
+
+def execution_identity(backend: str) -> dict:
+    """What must be the same for bit-for-bit continuation on this backend."""
+    from threadpoolctl import threadpool_info
+
+    import native_ext
+    native = Path(native_ext.__file__).parent
+    builds = {p.name: file_sha256(p) for p in sorted(native.glob("_*.so"))}
+    blas = sorted((i.get("internal_api"), str(i.get("version")), str(i.get("architecture")),
+                   i.get("num_threads")) for i in threadpool_info() if i.get("user_api") == "blas")
+    return {
+        "backend": backend,
+        "device": platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": [list(b) for b in blas],
+        "native_builds": builds,
+        "kiln": trainer.__version__ if hasattr(trainer, "__version__") else "0",
+        "precision": "float32",
+        "kernel_contract": KERNEL_CONTRACT,
+        "threads": os.cpu_count(),
+    }
+
+
+
+
+def difference(field_name, checkpoint_value, request_value):
+    return {"field": field_name, "checkpoint": checkpoint_value, "request": request_value}
+
+
+def compare(prefix, checkpoint_value, request_value, out):
+    """Field-by-field differences between two JSON values."""
+    if isinstance(checkpoint_value, dict) and isinstance(request_value, dict):
+        for key in sorted(set(checkpoint_value) | set(request_value)):
+            compare(f"{prefix}.{key}" if prefix else key, checkpoint_value.get(key),
+                     request_value.get(key), out)
+    elif checkpoint_value != request_value:
+        out.append(difference(prefix, checkpoint_value, request_value))
+
+
+def learning_rate_at(step: int, config: dict, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based)."""
+    base = config["learning_rate"]
+    schedule = config["lr_schedule"]
+    warmup = schedule["warmup_steps"]
+    if step < warmup:
+        return base * (step + 1) / warmup
+    if schedule["type"] == "constant":
+        return base
+    span = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    if schedule["type"] == "linear":
+        return base * (1.0 - progress)
+    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class RunResult:
+    status: str
+    steps_completed: int
+    latest_checkpoint: dict | None
+    loss_history: list
+    final_adapter: dict | None = None  # {"path", "adapter_sha256", "config_sha256"} on success
+
+
+def publish_final(result: RunResult, model, settings: RunSettings, adapter: str, base_model: str,
+                  hooks) -> RunResult:
+    """On success, publish the PEFT snapshot of the trained adapter beside its checkpoints."""
+    if result.status == "succeeded":
+        result.final_adapter = publish_final_adapter(model, settings.registry, adapter, base_model)
+        hooks.on_event("info", f"published the final adapter {adapter} "
+                               f"(sha256 {result.final_adapter['adapter_sha256'][:12]})")
+    return result
+
+
 
 
 def canonical(obj) -> bytes:
@@ -83,22 +241,22 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
         raise RequestError("config.output_name", str(error)) from None
     if not isinstance(c["base_model"], str) or not c["base_model"]:
         raise RequestError("config.base_model", "must name a registered base")
-    c["learning_rate"] = _number(c["learning_rate"], "config.learning_rate", 0.0)
+    c["learning_rate"] = number_field(c["learning_rate"], "config.learning_rate", 0.0)
     schedule = c["lr_schedule"]
     if not isinstance(schedule, dict) or set(schedule) - {"type", "warmup_steps"}:
         raise RequestError("config.lr_schedule", "must be {type, warmup_steps}")
     schedule = {"type": schedule.get("type", "constant"), "warmup_steps": schedule.get("warmup_steps", 0)}
     if schedule["type"] not in ("constant", "linear", "cosine"):
         raise RequestError("config.lr_schedule.type", "must be constant, linear or cosine")
-    schedule["warmup_steps"] = _int(schedule["warmup_steps"], "config.lr_schedule.warmup_steps", 0)
+    schedule["warmup_steps"] = int_field(schedule["warmup_steps"], "config.lr_schedule.warmup_steps", 0)
     c["lr_schedule"] = schedule
-    c["max_grad_norm"] = _number(c["max_grad_norm"], "config.max_grad_norm", 0.0, allow_none=True)
+    c["max_grad_norm"] = number_field(c["max_grad_norm"], "config.max_grad_norm", 0.0, allow_none=True)
     c["lora"] = check_lora(c["lora"])
-    c["seed"] = _int(c["seed"], "config.seed", 0, allow_none=True)
+    c["seed"] = int_field(c["seed"], "config.seed", 0, allow_none=True)
     interval = c["checkpoint_interval"]
     if interval is None:
         interval = settings.default_checkpoint_interval
-    c["checkpoint_interval"] = _int(interval, "config.checkpoint_interval", 1, allow_none=True)
+    c["checkpoint_interval"] = int_field(interval, "config.checkpoint_interval", 1, allow_none=True)
     if c["resume_checkpoint"] is not None and not isinstance(c["resume_checkpoint"], str):
         raise RequestError("config.resume_checkpoint", "must be a checkpoint basename")
     if c["activation_checkpointing"] not in ("none", "blocks"):
@@ -190,16 +348,16 @@ def check_planning_schema(manifest: dict):
         raise AdmissionError(
             "planning_schema", f"checkpoint planning identity {schema!r} cannot resume under "
             f"{PLANNING_SCHEMA_V3}: any change to the planning identity fails closed; start a new run "
-            "or use base_adapter", [_difference("planning.schema", schema, PLANNING_SCHEMA_V3)])
+            "or use base_adapter", [difference("planning.schema", schema, PLANNING_SCHEMA_V3)])
 
 
 def refuse_drift(manifest: dict, request_view: dict, seed):
     """AdmissionError("resume_drift") listing every field where the request differs."""
     checkpoint_view = {key: manifest.get(key) for key in request_view}
     differences = []
-    _compare("", checkpoint_view, request_view, differences)
+    compare("", checkpoint_view, request_view, differences)
     if seed is not None and seed != manifest["seed"]:
-        differences.append(_difference("seed", manifest["seed"], seed))
+        differences.append(difference("seed", manifest["seed"], seed))
     if differences:
         raise AdmissionError("resume_drift", "the request differs from the checkpoint in "
                              f"{len(differences)} field(s); exact resume continues the same run, "
@@ -220,7 +378,7 @@ def revalidate(admission: Admission, settings: RunSettings) -> None:
     loaded = load_resume(admission.resume["checkpoint"], admission.adapter, admission.kind, settings)
     checks = (("checkpoint_id", loaded.checkpoint_id), ("manifest_digest", loaded.manifest_digest),
               ("seed", loaded.manifest.get("seed")))
-    differences = [_difference(name, value, admission.resume[name])
+    differences = [difference(name, value, admission.resume[name])
                    for name, value in checks if value != admission.resume[name]]
     if differences:
         raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission; "

@@ -26,8 +26,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.sft import publish_final
-from trainer.runs.common import (BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
+from trainer.runs.common import (publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
                                  AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
                                  adapter_values, canonical, check_planning_schema, check_shared, clip_and_step,
                                  comparable_config, confined, difference, execution_identity, int_field, load_resume,

@@ -11,80 +11,31 @@ configuration and identities (compared at resume) or part of the checkpoint (res
 so a resumed run ends with the same bytes as an uninterrupted one.
 """
 
-import copy
 import hashlib
-import io
 import json
 import math
-import os
-import platform
 import secrets
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
-import trainer
 from trainer import Adam, LoraConfig
-from trainer.lora import PROJECTIONS
 from trainer.model import IGNORE_INDEX
-from trainer.peft import publish_final_adapter
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
+from trainer.runs.common import (ADAPTER_FILE, BACKEND_LOSS_ROUTES,
+                                 MANIFEST_FIELDS, OPTIMIZER_FILE, STATE_FILE, AdmissionError, NullHooks,
+                                 RequestError, RunFailed, RunResult, RunSettings, check_shared, compare,
+                                 confined, difference, execution_identity, int_field, learning_rate_at,
+                                 merge_config, publish_final, select_loss_route,
+                                 LORA_DEFAULT, SCHEDULE_DEFAULT)
 
 PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
-KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
-STATE_FILE = "state.json"
-ADAPTER_FILE = "adapter.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "dataset", "config",
-                   "seed", "progress"}
-# capability-derived loss routes of each backend, in order of preference
-BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits")}
 SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
 SPIKE_WINDOW = 20
-
-
-class RequestError(ValueError):
-    """The request itself is malformed; `field` names the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-class AdmissionError(Exception):
-    """The request is well formed but cannot run (drift, an invalid checkpoint, ...)."""
-
-    def __init__(self, code: str, message: str, differences=None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.differences = list(differences or [])
-
-
-class RunFailed(Exception):
-    """Training stopped on a condition a person must look at (non-finite loss, ...)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    home: Path
-    registry: Path  # the adapter registry: checkpoints are its direct children
-    bases_root: Path  # the data root that holds bases/ (trainer.bases' `root`)
-    data_roots: tuple = ()
-    default_checkpoint_interval: int | None = None  # server-level training.checkpoint_interval
-    backend: str = "cpu"
 
 
 # -- request ------------------------------------------------------------------------------
@@ -94,11 +45,11 @@ CONFIG_DEFAULTS = {
     "base_model": "kiln-tiny",
     "epochs": 1,
     "learning_rate": 2e-4,
-    "lr_schedule": {"type": "constant", "warmup_steps": 0},
+    "lr_schedule": SCHEDULE_DEFAULT,
     "batch_size": 1,
     "gradient_accumulation_steps": 1,
     "max_grad_norm": 1.0,
-    "lora": {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False},
+    "lora": LORA_DEFAULT,
     "quantization": None,
     "seed": None,
     "checkpoint_interval": None,
@@ -108,110 +59,27 @@ CONFIG_DEFAULTS = {
 }
 
 
-def _int(value, name, minimum=None, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(name, f"must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise RequestError(name, f"must be at least {minimum}, got {value}")
-    return value
-
-
-def _number(value, name, minimum_exclusive=None, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(name, f"must be a finite number, got {value!r}")
-    if minimum_exclusive is not None and not value > minimum_exclusive:
-        raise RequestError(name, f"must be greater than {minimum_exclusive}, got {value}")
-    return float(value)
-
-
 def normalise_config(config: dict, settings: RunSettings) -> dict:
     """The validated, complete configuration (defaults filled in); RequestError on bad input."""
-    if not isinstance(config, dict):
-        raise RequestError("config", "must be an object")
-    unknown = sorted(set(config) - set(CONFIG_DEFAULTS))
-    if unknown:
-        raise RequestError(f"config.{unknown[0]}", "is not a known SFT configuration field")
-    c = copy.deepcopy(CONFIG_DEFAULTS)
-    c.update({k: copy.deepcopy(v) for k, v in config.items() if v is not None or k in (
-        "seed", "checkpoint_interval", "resume_checkpoint", "quantization", "max_grad_norm")})
-    name = c["output_name"]
-    if not isinstance(name, str) or not name:
-        raise RequestError("config.output_name", "is required: the adapter name to train")
-    try:
-        checkpoint_dir.check_adapter_name(name)
-    except CheckpointError as error:
-        raise RequestError("config.output_name", str(error)) from None
-    if not isinstance(c["base_model"], str) or not c["base_model"]:
-        raise RequestError("config.base_model", "must name a registered base")
-    c["epochs"] = _int(c["epochs"], "config.epochs", 1)
-    c["learning_rate"] = _number(c["learning_rate"], "config.learning_rate", 0.0)
-    schedule = c["lr_schedule"]
-    if not isinstance(schedule, dict) or set(schedule) - {"type", "warmup_steps"}:
-        raise RequestError("config.lr_schedule", "must be {type, warmup_steps}")
-    schedule = {"type": schedule.get("type", "constant"), "warmup_steps": schedule.get("warmup_steps", 0)}
-    if schedule["type"] not in ("constant", "linear", "cosine"):
-        raise RequestError("config.lr_schedule.type", "must be constant, linear or cosine")
-    schedule["warmup_steps"] = _int(schedule["warmup_steps"], "config.lr_schedule.warmup_steps", 0)
-    c["lr_schedule"] = schedule
-    c["batch_size"] = _int(c["batch_size"], "config.batch_size", 1)
-    c["gradient_accumulation_steps"] = _int(c["gradient_accumulation_steps"],
-                                            "config.gradient_accumulation_steps", 1)
-    c["max_grad_norm"] = _number(c["max_grad_norm"], "config.max_grad_norm", 0.0, allow_none=True)
-    lora = c["lora"]
-    if not isinstance(lora, dict) or set(lora) - {"rank", "alpha", "targets", "use_rslora"}:
-        raise RequestError("config.lora", "must be {rank, alpha, targets, use_rslora}")
-    lora = {**CONFIG_DEFAULTS["lora"], **lora}
-    try:
-        shaped = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
-                            use_rslora=lora["use_rslora"])
-    except (ValueError, TypeError) as error:
-        raise RequestError("config.lora", str(error)) from None
-    c["lora"] = shaped.shape_identity()
+    c = check_shared(merge_config(config, CONFIG_DEFAULTS, "sft"), settings)
+    c["epochs"] = int_field(c["epochs"], "config.epochs", 1)
+    c["batch_size"] = int_field(c["batch_size"], "config.batch_size", 1)
+    c["gradient_accumulation_steps"] = int_field(c["gradient_accumulation_steps"],
+                                                 "config.gradient_accumulation_steps", 1)
     quantization = c["quantization"]
     if quantization is not None:
         if not isinstance(quantization, dict) or quantization.get("type") != "nf4" \
                 or set(quantization) - {"type", "block_size", "double_quantization"}:
             raise RequestError("config.quantization", "must be null or {type: nf4, block_size, double_quantization}")
-        quantization = {"type": "nf4", "block_size": _int(quantization.get("block_size", 64),
-                                                          "config.quantization.block_size", 32),
-                        "double_quantization": bool(quantization.get("double_quantization", False))}
-        c["quantization"] = quantization
-    c["seed"] = _int(c["seed"], "config.seed", 0, allow_none=True)
-    interval = c["checkpoint_interval"]
-    if interval is None:
-        interval = settings.default_checkpoint_interval
-    c["checkpoint_interval"] = _int(interval, "config.checkpoint_interval", 1, allow_none=True)
-    if c["resume_checkpoint"] is not None and not isinstance(c["resume_checkpoint"], str):
-        raise RequestError("config.resume_checkpoint", "must be a checkpoint basename")
-    c["max_sequence_length"] = _int(c["max_sequence_length"], "config.max_sequence_length", 2)
-    if c["activation_checkpointing"] not in ("none", "blocks"):
-        raise RequestError("config.activation_checkpointing", "must be none or blocks")
+        c["quantization"] = {"type": "nf4",
+                             "block_size": int_field(quantization.get("block_size", 64),
+                                                     "config.quantization.block_size", 32),
+                             "double_quantization": bool(quantization.get("double_quantization", False))}
+    c["max_sequence_length"] = int_field(c["max_sequence_length"], "config.max_sequence_length", 2)
     return c
 
 
 # -- data ---------------------------------------------------------------------------------
-
-
-def _confined(path_text, roots) -> Path:
-    if not isinstance(path_text, str) or not path_text or "\x00" in path_text:
-        raise RequestError("dataset_path", "must be a path")
-    path = Path(path_text)
-    if not path.is_absolute():
-        raise RequestError("dataset_path", "must be an absolute path inside a data root")
-    resolved = path.resolve()
-    for root in roots:
-        root = Path(root).resolve()
-        if resolved.is_relative_to(root) and resolved != root:
-            if not resolved.is_file():
-                raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
-            return resolved
-    raise AdmissionError("dataset_outside_roots",
-                         f"{path_text} is outside the configured data roots "
-                         f"({', '.join(str(r) for r in roots) or 'none'})")
 
 
 def _parse_records(text: str, source: str) -> list:
@@ -233,7 +101,7 @@ def read_dataset(request: dict, settings: RunSettings):
         raise RequestError("dataset_path", "give exactly one of dataset_path or data")
     if has_path:
         roots = (settings.home / "datasets",) + tuple(settings.data_roots)
-        path = _confined(request["dataset_path"], roots)
+        path = confined(request["dataset_path"], roots)
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -292,37 +160,6 @@ def tokenize_examples(records, tokenizer, max_length):
 # -- identities -----------------------------------------------------------------------------
 
 
-def _file_sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def execution_identity(backend: str) -> dict:
-    """What must be the same for bit-for-bit continuation on this backend."""
-    from threadpoolctl import threadpool_info
-
-    import native_ext
-    native = Path(native_ext.__file__).parent
-    builds = {p.name: _file_sha256(p) for p in sorted(native.glob("_*.so"))}
-    blas = sorted((i.get("internal_api"), str(i.get("version")), str(i.get("architecture")),
-                   i.get("num_threads")) for i in threadpool_info() if i.get("user_api") == "blas")
-    return {
-        "backend": backend,
-        "device": platform.machine(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "blas": [list(b) for b in blas],
-        "native_builds": builds,
-        "kiln": trainer.__version__ if hasattr(trainer, "__version__") else "0",
-        "precision": "float32",
-        "kernel_contract": KERNEL_CONTRACT,
-        "threads": os.cpu_count(),
-    }
-
-
 def planning_identity(config: dict, loss_route: str) -> dict:
     return {
         "schema": PLANNING_SCHEMA_SFT,
@@ -331,13 +168,6 @@ def planning_identity(config: dict, loss_route: str) -> dict:
         "activation_checkpointing": config["activation_checkpointing"],
         "streaming_prefill": "none",
     }
-
-
-def select_loss_route(backend: str) -> str:
-    routes = BACKEND_LOSS_ROUTES.get(backend)
-    if not routes:
-        raise AdmissionError("backend_unavailable", f"backend {backend!r} has no SFT loss route here")
-    return routes[0]
 
 
 # -- admission ----------------------------------------------------------------------------
@@ -367,20 +197,6 @@ class SFTAdmission:
 def _steps_per_epoch(examples: int, config: dict) -> int:
     micro = math.ceil(examples / config["batch_size"])
     return math.ceil(micro / config["gradient_accumulation_steps"])
-
-
-def _difference(field_name, checkpoint_value, request_value):
-    return {"field": field_name, "checkpoint": checkpoint_value, "request": request_value}
-
-
-def _compare(prefix, checkpoint_value, request_value, out):
-    """Field-by-field differences between two JSON values."""
-    if isinstance(checkpoint_value, dict) and isinstance(request_value, dict):
-        for key in sorted(set(checkpoint_value) | set(request_value)):
-            _compare(f"{prefix}.{key}" if prefix else key, checkpoint_value.get(key),
-                     request_value.get(key), out)
-    elif checkpoint_value != request_value:
-        out.append(_difference(prefix, checkpoint_value, request_value))
 
 
 def _load_resume(reference: str, adapter: str, settings: RunSettings):
@@ -445,10 +261,10 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
                 "planning_schema", f"checkpoint planning identity {manifest.get('planning', {}).get('schema')!r} "
                 f"cannot resume under {PLANNING_SCHEMA_SFT}: it does not prove which loss route "
                 "admission budgeted and execution used; start a new run or use base_adapter",
-                [_difference("planning.schema", manifest.get("planning", {}).get("schema"), PLANNING_SCHEMA_SFT)])
-        _compare("", checkpoint_view, request_view, differences)
+                [difference("planning.schema", manifest.get("planning", {}).get("schema"), PLANNING_SCHEMA_SFT)])
+        compare("", checkpoint_view, request_view, differences)
         if seed is not None and seed != manifest["seed"]:
-            differences.append(_difference("seed", manifest["seed"], seed))
+            differences.append(difference("seed", manifest["seed"], seed))
         if differences:
             raise AdmissionError("resume_drift", "the request differs from the checkpoint in "
                                  f"{len(differences)} field(s); exact resume continues the same run, "
@@ -478,7 +294,7 @@ def revalidate_sft(admission: SFTAdmission, settings: RunSettings) -> None:
     loaded = _load_resume(admission.resume["checkpoint"], admission.adapter, settings)
     checks = (("checkpoint_id", loaded.checkpoint_id), ("manifest_digest", loaded.manifest_digest),
               ("seed", loaded.manifest.get("seed")))
-    differences = [_difference(name, value, admission.resume[name])
+    differences = [difference(name, value, admission.resume[name])
                    for name, value in checks if value != admission.resume[name]]
     if differences:
         raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission; "
@@ -489,22 +305,6 @@ def revalidate_sft(admission: SFTAdmission, settings: RunSettings) -> None:
 
 
 # -- the run --------------------------------------------------------------------------------
-
-
-def learning_rate_at(step: int, config: dict, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based)."""
-    base = config["learning_rate"]
-    schedule = config["lr_schedule"]
-    warmup = schedule["warmup_steps"]
-    if step < warmup:
-        return base * (step + 1) / warmup
-    if schedule["type"] == "constant":
-        return base
-    span = max(1, total_steps - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    if schedule["type"] == "linear":
-        return base * (1.0 - progress)
-    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def epoch_order(seed: int, epoch: int, count: int) -> list:
@@ -520,15 +320,6 @@ class LoopState:
     step: int = 0  # committed optimizer steps
     losses: list = field(default_factory=list)
     diagnostics: list = field(default_factory=list)
-
-
-@dataclass
-class RunResult:
-    status: str
-    steps_completed: int
-    latest_checkpoint: dict | None
-    loss_history: list
-    final_adapter: dict | None = None  # {"path", "adapter_sha256", "config_sha256"} on success
 
 
 def _batch(examples, indices, pad_token):
@@ -587,30 +378,6 @@ def _restore_state(loaded, model, optimizer, loop: LoopState):
         raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
 
 
-def publish_final(result: RunResult, model, settings: RunSettings, adapter: str, base_model: str,
-                  hooks) -> RunResult:
-    """On success, publish the PEFT snapshot of the trained adapter beside its checkpoints."""
-    if result.status == "succeeded":
-        result.final_adapter = publish_final_adapter(model, settings.registry, adapter, base_model)
-        hooks.on_event("info", f"published the final adapter {adapter} "
-                               f"(sha256 {result.final_adapter['adapter_sha256'][:12]})")
-    return result
-
-
-class _NullHooks:
-    def on_step(self, metrics):
-        pass
-
-    def should_cancel(self):
-        return False
-
-    def on_checkpoint(self, summary, timing):
-        pass
-
-    def on_event(self, level, message):
-        pass
-
-
 def _publish(admission, settings, model, optimizer, loop, examples, hooks, complete):
     started = time.perf_counter()
     files = _serialise_state(model, optimizer, loop)
@@ -654,7 +421,7 @@ def _adapter_grad_norm(parameters) -> float:
 def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunResult:
     """Train (or continue) the admitted run; publish checkpoints; stop cooperatively."""
     from trainer.bases import load_base
-    hooks = hooks or _NullHooks()
+    hooks = hooks or NullHooks()
     config = admission.effective_config
     seed = admission.effective_seed
     loss_route = admission.identities["planning"]["sft_loss_route"]
