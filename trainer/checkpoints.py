@@ -25,6 +25,7 @@ import re
 import secrets
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -38,6 +39,10 @@ FORMAT_VERSION = 2  # written by save(); load() also reads version 1
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # names, shapes and digests only: a real manifest is kilobytes
+MAX_MANIFEST_DEPTH = 64  # manifest.json nesting; real ones nest 6 deep, deepcopy recurses per level
+MAX_INFLATION = 16  # declared bytes per byte on disk; save() writes 1, float data deflates < 2x
+MAX_INT = 2 ** 63 - 1  # every count, size and step fits a signed 64-bit integer
+MAX_DIMENSIONS = 8  # array ranks; the format's arrays have 1 or 2
 EXACT_POWER_STEPS = 1_000_000  # up to here beta powers are recomputed bit for bit (~0.1 s)
 ZIP_TIMESTAMP = (1980, 1, 1, 0, 0, 0)  # the earliest ZIP date, fixed so equal state gives equal bytes
 ZIP64_THRESHOLD = 1 << 31  # members this large need ZIP64 headers, decided before writing
@@ -53,6 +58,9 @@ _ARCHITECTURE = ("vocabulary_size", "maximum_context", "model_width", "head_coun
                  "feed_forward_width", "kv_head_count", "head_size", "rope_theta",
                  "norm_epsilon", "tie_embeddings")
 _POLICIES = ("attention_algorithm", "activation_checkpointing")
+_SIZES = ("vocabulary_size", "maximum_context", "model_width", "head_count", "block_count",
+          "feed_forward_width", "kv_head_count", "head_size", "attention_block_size",
+          "loss_chunk_tokens")  # TransformerConfig's integer sizes
 # every other TransformerConfig field must match too; only the initial values may differ
 _FREE_CONFIG_FIELDS = ("initializer_seed",)
 _LORA_IDENTITY = ("rank", "alpha", "targets", "use_rslora")  # LoraConfig.shape_identity()
@@ -177,6 +185,8 @@ def _object(value, where, keys):
 def _integer(value, where, minimum=0):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _fail(where, f"expected an integer >= {minimum}, got {value!r}")
+    if value > MAX_INT:
+        _fail(where, f"expected an integer <= {MAX_INT} (64 bits), got {value!r}")
     return value
 
 
@@ -190,7 +200,7 @@ def _plain_json(value, where):
     """`value` must survive a JSON round trip unchanged (dict/list/str/int/float/bool/None)."""
     try:
         again = json.loads(_canonical_json(value))
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, RecursionError) as error:
         _fail(where, f"must be plain JSON data: {error}")
     if again != value or _canonical_json(again) != _canonical_json(value):
         _fail(where, "must be plain JSON data (objects with string keys, lists, strings, "
@@ -267,10 +277,40 @@ def _check_beta_power(power, beta, step, where):
 def _config(value, where):
     if not isinstance(value, dict):
         _fail(where, f"expected an object, got {type(value).__name__}")
+    for key in _SIZES:  # signatures multiply them; a product must print in an error message
+        size = value.get(key)
+        if isinstance(size, int) and not isinstance(size, bool) and size > MAX_INT:
+            _fail(f"{where}.{key}", f"exceeds {MAX_INT}")
     try:
         return TransformerConfig.from_dict(value)
     except (TypeError, ValueError) as error:
         _fail(where, f"not a valid TransformerConfig: {error}")
+
+
+def _check_depth(value, where):
+    """Refuse JSON nested deeper than MAX_MANIFEST_DEPTH, without recursing."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_MANIFEST_DEPTH:
+            _fail(where, f"nests deeper than {MAX_MANIFEST_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else \
+            item if isinstance(item, list) else ()
+        pending.extend((child, depth + 1) for child in children
+                       if isinstance(child, (dict, list)))
+
+
+def _check_block_count(config, entries, where):
+    """Each block lists FP32 arrays (weights or norms), so block_count cannot exceed the list.
+
+    Checked before any signature is built: a hostile block_count must not cost memory or time.
+    where: the prefix of the "config" and "parameters" fields.
+    """
+    if not isinstance(entries, list):
+        _fail(where + "parameters", f"expected a list, got {type(entries).__name__}")
+    if config.block_count > len(entries):
+        _fail(where + "config.block_count", f"is {config.block_count}, but the archive lists only "
+                                            f"{len(entries)} FP32 parameters")
 
 
 def _check_parameter_list(entries, expected, where, against="model.config"):
@@ -295,8 +335,9 @@ def _check_member_entry(entry, where, member, dtype, shape=None, named=False):
     """One array member's entry: its shape, dtype, canonical member path, bytes and sha256."""
     _object(entry, where, (("name",) if named else ()) + ("shape", "dtype", "member", "bytes",
                                                           "sha256"))
-    if not isinstance(entry["shape"], list):
-        _fail(where + ".shape", f"expected a list of sizes, got {entry['shape']!r}")
+    if not isinstance(entry["shape"], list) or len(entry["shape"]) > MAX_DIMENSIONS:
+        _fail(where + ".shape", f"expected a list of at most {MAX_DIMENSIONS} sizes, got "
+                                f"{entry['shape']!r}")
     for size in entry["shape"]:
         _integer(size, where + ".shape", minimum=1)
     if shape is not None and entry["shape"] != list(shape):
@@ -359,8 +400,10 @@ def _validate_manifest(manifest):
     _object(manifest, where, ("schema", "format_version", "checkpoint_id", "model", "policies",
                               "optimizer", "adapter", "quantization", "training", "source",
                               "metadata"))
+    _check_depth(manifest, where)
     model = _object(manifest["model"], f"{where}: model", ("config", "parameters"))
     config = _config(model["config"], f"{where}: model.config")
+    _check_block_count(config, model["parameters"], f"{where}: model.")
     policies = _object(manifest["policies"], f"{where}: policies", _POLICIES)
     for key in policies:
         if policies[key] != getattr(config, key):
@@ -511,8 +554,9 @@ def _validate_quantization(section, config, where):
         name = weight["name"]
         if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
             _fail(at + ".name", f"not a valid parameter name: {name!r}")
-        if not isinstance(weight["shape"], list) or not weight["shape"]:
-            _fail(at + ".shape", f"expected a list of sizes, got {weight['shape']!r}")
+        if not isinstance(weight["shape"], list) or not 1 <= len(weight["shape"]) <= MAX_DIMENSIONS:
+            _fail(at + ".shape", f"expected a list of 1 to {MAX_DIMENSIONS} sizes, got "
+                                 f"{weight['shape']!r}")
         for size in weight["shape"]:
             _integer(size, at + ".shape", minimum=1)
         block_size = weight["block_size"]
@@ -638,31 +682,50 @@ def _reject_constant(name):
     raise CheckpointError(f"{MANIFEST}: {name} is not valid JSON")
 
 
+def _finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf, which no manifest may hold
+        raise ValueError(f"number {text[:24]} overflows a double")
+    return value
+
+
 def _open_archive(path):
     try:
         archive = zipfile.ZipFile(path, "r")
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as error:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
+            NotImplementedError) as error:  # NotImplementedError: a damaged "version needed"
         raise CheckpointError(f"checkpoint {path} is not a complete ZIP archive (truncated or "
                               f"corrupt): {error}") from error
     try:
         infos = archive.infolist()
-        names = [info.filename for info in infos]
-        duplicated = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(info.filename for info in infos)  # linear: archives may list many
+        duplicated = sorted(name for name, count in counts.items() if count > 1)
         if duplicated:
-            raise CheckpointError(f"checkpoint {path}: duplicate members {duplicated}")
+            raise CheckpointError(f"checkpoint {path}: duplicate members {duplicated[:5]}")
+        on_disk = os.fstat(archive.fp.fileno()).st_size
         for info in infos:
             name = info.filename
             parts = name.split("/")
             if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) \
-                    or ":" in name:
-                raise CheckpointError(f"checkpoint {path}: unsafe member name {name!r}")
+                    or ":" in name or "\x00" in info.orig_filename:
+                raise CheckpointError(f"checkpoint {path}: unsafe member name "
+                                      f"{info.orig_filename!r}")
             if info.flag_bits & 0x1:
                 raise CheckpointError(f"checkpoint {path}: member {name!r} is encrypted")
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 raise CheckpointError(f"checkpoint {path}: member {name!r} uses unsupported "
                                       f"compression {info.compress_type}")
+            if info.compress_size > on_disk or (info.compress_type == zipfile.ZIP_STORED
+                                                and info.file_size != info.compress_size):
+                raise CheckpointError(f"checkpoint {path}: member {name!r} declares "
+                                      f"{info.file_size} bytes stored in {info.compress_size}, "
+                                      f"which the {on_disk}-byte archive cannot hold")
+        declared = sum(info.file_size for info in infos)
+        if declared > MAX_INFLATION * on_disk:  # a zip bomb: refused before anything inflates
+            raise CheckpointError(f"checkpoint {path}: its members declare {declared} bytes, more "
+                                  f"than {MAX_INFLATION} times the {on_disk} bytes of the archive")
     except BaseException:
         archive.close()
         raise
@@ -687,11 +750,16 @@ def _read_manifest(archive, path):
                               f"than the {MAX_MANIFEST_BYTES} allowed")
     data = _read_member(archive, path, MANIFEST)
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
-                          parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as error:
+        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
+                              parse_constant=_reject_constant, parse_float=_finite_float)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not valid UTF-8 JSON: {error}") \
             from error
+    try:
+        _check_depth(manifest, MANIFEST)  # before anything walks it recursively
+    except CheckpointError as error:
+        raise CheckpointError(f"checkpoint {path}: {error}") from None
+    return manifest
 
 
 def _check_members(archive, path, expected):
@@ -771,13 +839,15 @@ def _load_v1(archive, path, manifest):
         params = manifest["parameters"]
         if not isinstance(params, list):
             _fail(f"{MANIFEST}: parameters", "expected a list")
+        _check_block_count(config, params, f"{MANIFEST}: ")
         for index, entry in enumerate(params):
             _object(entry, f"{MANIFEST}: parameters[{index}]", ("name", "shape"))
             name, shape = entry["name"], entry["shape"]
             if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
                 _fail(f"{MANIFEST}: parameters[{index}].name", f"not a valid name: {name!r}")
-            if not isinstance(shape, list):
-                _fail(f"{MANIFEST}: parameters[{index}].shape", f"expected a list, got {shape!r}")
+            if not isinstance(shape, list) or len(shape) > MAX_DIMENSIONS:
+                _fail(f"{MANIFEST}: parameters[{index}].shape",
+                      f"expected a list of at most {MAX_DIMENSIONS} sizes, got {shape!r}")
             for size in shape:
                 _integer(size, f"{MANIFEST}: parameters[{index}].shape", minimum=1)
         _check_parameter_list(params, parameter_signature(config), f"{MANIFEST}: parameters")

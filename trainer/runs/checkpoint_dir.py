@@ -39,6 +39,7 @@ SUMMARY_FIELDS = ("resume_checkpoint", "training_kind", "adapter", "step", "chec
 MAX_MANIFEST_BYTES = 16 << 20  # identities, cursors and loss history: real manifests are kilobytes
 MAX_FILES = 4096  # declared artifacts; far above any run's state files, far below a walk that hurts
 MAX_PATH_DEPTH = 8  # directory levels inside a checkpoint
+MAX_JSON_DEPTH = 64  # manifest nesting; real ones nest 4 deep, and json/deepcopy recurse per level
 MAX_INT = 2 ** 63 - 1  # JSON integers must fit a signed 64-bit value
 MIN_INT = -(2 ** 63)
 IO_CHUNK = 64 << 20  # one write() call; large enough that syscall overhead vanishes
@@ -261,10 +262,18 @@ def _strict_json(data: bytes):
     """Parse JSON refusing duplicate keys, NaN/Infinity, overflowing numbers and deep nesting."""
     try:
         text = data.decode("utf-8")
-        return json.loads(text, object_pairs_hook=_pairs, parse_int=_parse_int,
-                          parse_float=_parse_float, parse_constant=_parse_constant)
+        value = json.loads(text, object_pairs_hook=_pairs, parse_int=_parse_int,
+                           parse_float=_parse_float, parse_constant=_parse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(str(error) or type(error).__name__) from None
+    pending = [(value, 1)]  # a depth the parser survives may still overflow json.dumps or deepcopy
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return value
 
 
 def _checkpoint_id(manifest: dict) -> str:
@@ -664,8 +673,8 @@ def _open_beneath(root: int, relpath: str) -> int:
             if owned:
                 os.close(fd)
             fd, owned = next_fd, True
-        try:
-            return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+        try:  # O_NONBLOCK: a FIFO swapped in after the walk must not block the open
+            return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise SymlinkRefused(f"{relpath!r} is a symlink") from None
@@ -827,8 +836,8 @@ def _open_beneath_dir(fd: int, part: str, name: str, rel: str) -> int:
 
 
 def _read_manifest(root: int, name: str) -> bytes:
-    try:
-        fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=root)
+    try:  # O_NONBLOCK: opening a FIFO planted as the manifest must not wait for a writer
+        fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=root)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise SymlinkRefused(f"checkpoint {name}: {MANIFEST} is a symlink") from None
