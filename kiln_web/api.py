@@ -15,7 +15,11 @@ from ninja.security import HttpBearer
 
 from kiln_web.accounts.actions import authenticate_token
 from kiln_web.core.http import error_response
+from kiln_web.evals.api import router as evals_router
 from kiln_web.jobs.api import router as train_router
+from kiln_web.serving.api import promotions_router
+from kiln_web.serving.api import router as adapters_router
+from kiln_web.teachers.api import router as teachers_router
 
 
 class BearerToken(HttpBearer):
@@ -45,7 +49,7 @@ def _docs_access(view):
 api = NinjaAPI(
     title="Kiln API",
     version="1",
-    description="Training jobs, checkpoints and metrics. Send 'Authorization: Bearer <token>' on every request.",
+    description="Training jobs, checkpoints and metrics, teacher aliases. Send 'Authorization: Bearer <token>' on every request.",
     auth=BearerToken(),
     urls_namespace="v1",
     docs_decorator=_docs_access,
@@ -105,3 +109,7 @@ def _http_error(request, exc: HttpError):
 
 
 api.add_router("/train/", train_router)
+api.add_router("/teachers", teachers_router)
+api.add_router("/adapters", adapters_router)
+api.add_router("/promotions", promotions_router)
+api.add_router("/evals/", evals_router)

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
+from kiln_web import cli_serving
+
 
 def _setup_django() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kiln_web.settings")
@@ -294,6 +296,44 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
     sft.add_argument("--upload", action="store_true", help="send the records inline even from a data root")
     sft.add_argument("--wait", action="store_true", help="follow the job until it ends")
     sft.add_argument("--json", action="store_true", help="print the job as JSON")
+    cli_serving.add_promotion_arguments(sft)
+    grpo = commands.add_parser("grpo", help="submit a GRPO run over scored groups",
+                               description="submit a GRPO run; a file inside a data root is sent as dataset_path, "
+                               "any other file is uploaded inline as groups")
+    grpo.add_argument("--file", required=True, help="JSONL, one group per line: {prompt | messages, completions: "
+                      "[{text, reward | rewards}...], reward_weights?}")
+    grpo.add_argument("--adapter", required=True, help="the output adapter name (config.output_name)")
+    grpo.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints "
+                      "(default: the server's training.checkpoint_interval)")
+    grpo.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
+    grpo.add_argument("--streaming", action="store_true", help="the server reads the file lazily from a byte cursor "
+                      "(the file must lie in a data root)")
+    grpo.add_argument("--base", dest="base_model", help="the base model (default: kiln-tiny)")
+    grpo.add_argument("--seed", type=int)
+    grpo.add_argument("--learning-rate", type=float)
+    grpo.add_argument("--epochs", type=int)
+    grpo.add_argument("--groups-per-step", type=int)
+    grpo.add_argument("--loss-type", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    grpo.add_argument("--beta", type=float, help="KL coefficient (default 0: no KL term)")
+    grpo.add_argument("--num-iterations", type=int)
+    opd = commands.add_parser("opd", help="submit an on-policy distillation run from a teacher alias",
+                              description="submit an OPD run; --file is a request JSON ({prompts | dataset_path, "
+                              "config?}) or a prompts file (JSON list or JSONL: sent by path from a data root, else "
+                              "uploaded)")
+    opd.add_argument("--file", required=True, help="opd-request.json: {prompts: [...], config: {...}}")
+    opd.add_argument("--adapter", required=True, help="the output adapter name (config.output_name)")
+    opd.add_argument("--teacher", required=True, metavar="ALIAS", help="a teacher alias name@route "
+                     "(kiln teacher list)")
+    opd.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints (default: 25)")
+    opd.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
+    opd.add_argument("--base", dest="base_model", help="the student base model (default: kiln-tiny)")
+    opd.add_argument("--seed", type=int)
+    opd.add_argument("--steps", type=int)
+    opd.add_argument("--learning-rate", type=float)
+    for kind in (grpo, opd):
+        kind.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
+        kind.add_argument("--wait", action="store_true", help="follow the job until it ends")
+        kind.add_argument("--json", action="store_true", help="print the job as JSON")
     status = commands.add_parser("status", help="show a job: status, progress, latest checkpoint")
     status.add_argument("--job-id", required=True)
     status.add_argument("--json", action="store_true", help="print the job as JSON")
@@ -333,6 +373,71 @@ def _sft_body(args: argparse.Namespace) -> dict:
     return {"data": read_jsonl(path), "config": config}
 
 
+def _given(args: argparse.Namespace, options: tuple) -> dict:
+    """{config key: value} of the OPTIONS (argparse dests, which are the config keys) given on the command line."""
+    return {name: getattr(args, name) for name in options if getattr(args, name) is not None}
+
+
+def _input_file(text: str):
+    from pathlib import Path
+
+    from kiln_web.client import ApiError
+
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ApiError(None, {"code": "invalid_file", "message": f"{text} is not a file"})
+    return path
+
+
+GRPO_OPTIONS = ("base_model", "seed", "learning_rate", "epochs", "groups_per_step", "loss_type", "beta",
+                "num_iterations", "checkpoint_interval", "resume_checkpoint")
+OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint")
+
+
+def _grpo_body(args: argparse.Namespace) -> dict:
+    from kiln_web.client import ApiError, read_jsonl, within_data_root
+
+    config = {"output_name": args.adapter, **_given(args, GRPO_OPTIONS)}
+    if args.streaming:
+        config["streaming"] = True
+    path = _input_file(args.file)
+    if not args.upload and within_data_root(path):
+        return {"dataset_path": str(path.resolve()), "config": config}
+    if args.streaming:
+        raise ApiError(None, {"code": "invalid_file", "message": f"--streaming makes the server read {args.file} "
+                              "itself: put it in a data root ($KILN_HOME/datasets or KILN_DATA_ROOTS), without "
+                              "--upload"})
+    return {"groups": read_jsonl(path), "config": config}
+
+
+def _opd_body(args: argparse.Namespace) -> dict:
+    import json
+
+    from kiln_web.client import ApiError, read_jsonl, within_data_root
+
+    path = _input_file(args.file)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        document = None  # not one JSON value: JSONL prompts
+    if isinstance(document, dict):  # a request: {prompts | dataset_path, config?}
+        unknown = sorted(set(document) - {"prompts", "dataset_path", "config"})
+        if unknown or not isinstance(document.get("config", {}), dict):
+            raise ApiError(None, {"code": "invalid_file", "message": f"{args.file} must hold {{prompts | dataset_path, "
+                                  f"config}}; it has {', '.join(unknown) or 'a config that is not an object'}"})
+        body = {key: value for key, value in document.items() if key != "config"}
+        config = dict(document.get("config") or {})
+    elif not args.upload and within_data_root(path):
+        body, config = {"dataset_path": str(path.resolve())}, {}
+    else:
+        body, config = {"prompts": document if isinstance(document, list) else read_jsonl(path)}, {}
+    config.update(output_name=args.adapter, teacher=args.teacher, **_given(args, OPD_OPTIONS))
+    return {**body, "config": config}
+
+
+BODIES = {"sft": cli_serving.with_promotion(_sft_body), "grpo": _grpo_body, "opd": _opd_body}
+
+
 def _print_api_error(command: str, exc) -> int:
     print(f"kiln {command}: {exc.code}: {exc.message}", file=sys.stderr)
     if exc.error.get("field"):
@@ -356,6 +461,10 @@ def _print_job(job: dict) -> None:
     print(f"seed       {job.get('effective_seed')}")
     if job.get("resume_from"):
         print(f"resumed    from {job['resume_from']}")
+    teacher = job.get("teacher")
+    if teacher:
+        print(f"teacher    {teacher['alias']} (identity {teacher['identity_revision'][:16]}, "
+              f"content {(teacher.get('content_revision') or '?')[:16]})")
     checkpoint = job.get("latest_checkpoint")
     if checkpoint:
         cursor = checkpoint.get("next_cursor") or {}
@@ -368,6 +477,7 @@ def _print_job(job: dict) -> None:
         print(f"checkpoint unavailable: {problem['code']}: {problem['message']}")
     if job.get("error"):
         print(f"error      {job['error']['code']}: {job['error']['message']}")
+    cli_serving.print_promotion(job)
 
 
 def _follow(client, job_id: str) -> dict:
@@ -393,8 +503,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         client = Client()
-        if args.train_command == "sft":
-            job = client.submit_sft(_sft_body(args))
+        if args.train_command in BODIES:
+            job = client.submit(args.train_command, BODIES[args.train_command](args))
             if args.json and not args.wait:
                 print(json.dumps(job, indent=2))
                 return 0
@@ -426,11 +536,79 @@ def cmd_train(args: argparse.Namespace) -> int:
         listing = client.jobs(status=args.status, limit=args.limit)
         for job in listing["items"]:
             progress = job["progress"]
-            print(f"{job['id']}  {job['status']:<10}  {job['adapter']:<24}  "
+            print(f"{job['id']}  {job['status']:<10}  {job['kind']:<4}  {job['adapter']:<24}  "
                   f"{progress['committed_step']}/{progress.get('total_steps')}  {job.get('latest_checkpoint') or ''}")
         return 0
     except ApiError as exc:
         return _print_api_error(f"train {args.train_command}", exc)
+
+
+# -- teacher aliases, through the HTTP API --
+
+
+def _add_teacher(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="teacher_command", required=True, metavar="TEACHER_COMMAND")
+    add = commands.add_parser("add", help="register a teacher alias (or change it with --replace)",
+                              description="register NAME@native (a registered base, optionally with a PEFT "
+                              "adapter) or NAME@openai (an OpenAI-compatible endpoint and model)")
+    add.add_argument("name", metavar="NAME@ROUTE", help="e.g. tutor@native or qwen@openai")
+    add.add_argument("--base", help="native: a registered base (kiln base list)")
+    add.add_argument("--adapter", metavar="PATH", help="native: a PEFT adapter directory in the adapter registry "
+                     "or a data root")
+    add.add_argument("--endpoint", metavar="URL", help="openai: the server root, e.g. http://gpu-1:8000")
+    add.add_argument("--model", help="openai: the served model id")
+    add.add_argument("--replace", action="store_true", help="change an existing alias (its identity revision "
+                     "changes, so its OPD checkpoints no longer resume)")
+    commands.add_parser("list", help="list the teacher aliases")
+    show = commands.add_parser("show", help="show one alias: configuration and revisions")
+    show.add_argument("name", metavar="NAME@ROUTE")
+    show.add_argument("--json", action="store_true", help="print the alias as JSON")
+    delete = commands.add_parser("delete", help="delete an alias you own")
+    delete.add_argument("name", metavar="NAME@ROUTE")
+
+
+def _print_teacher(alias: dict) -> None:
+    target = (f"{alias['base']}" + (f" + adapter {alias['adapter']}" if alias.get("adapter") else "")
+              if alias["route"] == "native" else f"{alias['model']} at {alias['endpoint']}")
+    print(f"name      {alias['name']}")
+    print(f"teacher   {target}")
+    print(f"owner     {alias['owner']}")
+    print(f"identity  {alias['identity_revision']}")
+    print(f"content   {alias.get('content_revision') or 'not yet reconstructed (every OPD admission does)'}")
+
+
+def cmd_teacher(args: argparse.Namespace) -> int:
+    import json
+
+    from kiln_web.client import ApiError, Client
+
+    try:
+        client = Client()
+        if args.teacher_command == "add":
+            config = {key: getattr(args, key) for key in ("base", "adapter", "endpoint", "model")
+                      if getattr(args, key) is not None}
+            if "adapter" in config:
+                config["adapter"] = os.path.abspath(os.path.expanduser(config["adapter"]))
+            alias = (client.update_teacher(args.name, config) if args.replace
+                     else client.create_teacher({"name": args.name, **config}))
+            _print_teacher(alias)
+        elif args.teacher_command == "list":
+            for alias in client.teachers()["items"]:
+                target = alias["base"] if alias["route"] == "native" else alias["endpoint"]
+                print(f"{alias['name']:<32}  {alias['identity_revision'][:12]}  {alias['owner']:<12}  {target}"
+                      + (f" + {alias['adapter']}" if alias.get("adapter") else ""))
+        elif args.teacher_command == "show":
+            alias = client.teacher(args.name)
+            if args.json:
+                print(json.dumps(alias, indent=2))
+            else:
+                _print_teacher(alias)
+        else:
+            client.delete_teacher(args.name)
+            print(f"deleted {args.name}")
+        return 0
+    except ApiError as exc:
+        return _print_api_error(f"teacher {args.teacher_command}", exc)
 
 
 # -- checkpoints, read locally --
@@ -448,7 +626,7 @@ def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
 def _manifest_fields(checkpoint_dir, path) -> set | None:
     """The top-level manifest fields the run module of this checkpoint's kind writes (unknown ones are refused)."""
     light = checkpoint_dir.load_checkpoint(path, full=False)
-    if light.checkpoint_type == "sft":
+    if light.checkpoint_type in ("sft", "grpo", "opd"):  # GRPO and OPD write SFT's manifest fields
         from trainer.runs.sft import MANIFEST_FIELDS
 
         return MANIFEST_FIELDS
@@ -549,6 +727,10 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | No
     ("worker", "run queued training jobs from the database (no Redis needed)", _add_worker, cmd_worker),
     ("train", "submit, follow and cancel training jobs (through the API: KILN_URL, KILN_TOKEN)", _add_train,
      cmd_train),
+    ("teacher", "register, list and show teacher aliases for OPD (through the API)", _add_teacher, cmd_teacher),
+    ("adapter", "list, load, unload, activate and delete adapters; promotions (through the API)",
+     cli_serving.add_adapter, cli_serving.cmd_adapter),
+    ("eval", "evaluation suites and runs (through the API)", cli_serving.add_eval, cli_serving.cmd_eval),
     ("checkpoint", "verify or show a .kiln-checkpoint directory (locally)", _add_checkpoint, cmd_checkpoint),
     ("token", "create API tokens (in the local database)", _add_token, cmd_token),
     ("doctor", "show the Python, numpy, BLAS, native kernels and configuration in use", None, cmd_doctor),

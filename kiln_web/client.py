@@ -84,6 +84,10 @@ class Client:
     def submit_sft(self, body: dict) -> dict:
         return self.request("POST", "/train/sft", body)
 
+    def submit(self, kind: str, body: dict) -> dict:
+        """Submit a run of training KIND (sft, grpo, opd)."""
+        return self.request("POST", f"/train/{kind}", body)
+
     def job(self, job_id: str) -> dict:
         return self.request("GET", f"/train/jobs/{job_id}")
 
@@ -92,6 +96,24 @@ class Client:
 
     def cancel(self, job_id: str) -> dict:
         return self.request("POST", f"/train/jobs/{job_id}/cancel")
+
+    def metrics(self, job_id: str, **query) -> dict:
+        return self.request("GET", f"/train/jobs/{job_id}/metrics", query=query)
+
+    def teachers(self) -> dict:
+        return self.request("GET", "/teachers")
+
+    def teacher(self, name: str) -> dict:
+        return self.request("GET", f"/teachers/{urllib.parse.quote(name, safe='@')}")
+
+    def create_teacher(self, body: dict) -> dict:
+        return self.request("POST", "/teachers", body)
+
+    def update_teacher(self, name: str, body: dict) -> dict:
+        return self.request("PUT", f"/teachers/{urllib.parse.quote(name, safe='@')}", body)
+
+    def delete_teacher(self, name: str) -> dict:
+        return self.request("DELETE", f"/teachers/{urllib.parse.quote(name, safe='@')}")
 
 
 def local_data_roots() -> list[Path]:

@@ -87,6 +87,8 @@ class Generation:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     text: str | None = None  # decoded completion when a tokenizer was given
     prompt_logprobs: list = field(default_factory=list)  # with echo: log p of prompt[1:]
+    top_logprobs: list = field(default_factory=list)  # with top_logprobs=k: [(id, log p), ...] per token
+    prompt_top_logprobs: list = field(default_factory=list)  # with echo and top_logprobs=k: per prompt[1:]
 
 
 def _log_softmax(logits):  # [V] float32 -> float64
@@ -114,9 +116,23 @@ def choose_token(logits, config: SamplingConfig, rng: SamplingRNG) -> int:
     return int(order[min(index, keep - 1)])
 
 
+def top_k_logprobs(logp, k: int) -> list:
+    """The k most probable (token id, log-probability) pairs of one row, most probable first, ties by id."""
+    k = min(k, logp.shape[-1])
+    candidates = np.argpartition(-logp, k - 1)[:k]
+    order = sorted(candidates.tolist(), key=lambda t: (-logp[t], t))
+    return [(int(t), float(logp[t])) for t in order]
+
+
 def generate(model, prompt_ids, config: SamplingConfig, rng: SamplingRNG | None = None,
-             tokenizer=None, echo=False) -> Generation:
-    """Sample a completion of one prompt with a KV cache."""
+             tokenizer=None, echo=False, on_token=None, top_logprobs=0) -> Generation:
+    """Sample a completion of one prompt with a KV cache.
+
+    `on_token(token, logprob, top)` is called after each token is chosen (a streaming server
+    sends it on; an exception it raises ends the generation). `top_logprobs` > 0 also
+    reports that many most probable alternatives per token (`top`, else None), and per
+    prompt token with echo.
+    """
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
         raise ValueError("the prompt needs at least one token")
@@ -131,10 +147,12 @@ def generate(model, prompt_ids, config: SamplingConfig, rng: SamplingRNG | None 
         raise ValueError(f"the prompt ({prompt.size} tokens) leaves no room in maximum_context "
                          f"{model.config.maximum_context}")
     cache = KVCache(model)
-    prompt_logprobs = []
+    prompt_logprobs, prompt_top, top = [], [], []
     if echo:
         logits = model.forward_cached(prompt[None, :], cache)[0]  # [T,V]
         prompt_logprobs = gather_logprobs(logits[:-1], prompt[1:]).tolist()
+        if top_logprobs:
+            prompt_top = [top_k_logprobs(_log_softmax(row), top_logprobs) for row in logits[:-1]]
         logits = logits[-1]
     else:
         logits = model.forward_cached(prompt[None, :], cache, last_only=True)[0, -1]  # [V]
@@ -142,8 +160,13 @@ def generate(model, prompt_ids, config: SamplingConfig, rng: SamplingRNG | None 
     text = None
     for _ in range(min(config.max_new_tokens, budget)):
         token = choose_token(logits, config, rng)
+        logp = _log_softmax(logits)  # [V]
         tokens.append(token)
-        logprobs.append(float(_log_softmax(logits)[token]))
+        logprobs.append(float(logp[token]))
+        if top_logprobs:
+            top.append(top_k_logprobs(logp, top_logprobs))
+        if on_token is not None:
+            on_token(token, logprobs[-1], top[-1] if top_logprobs else None)
         if token in config.stop_token_ids:
             finish = "stop"
             break
@@ -160,7 +183,7 @@ def generate(model, prompt_ids, config: SamplingConfig, rng: SamplingRNG | None 
     if tokenizer is not None and text is None:
         text = tokenizer.decode(tokens)
     return Generation(tokens=tokens, logprobs=logprobs, finish_reason=finish, text=text,
-                      prompt_logprobs=prompt_logprobs)
+                      prompt_logprobs=prompt_logprobs, top_logprobs=top, prompt_top_logprobs=prompt_top)
 
 
 def gather_logprobs(logits, targets) -> np.ndarray:

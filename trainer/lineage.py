@@ -19,6 +19,7 @@ REPLAY_SCHEMA = "kiln.replay.v1"
 LINEAGE_SCHEMA = "kiln.lineage.v1"
 GENESIS = "0" * 64
 LINEAGE_STAGES = ("request", "job", "checkpoint", "final_adapter", "evaluation", "promotion")
+TAIL_BLOCK = 1 << 16  # bytes read at a time, backwards, to find the newest replay record
 
 
 class LineageError(ValueError):
@@ -50,23 +51,36 @@ def _locked(path: Path):
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _last_hash(handle) -> tuple:
-    handle.seek(0)
-    last, count = GENESIS, 0
-    for line in handle:
-        if line.strip():
-            last = json.loads(line)["hash"]
-            count += 1
-    return last, count
+def _last_record(handle, path: Path) -> dict | None:
+    """The newest record, read backwards from the end (appending stays cheap as the log grows)."""
+    end = handle.seek(0, os.SEEK_END)
+    tail, position = b"", end
+    while position > 0 and tail.strip().count(b"\n") < 1:
+        step = min(TAIL_BLOCK, position)
+        position -= step
+        handle.seek(position)
+        tail = handle.read(step) + tail
+    last = tail.strip().rsplit(b"\n", 1)[-1]
+    if not last:
+        return None
+    try:
+        record = json.loads(last)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("hash"), str) \
+            or not isinstance(record.get("sequence"), int):
+        raise LineageError(f"{path}: the last line is not a replay record (a torn or edited write); "
+                           "nothing more can be appended until it is repaired; run kiln-replay verify")
+    return record
 
 
 def append_replay(path, kind: str, payload: dict) -> dict:
     """Append one admitted request; returns the record (with its sequence and hash)."""
     path = Path(path)
     with _locked(path) as handle:
-        previous, count = _last_hash(handle)
-        record = {"schema": REPLAY_SCHEMA, "sequence": count + 1, "kind": kind,
-                  "previous": previous, "payload": payload}
+        last = _last_record(handle, path)
+        record = {"schema": REPLAY_SCHEMA, "sequence": last["sequence"] + 1 if last else 1, "kind": kind,
+                  "previous": last["hash"] if last else GENESIS, "payload": payload}
         record["hash"] = record_hash(record)
         handle.seek(0, os.SEEK_END)
         handle.write(_canonical(record) + b"\n")
@@ -141,14 +155,21 @@ def verify_lineage(registry, adapter: str, replay_path=None) -> int:
         verify_replay(replay_path)
         with open(replay_path, "rb") as handle:
             known = {json.loads(line)["hash"] for line in handle if line.strip()}
-    previous = GENESIS
+    previous, jobs = GENESIS, set()
     for index, item in enumerate(document["entries"], 1):
         if item.get("previous") != previous:
             raise LineageError(f"{path}: entry {index} does not follow entry {index - 1}", index)
         if item.get("hash") != record_hash(item):
             raise LineageError(f"{path}: entry {index} was edited", index)
         if known is not None and item.get("stage") == "request" and item.get("replay_hash") not in known:
-            raise LineageError(f"{path}: entry {index} names a request missing from the replay log", index)
+            raise LineageError(f"{path}: entry {index} names a request missing from the replay log "
+                               f"({str(item.get('replay_hash'))[:16]}...)", index)
+        if item.get("stage") == "job":
+            jobs.add(item.get("job_id"))
+        elif item.get("job_id") is not None and item.get("stage") in ("checkpoint", "final_adapter") \
+                and item["job_id"] not in jobs:
+            raise LineageError(f"{path}: entry {index} ({item['stage']}) names job {item['job_id']}, "
+                               "which no earlier job entry names", index)
         previous = item["hash"]
     return len(document["entries"])
 
@@ -156,15 +177,19 @@ def verify_lineage(registry, adapter: str, replay_path=None) -> int:
 def main(argv=None) -> int:
     """kiln-replay verify [--replay PATH] [--registry DIR --adapter NAME]"""
     import argparse
-    parser = argparse.ArgumentParser(prog="kiln-replay", description=(
-        "Verify request-lineage integrity. This checks the hash chain of replay.jsonl and an "
-        "adapter's lineage.json; it does NOT rerun training or compare losses, tensors or outputs."))
+    description = ("Verify request-lineage integrity. This checks the hash chain of replay.jsonl and an "
+                   "adapter's lineage.json and names the first broken line or entry; it does NOT rerun "
+                   "training or compare losses, tensors or outputs.")
+    parser = argparse.ArgumentParser(prog="kiln-replay", description=description)
     commands = parser.add_subparsers(dest="command", required=True)
-    verify = commands.add_parser("verify", help="check the replay chain (and an adapter's lineage)")
-    home = Path(os.environ.get("KILN_HOME", Path.home() / ".kiln"))
-    verify.add_argument("--replay", type=Path, default=home / "replay.jsonl")
-    verify.add_argument("--registry", type=Path, default=home / "adapters")
-    verify.add_argument("--adapter")
+    verify = commands.add_parser("verify", help="check the replay chain (and an adapter's lineage)",
+                                 description=description)
+    home = Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln").expanduser()
+    verify.add_argument("--replay", type=Path, default=home / "replay.jsonl",
+                        help="the replay log (default: $KILN_HOME/replay.jsonl)")
+    verify.add_argument("--registry", type=Path, default=home / "adapters",
+                        help="the adapter registry holding NAME.lineage.json (default: $KILN_HOME/adapters)")
+    verify.add_argument("--adapter", metavar="NAME", help="also check this adapter's lineage.json")
     args = parser.parse_args(argv)
     try:
         count = verify_replay(args.replay)

@@ -4,12 +4,14 @@ One model instance per served name (a base, or a base with one PEFT adapter load
 the registry). Requests read under the shared side of a readers-writer lock; loading,
 unloading and activation take the exclusive side only for the moment they swap the
 pool's tables, so a slow load never blocks completions. Each request owns its KV cache,
-so concurrent requests on one model are independent.
+so concurrent requests on one model are independent; they take turns on the CPU token by
+token (TurnLock).
 """
 
 import math
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,52 @@ class ReadWriteLock:
                 self._condition.notify_all()
 
 
+class TurnLock:
+    """Requests take turns on the CPU, one token each, first come first served.
+
+    The kernels and BLAS already use every core for one forward step; two requests stepping at
+    once only fight over the cores (OpenBLAS threads from two callers slow both several times
+    over). So one request computes at a time and hands over at each token when another waits:
+    every stream keeps moving, and a new request waits one step per active stream, not for
+    whole completions.
+    """
+
+    def __init__(self):
+        self._condition = threading.Condition()
+        self._queue = deque()  # tickets waiting for a turn, oldest first
+        self._holder = None
+
+    def _wait_for_turn(self, ticket) -> None:  # with self._condition held
+        self._queue.append(ticket)
+        while self._holder is not None or self._queue[0] is not ticket:
+            self._condition.wait()
+        self._queue.popleft()
+        self._holder = ticket
+
+    @contextmanager
+    def turn(self):
+        """Hold the CPU; the yielded `pass_on()` lets a waiting request take one step first."""
+        ticket = object()
+        with self._condition:
+            self._wait_for_turn(ticket)
+
+        def pass_on():
+            with self._condition:
+                if not self._queue:
+                    return  # nobody waits: keep going
+                self._holder = None
+                self._condition.notify_all()
+                self._wait_for_turn(ticket)
+
+        try:
+            yield pass_on
+        finally:
+            with self._condition:
+                if self._holder is ticket:
+                    self._holder = None
+                self._condition.notify_all()
+
+
 @dataclass
 class Served:
     name: str
@@ -83,6 +131,7 @@ class ServingPool:
         self.bases_root = Path(bases_root)
         self.registry = Path(registry)
         self.lock = ReadWriteLock()
+        self.turns = TurnLock()  # one request computes at a time, token by token
         self._served = {}  # name -> Served
         self._active = None  # the adapter served when a request names no model
 
@@ -136,6 +185,11 @@ class ServingPool:
                 raise ServingError("adapter_not_loaded", f"load adapter {adapter!r} before activating it")
             self._active = adapter
 
+    def deactivate(self):
+        """Serve no adapter by default (requests must name a model); nothing is unloaded."""
+        with self.lock.write():
+            self._active = None
+
     @property
     def active(self):
         return self._active
@@ -156,15 +210,25 @@ class ServingPool:
             return self._base(name)
         return served
 
-    def complete(self, name, prompt_ids, sampling: SamplingConfig, seed=None, echo=False):
-        """Run one completion under the shared lock; returns (Served, Generation)."""
-        served = self.resolve(name)
+    def complete(self, name, prompt_ids, sampling: SamplingConfig, seed=None, echo=False, on_token=None,
+                 top_logprobs=0, served=None):
+        """Run one completion under the shared lock; returns (Served, Generation).
+
+        `on_token(token, logprob, top)` sees each token as it is chosen (streaming); `served`, a
+        model already resolved by the caller, pins the request to it."""
+        served = served or self.resolve(name)
         rng = None if sampling.temperature == 0 else SamplingRNG(seed if seed is not None else 0)
-        with self.lock.read():
+        with self.lock.read(), self.turns.turn() as pass_on:
             if served.model._closed:
                 raise ServingError("model_not_found", f"{served.name!r} was unloaded")
-            return served, generate(served.model, prompt_ids, sampling, rng,
-                                    tokenizer=served.tokenizer, echo=echo)
+
+            def step(token, logprob, top):
+                if on_token is not None:
+                    on_token(token, logprob, top)
+                pass_on()
+
+            return served, generate(served.model, prompt_ids, sampling, rng, tokenizer=served.tokenizer,
+                                    echo=echo, on_token=step, top_logprobs=top_logprobs)
 
     def canary(self, adapter: str) -> tuple:
         """(passed, reason): the adapter loads, generates, and its log-probabilities are finite."""

@@ -1,1 +1,1 @@
-"""Project-wide pieces with no other home: health check, landing page, first admin, system checks."""
+"""Project-wide pieces with no other home: health check, first admin, system checks."""

@@ -346,3 +346,99 @@ def percent(job: TrainingJob) -> int:
 def events(job: TrainingJob) -> list:
     rows = list(job.events.order_by("-time", "-id")[:EVENT_LIMIT])
     return [row.to_dict() for row in rows]
+
+
+# -- qualification receipts --
+
+RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # trainer.qualify writes it; `kiln qualify` names the files
+EXECUTION_ROWS = ("backend", "device", "precision", "kernel_contract", "threads", "python", "numpy", "kiln")
+
+
+@dataclass
+class QualificationReceipt:
+    """The latest receipt of one backend ($KILN_HOME/qualification/latest-BACKEND.json), as the page shows it."""
+
+    backend: str
+    path: str
+    passed: bool | None = None
+    created: datetime | None = None
+    routes: list = field(default_factory=list)  # [{route, passed, mismatches, seconds, cancelled_at, steps}]
+    envelope: list = field(default_factory=list)  # [(label, value)]
+    note: str = ""
+    earlier: int = 0  # stamped receipts of this backend beside it
+    error: str | None = None  # why the file could not be read as a receipt
+
+
+def _envelope_rows(envelope: dict) -> list[tuple[str, str]]:
+    rows = []
+    model = envelope.get("model") or {}
+    if model.get("name"):
+        identity = str(model.get("identity") or "")
+        rows.append(("model", f"{model['name']}" + (f" (identity {identity[:16]}…)" if identity else "")))
+    execution = envelope.get("execution") or {}
+    for key in EXECUTION_ROWS + tuple(sorted(k for k in execution if k not in EXECUTION_ROWS)):
+        value = execution.get(key)
+        if key == "blas" and isinstance(value, list):
+            value = "; ".join(" ".join(str(part) for part in entry if part not in (None, "None")) + " threads"
+                              for entry in value if isinstance(entry, list)) or None
+        elif key == "native_builds" and isinstance(value, dict):
+            value = ", ".join(f"{name} {str(digest)[:12]}…" for name, digest in sorted(value.items())) or "none"
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True)
+        if value is not None and value != "":
+            rows.append((key.replace("_", " "), str(value)))
+    tokenizer = envelope.get("tokenizer") or {}
+    for key, label in (("tokenizer_json_sha256", "tokenizer.json"), ("chat_template_sha256", "chat template")):
+        if tokenizer.get(key):
+            rows.append((label, f"sha256 {str(tokenizer[key])[:16]}…"))
+    return rows
+
+
+def _route_rows(routes) -> list[dict]:
+    rows = []
+    for route in routes if isinstance(routes, list) else []:
+        if not isinstance(route, dict):
+            continue
+        outcome = route.get("outcome") if isinstance(route.get("outcome"), dict) else {}
+        rows.append({"route": str(route.get("route", "?")), "passed": route.get("passed") is True,
+                     "mismatches": [str(m) for m in route.get("mismatches") or []],
+                     "seconds": route.get("seconds"), "cancelled_at": route.get("cancelled_at"),
+                     "steps": outcome.get("steps"), "seed": route.get("seed")})
+    return rows
+
+
+def _created(text) -> datetime | None:
+    try:
+        return datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+
+
+def read_receipt(path, backend: str) -> QualificationReceipt:
+    receipt = QualificationReceipt(backend=backend, path=str(path))
+    receipt.earlier = len(list(path.parent.glob(f"receipt-{backend}-*.json")))
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        receipt.error = f"unreadable: {getattr(exc, 'strerror', None) or exc}"
+        return receipt
+    if not isinstance(document, dict) or document.get("schema") != RECEIPT_SCHEMA:
+        receipt.error = f"not a {RECEIPT_SCHEMA} receipt"
+        return receipt
+    receipt.passed = document.get("passed") is True
+    receipt.created = _created(document.get("created"))
+    receipt.routes = _route_rows(document.get("routes"))
+    receipt.envelope = _envelope_rows(document.get("envelope") if isinstance(document.get("envelope"), dict) else {})
+    receipt.note = str(document.get("note") or "")
+    return receipt
+
+
+def qualification_receipts() -> list[QualificationReceipt]:
+    """The latest receipt per backend, cpu first; none when `kiln qualify` has not run on this KILN_HOME."""
+    folder = settings.KILN_HOME / "qualification"
+    try:
+        paths = sorted(folder.glob("latest-*.json"))
+    except OSError:
+        return []
+    receipts = [read_receipt(path, path.name[len("latest-"):-len(".json")]) for path in paths]
+    return sorted(receipts, key=lambda r: (r.backend != "cpu", r.backend))

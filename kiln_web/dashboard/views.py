@@ -60,7 +60,7 @@ def jobs(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/jobs.html", {
         "rows": [readers.job_row(job) for job in rows[:200]], "status": status, "kind": kind,
         "statuses": JobStatus.choices, "kinds": JobKind.choices, "show_owner": request.user.is_staff,
-        "query": request.GET.urlencode(), "nav": "jobs"})
+        "query": request.GET.urlencode(), "qualification": readers.qualification_receipts(), "nav": "jobs"})
 
 
 @require_GET
@@ -236,6 +236,17 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
         "registry_error": error,
         "jobs": [readers.job_row(job) for job in readers.visible_jobs(request.user).filter(adapter=adapter)[:50]],
         "show_owner": request.user.is_staff, "nav": "adapters"})
+
+
+# -- qualification --
+
+
+@require_GET
+@login_required
+def qualification(request: HttpRequest) -> HttpResponse:
+    """The latest `kiln qualify` receipt per backend: passed or failed, each route, the execution envelope."""
+    return render(request, "dashboard/qualification.html", {"receipts": readers.qualification_receipts(),
+                                                            "nav": "qualification"})
 
 
 # -- teachers --

@@ -16,22 +16,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from kiln_web.adapters.models import Adapter, CheckpointRecord
-from kiln_web.jobs import events, runtime
+from kiln_web.core.http import ActionRefused
+from kiln_web.jobs import events, lineage, runtime, signals
 from kiln_web.jobs.models import (ACTIVE_STATUSES, RUNNING_STATUSES, EventLevel, JobEvent, JobKind, JobMetric,
                                   JobStatus, TrainingJob)
+from kiln_web.teachers import actions as teachers
 
 logger = logging.getLogger("kiln.jobs")
-
-
-class ActionRefused(Exception):
-    """A refusal with an HTTP status, a machine-readable code and a sentence a person can act on."""
-
-    def __init__(self, status: int, code: str, message: str, **extra):
-        self.status, self.code, self.message, self.extra = status, code, message, extra
-        super().__init__(message)
-
-    def as_error(self) -> dict:
-        return {"code": self.code, "message": self.message} | self.extra
+MAX_TOTAL_STEPS = 2**31 - 1  # TrainingJob.total_steps and committed_step are 32-bit integers on PostgreSQL
 
 
 # -- helpers --
@@ -85,13 +77,23 @@ def do_submit_job(user, body: dict, request: dict, kind: str = JobKind.SFT) -> T
 
     BODY is kept as submitted. Admission (which hashes the base, the data and any resume
     checkpoint) runs before the transaction; trainer refusals propagate for the view to map.
+    OPD names its teacher by alias (config.teacher); admission gets the alias's resolved spec.
     """
-    if kind != JobKind.SFT:
-        raise ActionRefused(400, "invalid_request", f"training kind {kind!r} cannot be submitted yet; use sft")
+    if kind not in JobKind.values:
+        raise ActionRefused(400, "invalid_request", f"training kind {kind!r} is not one of {', '.join(JobKind.values)}")
     name = request["config"]["output_name"]
     _check_adapter_owner(name, user)
-    runner = runtime.sft_runner()
-    admission = runner.admit_sft(request, runtime.run_settings(runner))
+    from kiln_web.serving.promotion import split_promotion_fields
+
+    request = split_promotion_fields(user, request)  # auto_load and gate are decided after training, never admitted
+    if kind == JobKind.OPD:
+        request = {**request, "config": {**request["config"],
+                                         "teacher": teachers.resolve_teacher(request["config"].get("teacher"))}}
+    runner = runtime.runner(kind)
+    admission = runner.admit(request, runtime.run_settings(runner.module))
+    if (admission.total_steps or 0) > MAX_TOTAL_STEPS:
+        raise ActionRefused(400, "invalid_request", f"the run would take {admission.total_steps} optimizer steps; "
+                                                    f"at most {MAX_TOTAL_STEPS} (ask for fewer epochs or steps)")
     resume = admission.resume or {}
     with transaction.atomic():
         adapter, _ = Adapter.objects.get_or_create(name=admission.adapter, defaults={"owner": user})
@@ -110,6 +112,9 @@ def do_submit_job(user, body: dict, request: dict, kind: str = JobKind.SFT) -> T
             data_source_kind=admission.data_source_kind, identities=admission.identities,
             resume_from=resume.get("checkpoint") or "", total_steps=admission.total_steps,
             committed_step=resume.get("step") or 0)
+        if kind == JobKind.OPD:
+            teachers.do_record_teacher_content(admission.identities["teacher"])
+        lineage.record_admission(job)  # replay.jsonl and the adapter's lineage.json; refuses if unwritable
         resumed = f", resuming from {job.resume_from}" if job.resume_from else ""
         _event(job, EventLevel.INFO, f"queued: {job.total_steps} steps, seed {job.effective_seed}{resumed}")
         _status_changed(job)
@@ -166,13 +171,15 @@ def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | N
         job = _locked(job_id)
         if job.worker_id != worker_id or job.status not in RUNNING_STATUSES:
             return False
-        CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
+        _, created = CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
             "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
             "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
             "summary": summary, "timing": dict(timing or {})})
         job.latest_checkpoint = summary
         job.heartbeat_at = timezone.now()
         job.save(update_fields=["latest_checkpoint", "heartbeat_at"])
+        if created:
+            lineage.record_checkpoint(job, summary, manifest_digest)
         events.publish_after_commit(job.pk, job.owner_id, events.JOB_CHECKPOINT, {"checkpoint": summary})
     return True
 
@@ -218,6 +225,11 @@ def do_finish_job(job_id, worker_id: str, status: str, *, result: dict | None = 
             _event(job, EventLevel.INFO, f"{status} after step {job.committed_step}"
                    + (f"; latest checkpoint {checkpoint}" if checkpoint else ""))
         _status_changed(job)
+        if status == JobStatus.SUCCEEDED and (result or {}).get("final_adapter"):
+            lineage.record_final_adapter(job, result["final_adapter"])
+        if status == JobStatus.SUCCEEDED:  # promotion (kiln_web.serving) decides after the commit
+            job_id = job.pk
+            transaction.on_commit(lambda: signals.job_succeeded.send_robust(sender=TrainingJob, job_id=job_id))
     return True
 
 
@@ -245,6 +257,30 @@ def do_cancel_job(job_id, reason: str = "cancelled by request") -> TrainingJob:
     return job
 
 
+def _unrecorded_checkpoint(job: TrainingJob) -> tuple[dict, str] | None:
+    """(summary, manifest digest) of the adapter's newest checkpoint when it is newer than the one the job
+    recorded, else None. A worker killed between publishing a checkpoint and recording it leaves the registry
+    (the authority) one ahead of the row; resuming from the older one would stop at `name_exists`. Only one
+    job trains an adapter at a time, so a newer checkpoint with the job's kind and seed is the job's."""
+    try:
+        module = runtime.checkpoint_module()
+        recorded = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
+        floor = module.parse_basename(recorded)[1] if recorded else 0
+        for path in reversed(module.list_checkpoints(settings.KILN_ADAPTERS_DIR, job.adapter.name)):
+            if module.parse_basename(path.name)[1] <= floor:
+                return None
+            try:
+                loaded = module.load_checkpoint(path, full=False, expected_type=job.kind,
+                                                expected_adapter=job.adapter.name)
+            except (module.CheckpointError, OSError):
+                continue  # damaged or unreadable: never offered
+            if loaded.manifest.get("seed") == job.effective_seed:
+                return module.checkpoint_summary(loaded), loaded.manifest_digest
+    except Exception:  # noqa: BLE001 (a best effort: the job is marked lost with what it recorded)
+        logger.warning("cannot look for unrecorded checkpoints of job %s", job.pk, exc_info=True)
+    return None
+
+
 def do_mark_lost(now=None) -> list:
     """Mark running jobs whose worker sent no heartbeat for KILN_LOST_AFTER_SECONDS as lost; returns their ids."""
     now = now or timezone.now()
@@ -260,6 +296,18 @@ def do_mark_lost(now=None) -> list:
             if job.status not in RUNNING_STATUSES or (job.heartbeat_at is not None and job.heartbeat_at >= cutoff):
                 continue  # it moved on, or beat, since the first look
             job.check_transition(JobStatus.LOST)
+            fields = ["status", "finished_at", "error_code", "error_message"]
+            unrecorded = _unrecorded_checkpoint(job)
+            if unrecorded is not None:  # published, and the worker died before it said so
+                summary, digest = unrecorded
+                CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
+                    "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
+                    "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": digest,
+                    "summary": summary})
+                job.latest_checkpoint = summary
+                fields.append("latest_checkpoint")
+                _event(job, EventLevel.WARNING, f"{summary['resume_checkpoint']} was published but not recorded "
+                                                "before the worker stopped; it is the latest checkpoint")
             checkpoint = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
             last_beat = job.heartbeat_at.isoformat(timespec="seconds") if job.heartbeat_at else "never"
             job.status, job.finished_at = JobStatus.LOST, now
@@ -267,7 +315,7 @@ def do_mark_lost(now=None) -> list:
             job.error_message = (f"worker {job.worker_id or '?'} sent no heartbeat since {last_beat}; "
                                  + (f"resume from {checkpoint} (it is intact)" if checkpoint else
                                     "no checkpoint was published; submit the run again"))
-            job.save(update_fields=["status", "finished_at", "error_code", "error_message"])
+            job.save(update_fields=fields)
             _event(job, EventLevel.ERROR, f"lost: {job.error_message}")
             _status_changed(job)
             lost.append(job_id)

@@ -1,4 +1,4 @@
-"""/v1/train/: submit SFT, list and inspect jobs, cancel, checkpoints, metrics, events.
+"""/v1/train/: submit SFT, GRPO and OPD, list and inspect jobs, cancel, checkpoints, metrics, events.
 
 Each view parses (the schema), authorises (the token, then ownership), calls one action
 and responds. A person sees their own jobs; staff see everyone's. Someone else's job
@@ -14,9 +14,10 @@ from pydantic import Field
 
 from kiln_web.core.http import error_response
 from kiln_web.jobs import actions, runtime
-from kiln_web.jobs.models import InvalidTransition, JobMetric, JobStatus, TrainingJob
-from kiln_web.jobs.schemas import (CheckpointListOut, ErrorOut, EventListOut, JobListOut, JobOut, MetricListOut,
-                                   SFTRequest)
+from kiln_web.serving.promotion import job_evaluation_ids, job_promotion
+from kiln_web.jobs.models import InvalidTransition, JobKind, JobMetric, JobStatus, TrainingJob
+from kiln_web.jobs.schemas import (CheckpointListOut, ErrorOut, EventListOut, GRPORequest, JobListOut, JobOut,
+                                   MetricListOut, OPDRequest, SFTRequest)
 
 try:
     from ninja import Status
@@ -53,20 +54,30 @@ def _detail(job: TrainingJob) -> dict:
                 basename, job.kind, job.adapter.name)
         except runtime.RunnerUnavailable as exc:
             out["latest_checkpoint_error"] = {"code": exc.code, "message": str(exc)}
+    out["promotion"], out["evaluation_ids"] = job_promotion(job), job_evaluation_ids(job)
     return out
 
 
-def _refused(exc: Exception):
+def _refused(exc: Exception, kind: str | None = None):
     if isinstance(exc, actions.ActionRefused):
         return error_response(exc.status, exc.code, exc.message, **exc.extra)
     if isinstance(exc, InvalidTransition):
         return error_response(409, exc.code, exc.message)
     if isinstance(exc, runtime.RunnerUnavailable):
         return error_response(503, exc.code, str(exc))
-    refusal = runtime.refusal_for(exc)
+    refusal = runtime.refusal_for(exc, kind)
     if refusal is None:
         raise exc
     return error_response(refusal.status, **refusal.as_error())
+
+
+def _submit(request: HttpRequest, payload, kind: str):
+    body = json.loads(request.body)  # kept as submitted
+    try:
+        job = actions.do_submit_job(request.auth, body, payload.model_dump(exclude_unset=True), kind=kind)
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by _refused)
+        return _refused(exc, kind)
+    return Status(201, _detail(job))
 
 
 @router.post("/sft", response={201: JobOut, **SUBMIT_REFUSALS}, summary="Submit an SFT run",
@@ -74,19 +85,32 @@ def _refused(exc: Exception):
 def submit_sft(request: HttpRequest, payload: SFTRequest):
     """Admission validates the request, resolves the effective configuration and seed, and fully
     validates a resume checkpoint (refusing any drift field by field) before the job exists."""
-    body = json.loads(request.body)  # kept as submitted
-    try:
-        job = actions.do_submit_job(request.auth, body, payload.model_dump(exclude_unset=True))
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by _refused)
-        return _refused(exc)
-    return Status(201, _detail(job))
+    return _submit(request, payload, JobKind.SFT)
+
+
+@router.post("/grpo", response={201: JobOut, **SUBMIT_REFUSALS}, summary="Submit a GRPO run",
+             operation_id="submit_grpo")
+def submit_grpo(request: HttpRequest, payload: GRPORequest):
+    """GRPO over scored groups, inline or from a JSONL file (streamed with config.streaming). Admission
+    tokenizes every group and, for a resume, proves the checkpoint and (streamed) re-hashes the lines
+    it consumed: a changed file is refused with 409 source_changed."""
+    return _submit(request, payload, JobKind.GRPO)
+
+
+@router.post("/opd", response={201: JobOut, **SUBMIT_REFUSALS}, summary="Submit an on-policy distillation run",
+             operation_id="submit_opd")
+def submit_opd(request: HttpRequest, payload: OPDRequest):
+    """config.teacher names a teacher alias; the server resolves it and admission reconstructs its content
+    revision. A resume needs the alias to keep the checkpoint's identity and content revisions (409
+    teacher_changed, with differences, otherwise)."""
+    return _submit(request, payload, JobKind.OPD)
 
 
 class JobFilter(Schema):
     status: JobStatus | None = Field(None, description="only jobs in this status")
     adapter: str | None = Field(None, description="only jobs training this adapter")
     limit: int = Field(50, ge=1, le=500)
-    offset: int = Field(0, ge=0)
+    offset: int = Field(0, ge=0, le=2**31 - 1)  # bounded: the database refuses (500) a larger OFFSET
 
 
 @router.get("/jobs", response={200: JobListOut, **REFUSALS}, summary="List training jobs", operation_id="list_jobs")
@@ -141,9 +165,12 @@ class MetricPage(Schema):
 
 
 @router.get("/jobs/{job_id}/metrics", response={200: MetricListOut, **REFUSALS},
-            summary="Per-step metrics of a job", operation_id="list_job_metrics")
+            summary="Per-step metrics of a job", operation_id="list_job_metrics", exclude_unset=True)
 def list_metrics(request: HttpRequest, job_id: UUID, page: Query[MetricPage]):
-    """loss, learning rate, gradient norm, clipped and loss-spike flags, tokens, epoch, elapsed seconds."""
+    """loss, learning rate, gradient norm, clipped and loss-spike flags, tokens, epoch, elapsed seconds.
+    GRPO adds the policy audit (clip_low/high/region_fraction, kl_mean, ratio_mean/min/max, reward_mean/std,
+    advantage_mean/std, groups, completions); OPD adds kl, entropy, repetition_rate, empty_candidates,
+    candidates_consumed."""
     job = _job(request, job_id)
     rows = list(JobMetric.objects.filter(job=job, step__gt=page.after_step).order_by("step")[:page.limit + 1])
     more = len(rows) > page.limit

@@ -1,29 +1,61 @@
 """Run one training job to a final state: the body of the Celery task and of the embedded worker.
 
-claim (conditional update: queued -> running) -> revalidate the admission at dequeue ->
-run_sft with hooks that record steps, checkpoints and events -> succeeded or cancelled;
-any exception -> failed with a code and a message. A heartbeat thread keeps heartbeat_at
-fresh so a dead worker's job is detected as lost.
+claim (conditional update: queued -> running) -> revalidate the admission at dequeue (and an
+OPD job's teacher alias) -> the kind's run (run_sft, run_grpo, run_opd) with hooks that record
+steps, checkpoints and events -> succeeded or cancelled; any exception -> failed with a code
+and a message. A heartbeat thread keeps heartbeat_at fresh so a dead worker's job is detected
+as lost.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
 import traceback
 
 from django.conf import settings
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 
 from kiln_web.jobs import actions, runtime
-from kiln_web.jobs.models import EventLevel, InvalidTransition, JobStatus, TrainingJob
+from kiln_web.jobs.models import EventLevel, InvalidTransition, JobKind, JobStatus, TrainingJob
+from kiln_web.teachers import actions as teachers
 
 logger = logging.getLogger("kiln.jobs")
+# errno of a write the registry's storage refused -> the job's error code
+STORAGE_ERRORS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "storage_error",
+                  errno.EIO: "storage_error"}
+
+
+def through_outage(call, *args, **kwargs):
+    """CALL (a database write or read), retried on a fresh connection while the database cannot be reached
+    (a restart, a failover), for up to KILN_LOST_AFTER_SECONDS; then the error propagates. A run survives a
+    short outage, and a job is never left `running` because the database was down when it finished."""
+    deadline = time.monotonic() + settings.KILN_LOST_AFTER_SECONDS
+    delay = 0.1
+    while True:
+        try:
+            return call(*args, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            if connection.in_atomic_block or time.monotonic() + delay > deadline:
+                raise  # inside a transaction a new connection cannot continue it
+            logger.warning("the database cannot be reached (%s); retrying in %.1f s", exc, delay)
+            _drop_connection()
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def _drop_connection() -> None:
+    """Forget this thread's broken connection, so that the next query opens a new one."""
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001 (closing a dead connection may itself fail)
+        connection.connection = None
 
 
 class JobHooks:
-    """What run_sft calls back into: every call writes through one action."""
+    """What a run (run_sft, run_grpo, run_opd) calls back into: every call writes through one action."""
 
     def __init__(self, job_id, worker_id: str, stop: threading.Event | None = None,
                  poll_seconds: float | None = None, clock=time.monotonic):
@@ -34,7 +66,7 @@ class JobHooks:
         self._cancel = False
 
     def on_step(self, metrics: dict) -> None:
-        actions.do_record_step(self.job_id, self.worker_id, metrics)
+        through_outage(actions.do_record_step, self.job_id, self.worker_id, metrics)
 
     def should_cancel(self) -> bool:
         """True once the job is no longer plainly running (cancelling, lost) or the worker is stopping;
@@ -51,16 +83,18 @@ class JobHooks:
         now = self._clock()
         if self._last_poll is None or now - self._last_poll >= self.poll_seconds:
             self._last_poll = now
-            status = TrainingJob.objects.filter(pk=self.job_id).values_list("status", flat=True).first()
+            status = through_outage(
+                lambda: TrainingJob.objects.filter(pk=self.job_id).values_list("status", flat=True).first())
             self._cancel = status != JobStatus.RUNNING
         return self._cancel
 
     def on_checkpoint(self, summary: dict, timing: dict) -> None:
         digest = runtime.manifest_digest(summary["resume_checkpoint"])
-        actions.do_record_checkpoint(self.job_id, self.worker_id, summary, timing, manifest_digest=digest)
+        through_outage(actions.do_record_checkpoint, self.job_id, self.worker_id, summary, timing,
+                       manifest_digest=digest)
 
     def on_event(self, level: str, message: str) -> None:
-        actions.do_add_event(self.job_id, level, message)
+        through_outage(actions.do_add_event, self.job_id, level, message)
 
 
 class Heartbeat:
@@ -87,6 +121,7 @@ class Heartbeat:
                     actions.do_heartbeat(self.job_id, self.worker_id)
                 except Exception:
                     logger.warning("heartbeat for job %s failed", self.job_id, exc_info=True)
+                    _drop_connection()  # the next beat reconnects (the database may have restarted)
         finally:
             connection.close()  # this thread's own connection
 
@@ -95,33 +130,37 @@ def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = 
     """Claim and run JOB_ID; returns the job's final status, or "not_claimed" when another worker has it."""
     if stop is not None and stop.is_set():
         return "not_claimed"
-    if not actions.do_claim_job(job_id, worker_id):
+    if not through_outage(actions.do_claim_job, job_id, worker_id):
         logger.info("job %s was not claimed by %s (gone, cancelled or claimed by another worker)", job_id, worker_id)
         return "not_claimed"
     logger.info("job %s claimed by %s", job_id, worker_id)
     status, error = _run_claimed(job_id, worker_id, stop)
     if status == JobStatus.FAILED:
-        actions.do_finish_job(job_id, worker_id, JobStatus.FAILED, **error)
+        through_outage(actions.do_finish_job, job_id, worker_id, JobStatus.FAILED, **error)
     else:
-        actions.do_finish_job(job_id, worker_id, status, result=error)
-    final = TrainingJob.objects.filter(pk=job_id).values_list("status", flat=True).first()
+        through_outage(actions.do_finish_job, job_id, worker_id, status, result=error)
+    final = through_outage(lambda: TrainingJob.objects.filter(pk=job_id).values_list("status", flat=True).first())
     logger.info("job %s ended %s", job_id, final)
     return final
 
 
 def _run_claimed(job_id, worker_id: str, stop: threading.Event | None) -> tuple[str, dict]:
     """(status, result) on a normal end, (FAILED, error fields) on an exception."""
+    kind = None
     try:
-        runner = runtime.sft_runner()
-        run_settings = runtime.run_settings(runner)
-        admission = runner.SFTAdmission.from_json(TrainingJob.objects.values_list("admission", flat=True).get(pk=job_id))
+        kind, admitted = TrainingJob.objects.values_list("kind", "admission").get(pk=job_id)
+        runner = runtime.runner(kind)
+        run_settings = runtime.run_settings(runner.module)
+        admission = runner.admission_from_json(admitted)
         hooks = JobHooks(job_id, worker_id, stop=stop)
         with Heartbeat(job_id, worker_id):
-            runner.revalidate_sft(admission, run_settings)  # before any memory is reserved
+            if kind == JobKind.OPD:
+                teachers.check_teacher_unchanged(admission.effective_config["teacher"])
+            runner.revalidate(admission, run_settings)  # before any memory is reserved
             actions.do_add_event(job_id, EventLevel.INFO, "dequeue revalidation passed; starting the run")
-            result = runner.run_sft(admission, run_settings, hooks)
+            result = runner.run(admission, run_settings, hooks)
     except BaseException as exc:  # noqa: BLE001 (mapped to a state; KeyboardInterrupt/SystemExit re-raised below)
-        error = failure_fields(exc)
+        error = failure_fields(exc, kind)
         if not isinstance(exc, Exception):
             actions.do_finish_job(job_id, worker_id, JobStatus.FAILED, **error)
             raise
@@ -129,13 +168,16 @@ def _run_claimed(job_id, worker_id: str, stop: threading.Event | None) -> tuple[
     status = JobStatus.CANCELLED if result.status == "cancelled" else JobStatus.SUCCEEDED
     return status, {"status": result.status, "steps_completed": result.steps_completed,
                     "latest_checkpoint": result.latest_checkpoint,
-                    "final_loss": result.loss_history[-1] if result.loss_history else None}
+                    "final_loss": result.loss_history[-1] if result.loss_history else None,
+                    "final_adapter": getattr(result, "final_adapter", None)}  # the PEFT snapshot, for lineage
 
 
-def failure_fields(exc: BaseException) -> dict:
-    """error_code, error_message, error_details for an exception that ended a run."""
+def failure_fields(exc: BaseException, kind: str | None = None) -> dict:
+    """error_code, error_message, error_details for an exception that ended a run of KIND."""
+    if isinstance(exc, actions.ActionRefused):
+        return {"error_code": exc.code, "error_message": exc.message, "error_details": exc.extra or None}
     try:
-        refusal = runtime.refusal_for(exc) if isinstance(exc, Exception) else None
+        refusal = runtime.refusal_for(exc, kind) if isinstance(exc, Exception) else None
     except runtime.RunnerUnavailable:
         refusal = None
     if refusal is not None:
@@ -150,6 +192,15 @@ def failure_fields(exc: BaseException) -> dict:
         return {"error_code": exc.code, "error_message": str(exc)}
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return {"error_code": "worker_stopped", "error_message": f"the worker stopped ({name}) during the run"}
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRORS:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return {"error_code": STORAGE_ERRORS[exc.errno],
+                "error_message": f"{exc.strerror}{where} while the run wrote its files; the checkpoints it published "
+                                 "are intact: free space (or repair the storage) and resume from the latest"}
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return {"error_code": "database_unavailable",
+                "error_message": f"the database could not be reached for {settings.KILN_LOST_AFTER_SECONDS:g} s "
+                                 f"during the run ({exc}); resume from the latest checkpoint"}
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code:  # e.g. CheckpointError raised inside the run
         return {"error_code": code, "error_message": str(getattr(exc, "message", None) or exc)}

@@ -33,7 +33,9 @@ TRANSITIONS = {
 
 
 class JobKind(models.TextChoices):
-    SFT = "sft"
+    SFT = "sft", "SFT"
+    GRPO = "grpo", "GRPO"
+    OPD = "opd", "OPD"  # on-policy distillation
 
 
 class InvalidTransition(Exception):
@@ -90,6 +92,14 @@ class TrainingJob(models.Model):
         if target not in TRANSITIONS.get(self.status, ()):
             raise InvalidTransition(self, target)
 
+    @property
+    def teacher(self) -> dict | None:
+        """OPD: the teacher alias the run was admitted with and its identity and content revisions."""
+        teacher = (self.identities or {}).get("teacher") if isinstance(self.identities, dict) else None
+        if not teacher:
+            return None
+        return {key: teacher.get(key) for key in ("alias", "route", "identity_revision", "content_revision")}
+
     def to_dict(self) -> dict:
         """The job as the API, the CLI and channel events describe it (no request body, no tensors)."""
         return {
@@ -103,6 +113,7 @@ class TrainingJob(models.Model):
             "effective_seed": self.effective_seed,
             "effective_config": self.effective_config,
             "identities": self.identities,
+            "teacher": self.teacher,
             "resume_from": self.resume_from or None,
             "progress": {"committed_step": self.committed_step, "total_steps": self.total_steps},
             "latest_checkpoint": self.latest_checkpoint,

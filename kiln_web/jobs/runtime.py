@@ -1,8 +1,10 @@
-"""The one place the web side reaches the trainer: the run module, its RunSettings, error mapping.
+"""The one place the web side reaches the trainer: the run modules, their RunSettings, teacher specs,
+error mapping.
 
-`trainer.runs.sft` (settings.KILN_SFT_RUNNER) and `trainer.runs.checkpoint_dir`
-(settings.KILN_CHECKPOINT_MODULE) are imported here and nowhere else in kiln_web, so
-tests can swap in a fake runner by overriding those two settings.
+Each training kind's run module (`trainer.runs.sft`, `.grpo`, `.opd`, named by the settings
+KILN_SFT_RUNNER, KILN_GRPO_RUNNER, KILN_OPD_RUNNER), `trainer.runs.checkpoint_dir`
+(settings.KILN_CHECKPOINT_MODULE), `trainer.teachers` and `trainer.bases` are imported here and
+nowhere else in kiln_web, so tests can swap in a fake runner by overriding those settings.
 """
 
 from __future__ import annotations
@@ -26,9 +28,44 @@ def _module(dotted: str, purpose: str) -> ModuleType:
                                 "reinstall Kiln with: pip install -e .") from exc
 
 
+# training kind: (the Django setting naming its run module, the admission class in that module)
+RUNNERS = {
+    "sft": ("KILN_SFT_RUNNER", "SFTAdmission"),
+    "grpo": ("KILN_GRPO_RUNNER", "Admission"),
+    "opd": ("KILN_OPD_RUNNER", "Admission"),
+}
+
+
+@dataclass(frozen=True)
+class Runner:
+    """One training kind's run module: admit_<kind>, revalidate_<kind>, run_<kind>, the same for every kind."""
+
+    kind: str
+    module: ModuleType
+
+    def admit(self, request: dict, run_settings):
+        return getattr(self.module, f"admit_{self.kind}")(request, run_settings)
+
+    def revalidate(self, admission, run_settings) -> None:
+        getattr(self.module, f"revalidate_{self.kind}")(admission, run_settings)
+
+    def run(self, admission, run_settings, hooks):
+        return getattr(self.module, f"run_{self.kind}")(admission, run_settings, hooks)
+
+    def admission_from_json(self, data: dict):
+        return getattr(self.module, RUNNERS[self.kind][1]).from_json(data)
+
+
+def runner(kind: str) -> Runner:
+    """The run module of training KIND (sft, grpo, opd)."""
+    if kind not in RUNNERS:
+        raise RunnerUnavailable(f"no run module for training kind {kind!r}; kinds are {', '.join(RUNNERS)}")
+    return Runner(kind, _module(getattr(settings, RUNNERS[kind][0]), f"the {kind.upper()} run"))
+
+
 def sft_runner() -> ModuleType:
     """The module with RunSettings, admit_sft, revalidate_sft, run_sft, RequestError, AdmissionError."""
-    return _module(settings.KILN_SFT_RUNNER, "the SFT run")
+    return runner("sft").module
 
 
 def checkpoint_module() -> ModuleType:
@@ -36,17 +73,28 @@ def checkpoint_module() -> ModuleType:
     return _module(settings.KILN_CHECKPOINT_MODULE, "the checkpoint")
 
 
-def run_settings(runner: ModuleType | None = None):
+def run_settings(module: ModuleType | None = None):
     """RunSettings built from the Django settings: the single source of paths and defaults for runs."""
-    runner = runner or sft_runner()
-    return runner.RunSettings(
+    module = module or sft_runner()
+    return module.RunSettings(
         home=settings.KILN_HOME,
         registry=settings.KILN_ADAPTERS_DIR,
-        bases_root=settings.KILN_BASES_DIR,
+        bases_root=settings.KILN_HOME,  # trainer.bases' root: the folder that holds bases/
         data_roots=tuple(settings.KILN_DATA_ROOTS),
         default_checkpoint_interval=settings.KILN_CHECKPOINT_INTERVAL,
         backend=settings.KILN_TRAINING_BACKEND,
     )
+
+
+def teacher_spec(fields: dict) -> dict:
+    """A teacher alias's spec as the OPD run takes it: {alias, route, base, adapter, endpoint, model,
+    identity_revision}. ValueError says what is wrong (trainer.teachers.parse_teacher), LookupError
+    that a native teacher's base is not registered."""
+    teachers = _module("trainer.teachers", "the teacher")
+    spec = teachers.parse_teacher(fields)
+    if spec.base is not None:
+        _module("trainer.bases", "the base registry").show_base(spec.base, settings.KILN_HOME)
+    return spec.to_dict()
 
 
 def checkpoint_path(basename: str):
@@ -99,12 +147,25 @@ class Refusal:
 CONFLICT_CODES = {"resume_drift"}
 
 
-def refusal_for(exc: BaseException) -> Refusal | None:
-    """Map a trainer exception to a Refusal, or None when it is not one the trainer raises on bad input."""
-    runner = sft_runner()
-    if isinstance(exc, runner.RequestError):
+def _error_classes(name: str, kind: str | None) -> tuple:
+    """The exception class NAME of KIND's run module, or of every run module that imports."""
+    classes = []
+    for each in ([kind] if kind else RUNNERS):
+        try:
+            found = getattr(runner(each).module, name, None)
+        except RunnerUnavailable:
+            continue
+        if isinstance(found, type) and found not in classes:
+            classes.append(found)
+    return tuple(classes)
+
+
+def refusal_for(exc: BaseException, kind: str | None = None) -> Refusal | None:
+    """Map a trainer exception to a Refusal, or None when it is not one the trainer raises on bad input.
+    KIND narrows the run modules whose errors are recognised (default: every kind's)."""
+    if isinstance(exc, _error_classes("RequestError", kind)):
         return Refusal(400, "invalid_request", _text(exc), field=getattr(exc, "field", None))
-    if isinstance(exc, runner.AdmissionError):
+    if isinstance(exc, _error_classes("AdmissionError", kind)):
         code = getattr(exc, "code", None) or "admission_refused"
         differences = list(getattr(exc, "differences", None) or [])
         status = 409 if code in CONFLICT_CODES or differences else 400

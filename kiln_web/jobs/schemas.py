@@ -14,7 +14,10 @@ from typing import Any, Literal
 from ninja import Schema
 from pydantic import ConfigDict, Field, model_validator
 
+from kiln_web.serving.schemas import JobPromotionOut, PromotionGate
+
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$"
+TEACHER_ALIAS = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}@(native|openai)$"
 
 
 class Strict(Schema):
@@ -81,11 +84,125 @@ class SFTRequest(Strict):
     data: list[dict[str, Any]] | None = Field(
         None, min_length=1, description="inline records: {messages: [...]} or {prompt, completion}")
     config: SFTConfig
+    # promotion: decided after the run succeeds, never admitted or bound into a checkpoint (kiln_web.serving)
+    auto_load: bool | None = Field(None, description="activate the adapter after success once its serving canary "
+                                                     "passes (with a gate: once its evaluation passes); absent: false")
+    gate: PromotionGate | None = Field(None, description="a held-out post-eval accuracy gate; needs auto_load")
 
     @model_validator(mode="after")
     def _one_source(self) -> "SFTRequest":
         if (self.dataset_path is None) == (self.data is None):
             raise ValueError("give exactly one of dataset_path and data")
+        return self
+
+
+class GRPOReference(Strict):
+    type: Literal["frozen", "ema"] = Field(
+        "frozen", description="frozen: the base (adapter off); ema: an EMA of the adapter refreshed every "
+                              "refresh_steps optimizer steps as (1 - mixup_alpha) * ref + mixup_alpha * policy")
+    refresh_steps: int | None = Field(None, gt=0, description="ema only; absent: 512")
+    mixup_alpha: float | None = Field(None, gt=0, le=1, description="ema only; absent: 0.6")
+
+
+class GRPOConfig(Strict):
+    """TRL's GRPO over scored groups; a field left out (or null) takes the default the job's
+    effective_config reports (docs/grpo-opd.md)."""
+
+    output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
+    base_model: str | None = Field(None, min_length=1, description="a registered base; absent: kiln-tiny")
+    epochs: int | None = Field(None, gt=0, description="passes over the groups; absent: 1")
+    groups_per_step: int | None = Field(None, gt=0, description="groups (one micro-batch each) per optimizer "
+                                                                "step; absent: 1")
+    learning_rate: float | None = Field(None, gt=0, description="absent: 1e-5")
+    lr_schedule: LRSchedule | None = None
+    max_grad_norm: float | None = Field(None, gt=0, description="absent: 1.0; null: no clipping")
+    lora: LoRAConfig | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="null or absent: chosen at admission")
+    checkpoint_interval: int | None = Field(
+        None, gt=0, description="committed optimizer steps between checkpoints; null or absent: the server's "
+                                "training.checkpoint_interval (KILN_CHECKPOINT_INTERVAL)")
+    resume_checkpoint: str | None = Field(None, min_length=1, description="continue the same run from a GRPO "
+                                                                          ".kiln-checkpoint basename")
+    epsilon: float | None = Field(None, gt=0, lt=1, description="lower clip range; absent: 0.2")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip range; absent: epsilon")
+    beta: float | None = Field(None, ge=0, description="k3 KL coefficient to the reference; absent: 0 (no KL)")
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None, description="advantage scaling by the reward std of the group, the step, or none; absent: group")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = Field(None, description="absent: dapo")
+    num_iterations: int | None = Field(None, gt=0, description="optimizer updates per batch (TRL's mu); absent: 1")
+    max_completion_length: int | None = Field(None, gt=0, description="completion tokens kept; absent: 256")
+    reference: GRPOReference | None = None
+    streaming: bool | None = Field(None, description="read dataset_path lazily from a byte cursor (files too "
+                                                     "large to hold); absent: false")
+    activation_checkpointing: Literal["none", "blocks"] | None = None
+
+
+class GRPORequest(Strict):
+    dataset_path: str | None = Field(None, min_length=1, description="absolute path of a JSONL file of groups in "
+                                                                     "a data root")
+    groups: list[dict[str, Any]] | None = Field(
+        None, min_length=1, description="inline groups: {prompt | messages, completions: [{text, reward | "
+                                        "rewards: {name: number}}...], reward_weights?}")
+    config: GRPOConfig
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "GRPORequest":
+        if (self.dataset_path is None) == (self.groups is None):
+            raise ValueError("give exactly one of dataset_path and groups")
+        return self
+
+
+class OPDGuardrails(Strict):
+    """Collapse guardrails over the last `window` candidates; a null threshold is off."""
+
+    entropy_floor: float | None = Field(None, description="stop when the mean student entropy falls below")
+    max_repetition_rate: float | None = Field(None, ge=0, le=1, description="stop above this repeated-trigram rate")
+    max_empty_rate: float | None = Field(None, ge=0, le=1, description="stop above this empty-completion rate")
+    kl_ceiling: float | None = Field(None, description="stop when the mean sampled reverse KL rises above")
+    window: int | None = Field(None, gt=0, description="candidates per window; absent: 8")
+
+
+class OPDConfig(Strict):
+    """On-policy distillation from a teacher alias; a field left out (or null) takes the default the
+    job's effective_config reports (docs/grpo-opd.md)."""
+
+    output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
+    teacher: str = Field(pattern=TEACHER_ALIAS, description="a registered teacher alias name@route "
+                                                            "(GET /v1/teachers); the server resolves it")
+    base_model: str | None = Field(None, min_length=1, description="the student base; absent: kiln-tiny")
+    base_adapter: str | None = Field(None, min_length=1, description="warm start: an absolute PEFT directory in "
+                                                                     "the adapter registry or a data root")
+    steps: int | None = Field(None, gt=0, description="optimizer steps; absent: 100")
+    candidates_per_step: int | None = Field(None, gt=0, description="non-empty candidates per step; absent: 1")
+    max_new_tokens: int | None = Field(None, gt=0, description="absent: 64")
+    temperature: float | None = Field(None, ge=0, description="student sampling; 0 is greedy; absent: 1.0")
+    top_p: float | None = Field(None, gt=0, le=1, description="absent: 1.0")
+    top_k: int | None = Field(None, ge=0, description="absent: 0 (off)")
+    stop_strings: list[str] | None = Field(None, description="strings that end a completion")
+    learning_rate: float | None = Field(None, gt=0, description="absent: 1e-4")
+    lr_schedule: LRSchedule | None = None
+    max_grad_norm: float | None = Field(None, gt=0, description="absent: 1.0; null: no clipping")
+    lora: LoRAConfig | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="null or absent: chosen at admission")
+    checkpoint_interval: int | None = Field(None, gt=0, description="committed optimizer steps between "
+                                                                    "checkpoints; null or absent: 25")
+    resume_checkpoint: str | None = Field(None, min_length=1, description="continue the same run from an OPD "
+                                                                          ".kiln-checkpoint basename")
+    guardrails: OPDGuardrails | None = None
+    activation_checkpointing: Literal["none", "blocks"] | None = None
+
+
+class OPDRequest(Strict):
+    dataset_path: str | None = Field(None, min_length=1, description="absolute path of a JSON list or JSONL file "
+                                                                     "of prompts in a data root")
+    prompts: list[str | dict[str, Any]] | None = Field(
+        None, min_length=1, description="inline prompts: a string, {prompt} or {messages: [{role, content}...]}")
+    config: OPDConfig
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "OPDRequest":
+        if (self.dataset_path is None) == (self.prompts is None):
+            raise ValueError("give exactly one of dataset_path and prompts")
         return self
 
 
@@ -120,10 +237,23 @@ class CheckpointSummary(Schema):
     data_source_kind: str | None = None
     committed_step: int | None = None
     total_steps: int | None = None
-    next_cursor: Any = Field(None, description="SFT: the epoch/example cursor the run continues from")
+    next_cursor: Any = Field(None, description="where the run continues: SFT {epoch, example}; GRPO {epoch, group, "
+                                               "iteration, group_sha256} (streamed: also line, byte, "
+                                               "consumed_lines, consumed_lines_sha256); OPD {candidate, prompt, "
+                                               "epoch, prompt_sha256}")
     complete: bool | None = Field(None, description="whether the run had finished when it was published")
+    teacher: dict[str, Any] | None = Field(None, description="OPD: the teacher alias and the identity and content "
+                                                             "revisions the checkpoint binds")
 
     model_config = ConfigDict(extra="allow")
+
+
+class TeacherRef(Schema):
+    alias: str
+    route: str
+    identity_revision: str = Field(description="SHA-256 of the alias's configuration when the job was admitted")
+    content_revision: str | None = Field(description="SHA-256 of the teacher's content evidence (weights, "
+                                                     "adapter, served model) reconstructed at admission")
 
 
 class JobError(Schema):
@@ -159,7 +289,9 @@ class JobOut(Schema):
     dataset_path: str | None
     effective_seed: int | None
     effective_config: dict[str, Any]
-    identities: dict[str, Any] = Field(description="base, dataset, tokenizer, execution and planning identity")
+    identities: dict[str, Any] = Field(description="base, dataset, tokenizer, execution and planning identity "
+                                                   "(OPD: also teacher and base_adapter)")
+    teacher: TeacherRef | None = Field(None, description="OPD: the teacher alias and its revisions")
     resume_from: str | None = Field(description="the checkpoint this run resumed from")
     progress: Progress
     latest_checkpoint: CheckpointSummary | None = Field(
@@ -173,6 +305,8 @@ class JobOut(Schema):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    promotion: JobPromotionOut | None = Field(None, description="auto_load and gate as requested, and the outcome")
+    evaluation_ids: list[str] = Field(default_factory=list, description="the evaluations run for this job's gate")
 
 
 class JobListOut(Schema):
@@ -197,15 +331,37 @@ class CheckpointListOut(Schema):
 
 
 class MetricOut(Schema):
+    """One committed step; a kind's keys only (null where the run reported no finite value)."""
+
     step: int
-    loss: float | None = None
+    loss: float | None = Field(None, description="SFT: cross-entropy; GRPO: the objective; OPD: mean reverse KL")
     learning_rate: float | None = None
     grad_norm: float | None = None
     clipped: bool | None = None
-    loss_spike: bool | None = None
+    loss_spike: bool | None = Field(None, description="SFT")
     tokens: int | None = None
     epoch: int | None = None
     elapsed_seconds: float | None = None
+    # GRPO's policy audit (TRL's definitions, over the step's completion tokens)
+    groups: int | None = None
+    completions: int | None = None
+    clip_low_fraction: float | None = None
+    clip_high_fraction: float | None = None
+    clip_region_fraction: float | None = None
+    kl_mean: float | None = Field(None, description="GRPO: mean k3 KL to the reference; null when beta is 0")
+    ratio_mean: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    reward_mean: float | None = None
+    reward_std: float | None = Field(None, description="GRPO: the mean of the groups' reward std")
+    advantage_mean: float | None = None
+    advantage_std: float | None = None
+    # OPD
+    kl: float | None = Field(None, description="OPD: mean sampled reverse KL to the teacher")
+    entropy: float | None = Field(None, description="OPD: mean student entropy, nats per token")
+    repetition_rate: float | None = Field(None, description="OPD: repeated-trigram rate")
+    empty_candidates: int | None = Field(None, description="OPD: empty completions consumed in the step")
+    candidates_consumed: int | None = Field(None, description="OPD: the candidate cursor after the step")
 
     model_config = ConfigDict(extra="allow")
 

@@ -76,7 +76,8 @@ class EmbeddedWorker:
             logger.info("embedded worker %s stopped", self.worker_id)
 
     def run_once(self) -> bool:
-        """Run the oldest queued job this worker can claim; False when there was none."""
+        """Run the oldest queued job this worker can claim, else the oldest queued evaluation; False when
+        there was none."""
         try:
             queued = list(TrainingJob.objects.filter(status=JobStatus.QUEUED).order_by("created_at")
                           .values_list("pk", flat=True)[:20])
@@ -96,7 +97,19 @@ class EmbeddedWorker:
                 self.current_job = None
             if outcome != "not_claimed":
                 return True
-        return False
+        return self._run_queued_evaluation()
+
+    def _run_queued_evaluation(self) -> bool:
+        """Evaluations (kiln_web.evals) run here too, after the training jobs, with the Celery task's code."""
+        from kiln_web.evals.execution import run_next_queued
+
+        if self._stop.is_set():
+            return False
+        try:
+            return run_next_queued(self.worker_id)
+        except Exception:
+            logger.exception("the worker failed outside an evaluation")
+            return False
 
     def _housekeeping(self) -> None:
         try:
@@ -146,6 +159,7 @@ class Housekeeper:
         try:
             while True:
                 try:
+                    close_old_connections()  # a connection broken by a database restart is replaced
                     actions.do_mark_lost()
                 except Exception:
                     logger.warning("the lost-job check failed", exc_info=True)

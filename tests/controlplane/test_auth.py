@@ -12,12 +12,32 @@ from .conftest import ApiClient, sft_body
 
 EXPECTED_OPERATIONS = {
     ("post", "/v1/train/sft"),
+    ("post", "/v1/train/grpo"),
+    ("post", "/v1/train/opd"),
     ("get", "/v1/train/jobs"),
     ("get", "/v1/train/jobs/{job_id}"),
     ("post", "/v1/train/jobs/{job_id}/cancel"),
     ("get", "/v1/train/jobs/{job_id}/checkpoints"),
     ("get", "/v1/train/jobs/{job_id}/metrics"),
     ("get", "/v1/train/jobs/{job_id}/events"),
+    ("get", "/v1/teachers"),
+    ("post", "/v1/teachers"),
+    ("get", "/v1/teachers/{name}"),
+    ("put", "/v1/teachers/{name}"),
+    ("delete", "/v1/teachers/{name}"),
+    ("get", "/v1/adapters"),
+    ("get", "/v1/adapters/{name}"),
+    ("post", "/v1/adapters/{name}/load"),
+    ("post", "/v1/adapters/{name}/unload"),
+    ("post", "/v1/adapters/{name}/activate"),
+    ("delete", "/v1/adapters/{name}"),
+    ("get", "/v1/promotions"),
+    ("post", "/v1/evals/suites"),
+    ("get", "/v1/evals/suites"),
+    ("get", "/v1/evals/suites/{name}"),
+    ("post", "/v1/evals/runs"),
+    ("get", "/v1/evals/runs"),
+    ("get", "/v1/evals/runs/{run_id}"),
 }
 
 
@@ -86,7 +106,7 @@ def test_openapi_schema_and_docs_need_a_token_or_a_session(ada, client):
     assert response.status_code == 200
     paths = response.json()["paths"]
     assert {(method, path) for path, methods in paths.items() for method in methods} == EXPECTED_OPERATIONS
-    assert "SFTRequest" in response.json()["components"]["schemas"]
+    assert {"SFTRequest", "GRPORequest", "OPDRequest", "TeacherIn"} <= set(response.json()["components"]["schemas"])
     client.force_login(ada)
     assert client.get("/v1/docs").status_code == 200
 

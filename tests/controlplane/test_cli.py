@@ -172,3 +172,68 @@ def test_kiln_worker_refuses_an_unmigrated_database_then_polls_and_stops_on_ctrl
         assert worker.popen.wait(30) == 0
     finally:
         worker.stop(signal.SIGKILL)
+
+
+# -- GRPO, OPD and teacher aliases (the real trainer's admission; nothing is run) --
+
+
+@pytest.mark.django_db(transaction=True)
+def test_train_grpo_sends_a_data_root_file_by_path_and_uploads_others(cli, settings, tmp_path, adapter_name):
+    from .rl_data import GROUPS, write_groups
+
+    inside = write_groups(settings.KILN_DATASETS_DIR / f"{adapter_name}.jsonl")
+    code, out, err = cli("train", "grpo", "--file", inside, "--adapter", adapter_name, "--streaming",
+                         "--checkpoint-interval", "3", "--seed", "4", "--loss-type", "bnpo")
+    assert code == 0, err
+    job = TrainingJob.objects.get(pk=out.split()[1])
+    assert job.kind == "grpo" and job.data_source_kind == "streamed_jsonl"
+    assert job.request == {"dataset_path": inside, "config": {"output_name": adapter_name, "seed": 4,
+                                                              "loss_type": "bnpo", "checkpoint_interval": 3,
+                                                              "streaming": True}}
+    outside = write_groups(tmp_path / "groups.jsonl")
+    code, out, err = cli("train", "grpo", "--file", outside, "--adapter", adapter_name + "-up")
+    assert code == 0, err
+    assert TrainingJob.objects.get(pk=out.split()[1]).request["groups"] == GROUPS
+    code, _, err = cli("train", "grpo", "--file", outside, "--adapter", adapter_name + "-s", "--streaming")
+    assert code == 1 and "put it in a data root" in err
+
+
+@pytest.mark.django_db(transaction=True)
+def test_teacher_add_list_show_and_train_opd_from_a_request_file(cli, tmp_path, adapter_name):
+    from .rl_data import PROMPTS
+
+    code, out, err = cli("teacher", "add", "tutor@native", "--base", "kiln-tiny")
+    assert code == 0, err
+    assert "name      tutor@native" in out and "not yet reconstructed" in out
+    identity = out.split("identity  ")[1].split()[0]
+    code, out, _ = cli("teacher", "list")
+    assert out.startswith("tutor@native") and identity[:12] in out and "kiln-tiny" in out
+    code, _, err = cli("teacher", "add", "tutor@native", "--base", "kiln-tiny")
+    assert code == 1 and "teacher_exists" in err and "--replace" in err
+
+    request = tmp_path / "opd-request.json"
+    request.write_text(json.dumps({"prompts": PROMPTS, "config": {"steps": 3, "max_new_tokens": 4}}))
+    code, out, err = cli("train", "opd", "--file", str(request), "--adapter", adapter_name, "--teacher",
+                         "tutor@native", "--checkpoint-interval", "1")
+    assert code == 0, err
+    job_id = out.split()[1]
+    job = TrainingJob.objects.get(pk=job_id)
+    assert job.kind == "opd" and job.request["config"] == {
+        "steps": 3, "max_new_tokens": 4, "output_name": adapter_name, "teacher": "tutor@native",
+        "checkpoint_interval": 1}
+    code, out, err = cli("train", "status", "--job-id", job_id)
+    assert f"teacher    tutor@native (identity {identity[:16]}, content " in out
+    code, out, _ = cli("teacher", "show", "tutor@native", "--json")
+    assert json.loads(out)["content_revision"] == job.identities["teacher"]["content_revision"]
+
+    prompts = tmp_path / "prompts.jsonl"  # a prompts file rather than a request: uploaded as prompts
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    code, out, err = cli("train", "opd", "--file", str(prompts), "--adapter", adapter_name + "-b", "--teacher",
+                         "tutor@native", "--steps", "2")
+    assert code == 0, err
+    assert TrainingJob.objects.get(pk=out.split()[1]).request["prompts"] == PROMPTS
+    code, _, err = cli("teacher", "delete", "tutor@native")
+    assert code == 1 and "teacher_in_use" in err
+    code, _, err = cli("train", "opd", "--file", str(request), "--adapter", adapter_name + "-c", "--teacher",
+                       "nobody@native")
+    assert code == 1 and "teacher_not_found" in err and "field: config.teacher" in err

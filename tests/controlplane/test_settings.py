@@ -47,7 +47,7 @@ def test_run_settings_from_django_settings(settings, tmp_path):
     settings.KILN_CHECKPOINT_INTERVAL = 25
     built = run_settings()
     assert built == fake_sft.RunSettings(
-        home=settings.KILN_HOME, registry=settings.KILN_HOME / "adapters", bases_root=settings.KILN_HOME / "bases",
+        home=settings.KILN_HOME, registry=settings.KILN_HOME / "adapters", bases_root=settings.KILN_HOME,
         data_roots=(settings.KILN_HOME / "datasets", tmp_path), default_checkpoint_interval=25, backend="cpu")
     assert built.registry.is_dir() and (settings.KILN_HOME / "datasets").is_dir()
 

@@ -79,3 +79,31 @@ def test_cli(replay, capsys):
     help_text = subprocess.run([sys.executable, "-m", "trainer.lineage", "--help"], capture_output=True,
                                text=True).stdout
     assert "does NOT rerun training" in help_text
+
+
+def test_append_reads_only_the_tail_and_continues_the_chain(tmp_path, monkeypatch):
+    from trainer import lineage
+
+    monkeypatch.setattr(lineage, "TAIL_BLOCK", 7)  # records span many blocks
+    path = tmp_path / "replay.jsonl"
+    for i in range(4):
+        append_replay(path, "sft", {"request": {"text": "x" * (50 * i)}, "job": f"job-{i}"})
+    assert verify_replay(path) == 4
+    assert [json.loads(l)["sequence"] for l in lines(path)] == [1, 2, 3, 4]
+
+
+def test_a_torn_last_line_refuses_further_appends(replay):
+    replay.write_bytes(b"".join(lines(replay)) + b'{"schema":"kiln.replay.v1","seq')
+    with pytest.raises(LineageError, match="the last line is not a replay record"):
+        append_replay(replay, "sft", {"job": "job-5"})
+    with pytest.raises(LineageError, match="line 6"):
+        verify_replay(replay)
+
+
+def test_checkpoints_must_follow_their_job(tmp_path, replay):
+    registry = tmp_path / "adapters"
+    first = json.loads(lines(replay)[0])
+    record_lineage(registry, "bot", "request", {"replay_hash": first["hash"], "job_id": "job-0"})
+    record_lineage(registry, "bot", "checkpoint", {"job_id": "job-0", "step": 2})
+    with pytest.raises(LineageError, match="entry 2 \\(checkpoint\\) names job job-0"):
+        verify_lineage(registry, "bot", replay)

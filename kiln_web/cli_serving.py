@@ -1,0 +1,256 @@
+"""`kiln adapter` and `kiln eval`, and the promotion options of `kiln train sft`: all through the HTTP API
+(KILN_URL, KILN_TOKEN), each subcommand one small function calling one endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.parse
+
+TERMINAL_EVALUATION = {"succeeded", "failed"}
+
+
+def _quote(name: str) -> str:
+    return urllib.parse.quote(name, safe="")
+
+
+def _error(command: str, exc) -> int:
+    print(f"kiln {command}: {exc.code}: {exc.message}", file=sys.stderr)
+    if exc.error.get("field"):
+        print(f"  field: {exc.error['field']}", file=sys.stderr)
+    if exc.status == 401:
+        print("  check KILN_TOKEN (create a token with: kiln token create --user NAME)", file=sys.stderr)
+    return 1
+
+
+# -- kiln train sft: promotion --
+
+
+def add_promotion_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--auto-load", action="store_true", help="after success, activate the adapter once its "
+                        "serving canary passes (with a gate: once its evaluation passes too)")
+    parser.add_argument("--gate-suite", metavar="SUITE", help="promotion gate: evaluate on this suite first "
+                        "(needs --auto-load)")
+    parser.add_argument("--gate-min-accuracy", type=float, metavar="A", help="gate: minimum accuracy, 0..1")
+    parser.add_argument("--gate-min-improvement", type=float, metavar="D",
+                        help="gate: minimum accuracy gain over the active adapter (or the base), -1..1")
+
+
+def promotion_fields(args: argparse.Namespace) -> dict:
+    fields = {"auto_load": True} if getattr(args, "auto_load", False) else {}
+    if getattr(args, "gate_suite", None):
+        gate = {"suite": args.gate_suite}
+        if args.gate_min_accuracy is not None:
+            gate["min_accuracy"] = args.gate_min_accuracy
+        if args.gate_min_improvement is not None:
+            gate["min_improvement"] = args.gate_min_improvement
+        fields["gate"] = gate
+    return fields
+
+
+def with_promotion(body_of):
+    """A request builder that also sends the promotion options."""
+    return lambda args: {**body_of(args), **promotion_fields(args)}
+
+
+def print_promotion(job: dict) -> None:
+    promotion = job.get("promotion")
+    if not promotion:
+        return
+    if promotion.get("outcome"):
+        by = f" by {promotion['decided_by']}" if promotion.get("decided_by") else ""
+        print(f"promotion  {promotion['outcome']}{by}: {promotion.get('reason') or ''}")
+    elif promotion.get("auto_load"):
+        print(f"promotion  auto_load{' with a gate' if promotion.get('gate') else ''}: {promotion.get('reason')}")
+    if job.get("evaluation_ids"):
+        print(f"evaluations {', '.join(job['evaluation_ids'])}")
+
+
+# -- kiln adapter --
+
+
+def add_adapter(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="adapter_command", required=True, metavar="ADAPTER_COMMAND")
+    listing = commands.add_parser("list", help="your adapters: snapshot, loaded, active, latest promotion")
+    listing.add_argument("--json", action="store_true")
+    load = commands.add_parser("load", help="load an adapter's PEFT snapshot for serving")
+    load.add_argument("name", metavar="NAME")
+    load.add_argument("--base", help="the base to load it over (default: the one it was trained over)")
+    unload = commands.add_parser("unload", help="stop serving an adapter")
+    unload.add_argument("name", metavar="NAME")
+    activate = commands.add_parser("activate", help="serve a loaded adapter when requests name no model")
+    activate.add_argument("name", metavar="NAME")
+    delete = commands.add_parser("delete", help="delete an idle adapter's checkpoints and PEFT snapshot")
+    delete.add_argument("name", metavar="NAME")
+    delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    promotions = commands.add_parser("promotions", help="the promotion audit trail, newest first")
+    promotions.add_argument("--adapter", help="only this adapter's")
+    promotions.add_argument("--limit", type=int, default=20)
+
+
+def cmd_adapter(args: argparse.Namespace) -> int:
+    from kiln_web.client import ApiError, Client
+
+    command = args.adapter_command
+    try:
+        client = Client()
+        if command == "list":
+            listing = client.request("GET", "/adapters")
+            if args.json:
+                print(json.dumps(listing, indent=2))
+                return 0
+            for item in listing["items"]:
+                state = "active" if item["active"] else "loaded" if item["loaded"] else "idle"
+                promotion = item.get("latest_promotion") or {}
+                print(f"{item['name']:<28} {state:<7} base {item.get('base') or '?':<16} "
+                      f"snapshot {'yes' if item['snapshot'] else 'no ':<4} "
+                      f"{('last promotion ' + promotion['outcome']) if promotion else ''}")
+            return 0
+        if command == "promotions":
+            records = client.request("GET", "/promotions", query={"adapter": args.adapter, "limit": args.limit})
+            for record in records["items"]:
+                evaluation = f" evaluation {record['evaluation']}" if record.get("evaluation") else ""
+                print(f"{record['decided_at']}  {record['adapter']:<24} {record['outcome']:<13} by "
+                      f"{record['decided_by']}{evaluation}: {record['reason']}")
+            return 0
+        path = f"/adapters/{_quote(args.name)}"
+        if command == "load":
+            body = {"base": args.base} if args.base else {}
+            row = client.request("POST", f"{path}/load", body)
+            print(f"loaded {row['adapter']} over {row['base']} (generation {row['generation']}, "
+                  f"sha256 {row['adapter_sha256'][:12]})")
+        elif command == "unload":
+            result = client.request("POST", f"{path}/unload")
+            print(f"unloaded {args.name}" + ("; no adapter is active now" if result["was_active"] else ""))
+        elif command == "activate":
+            record = client.request("POST", f"{path}/activate")
+            previous = f" (was {record['previous_active']})" if record.get("previous_active") else ""
+            print(f"activated {record['adapter']}{previous}")
+        else:
+            if not args.yes:
+                if not sys.stdin.isatty():
+                    print("kiln adapter delete: pass --yes to delete without a prompt", file=sys.stderr)
+                    return 2
+                answer = input(f"delete {args.name}'s checkpoints and PEFT snapshot? [y/N] ")
+                if answer.strip().lower() not in ("y", "yes"):
+                    return 1
+            result = client.request("DELETE", path)
+            print(f"deleted {result['adapter']}: {len(result['checkpoints_removed'])} checkpoint(s), snapshot "
+                  f"{'removed' if result['snapshot_removed'] else 'absent'}")
+        return 0
+    except ApiError as exc:
+        return _error(f"adapter {command}", exc)
+
+
+# -- kiln eval --
+
+
+def add_eval(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="eval_command", required=True, metavar="EVAL_COMMAND")
+    suite = commands.add_parser("suite", help="create, list and show evaluation suites")
+    suites = suite.add_subparsers(dest="suite_command", required=True, metavar="SUITE_COMMAND")
+    create = suites.add_parser("create", help="create a suite from held-out JSONL")
+    create.add_argument("--name", required=True)
+    create.add_argument("--file", required=True, help="JSONL: {prompt | messages, expected, metric?, tolerance?}")
+    create.add_argument("--metric", default="exact", choices=("exact", "contains", "regex", "numeric"),
+                        help="for lines without their own metric (default: %(default)s)")
+    suites.add_parser("list", help="your suites")
+    show = suites.add_parser("show", help="one suite, with its content")
+    show.add_argument("name", metavar="NAME")
+    show.add_argument("--json", action="store_true")
+    run = commands.add_parser("run", help="evaluate an adapter against the active one (or its base)")
+    run.add_argument("--adapter", required=True)
+    run.add_argument("--suite", required=True)
+    run.add_argument("--base", help="the adapter's base (default: the one it was trained over)")
+    run.add_argument("--max-new-tokens", type=int)
+    run.add_argument("--wait", action="store_true", help="follow the run until it ends")
+    status = commands.add_parser("status", help="one evaluation run, per example")
+    status.add_argument("--id", required=True)
+    status.add_argument("--json", action="store_true")
+    listing = commands.add_parser("list", help="evaluation runs, newest first")
+    listing.add_argument("--adapter")
+    listing.add_argument("--limit", type=int, default=20)
+
+
+def _summary(side: dict) -> str:
+    summary = side.get("summary")
+    if not summary:
+        return "-"
+    return f"{summary['correct']}/{summary['total']} ({summary['accuracy']:.3f})"
+
+
+def _print_run(run: dict, examples: bool = False) -> None:
+    print(f"evaluation {run['id']}  {run['status']}  suite {run['suite']} ({run['purpose']})")
+    candidate, baseline = run["candidate"], run["baseline"]
+    print(f"candidate  {candidate['adapter']} over {candidate['base']}: {_summary(candidate)}")
+    print(f"baseline   {baseline['kind']} {baseline['name']}: {_summary(baseline)}"
+          + (f"  ({baseline['note']})" if baseline.get("note") else ""))
+    if run.get("training_job"):
+        print(f"job        {run['training_job']}")
+    if run.get("error"):
+        print(f"error      {run['error']['code']}: {run['error']['message']}")
+    for example in (run.get("examples") or []) if examples else []:
+        mark = lambda ok: "+" if ok else "-"  # noqa: E731
+        print(f"  #{example['index']:<4} {mark(example['candidate']['correct'])}"
+              f"{mark(example['baseline']['correct'])} expected {example['expected']!r} "
+              f"got {example['candidate']['output']!r}")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kiln_web.client import ApiError, Client
+
+    command = args.eval_command if args.eval_command != "suite" else f"suite {args.suite_command}"
+    try:
+        client = Client()
+        if command == "suite create":
+            from pathlib import Path
+
+            path = Path(args.file).expanduser()
+            if not path.is_file():
+                print(f"kiln eval suite create: {args.file} is not a file", file=sys.stderr)
+                return 1
+            suite = client.request("POST", "/evals/suites", {"name": args.name, "content": path.read_text(),
+                                                             "default_metric": args.metric})
+            print(f"created suite {suite['name']}: {suite['example_count']} examples, digest {suite['digest'][:16]}")
+        elif command == "suite list":
+            for suite in client.request("GET", "/evals/suites")["items"]:
+                print(f"{suite['name']:<28} {suite['example_count']:>6} examples  {suite['default_metric']:<8} "
+                      f"{suite['digest'][:16]}")
+        elif command == "suite show":
+            suite = client.request("GET", f"/evals/suites/{_quote(args.name)}")
+            if args.json:
+                print(json.dumps(suite, indent=2))
+            else:
+                print(f"suite {suite['name']} ({suite['example_count']} examples, {suite['default_metric']}, "
+                      f"digest {suite['digest']})")
+                print(suite["content"], end="" if suite["content"].endswith("\n") else "\n")
+        elif command == "run":
+            body = {"adapter": args.adapter, "suite": args.suite}
+            if args.base:
+                body["base"] = args.base
+            if args.max_new_tokens:
+                body["max_new_tokens"] = args.max_new_tokens
+            run = client.request("POST", "/evals/runs", body)
+            print(f"evaluation {run['id']} {run['status']}", flush=True)
+            if args.wait:
+                while run["status"] not in TERMINAL_EVALUATION:
+                    time.sleep(1.0)
+                    run = client.request("GET", f"/evals/runs/{run['id']}")
+                _print_run(run)
+                return 0 if run["status"] == "succeeded" else 1
+        elif command == "status":
+            run = client.request("GET", f"/evals/runs/{_quote(args.id)}")
+            if args.json:
+                print(json.dumps(run, indent=2))
+            else:
+                _print_run(run, examples=True)
+        else:
+            listing = client.request("GET", "/evals/runs", query={"adapter": args.adapter, "limit": args.limit})
+            for run in listing["items"]:
+                print(f"{run['id']}  {run['status']:<9} {run['candidate']['adapter']:<24} {run['suite']:<20} "
+                      f"{_summary(run['candidate'])} vs {_summary(run['baseline'])}")
+        return 0
+    except ApiError as exc:
+        return _error(f"eval {command}", exc)

@@ -1,0 +1,174 @@
+"""Every change to suites and evaluation runs, one function each, used by the API, the CLI, promotion
+and the workers.
+
+A run's claim is a conditional UPDATE (queued -> running) that exactly one worker wins; its end
+is written on a locked row, and kiln_web.evals.signals.evaluation_finished goes out after the
+commit. A run that cannot be handed to a worker fails at once (broker_unavailable), so a gate
+waiting on it decides "unavailable" instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from kiln_web.core.http import ActionRefused
+from kiln_web.evals import runtime, signals
+from kiln_web.evals.models import (BaselineKind, EvalExampleResult, EvalPurpose, EvalRun, EvalStatus, EvalSuite,
+                                   Metric)
+
+logger = logging.getLogger("kiln.evals")
+
+SUITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+MAX_NEW_TOKENS = 64  # per example: evaluation answers are short
+
+
+# -- suites --
+
+
+def do_create_suite(user, name: str, content: str, default_metric: str = Metric.EXACT) -> EvalSuite:
+    """Parse CONTENT (held-out JSONL) and store it; a suite never changes afterwards, so a digest names it."""
+    if not isinstance(name, str) or not SUITE_NAME.match(name):
+        raise ActionRefused(400, "invalid_request", f"{name!r} is not a suite name (letters, digits, '.', '_', '-'; "
+                                                    "at most 100)", field="name")
+    if default_metric not in Metric.values:
+        raise ActionRefused(400, "invalid_request", f"default_metric must be one of {', '.join(Metric.values)}",
+                            field="default_metric")
+    try:
+        suite = runtime.parse(name, content, default_metric)
+    except runtime.SuiteError as error:
+        raise ActionRefused(400, "invalid_suite", str(error), field="content") from None
+    with transaction.atomic():
+        if EvalSuite.objects.filter(name=name).exists():
+            raise ActionRefused(409, "suite_exists", f"a suite named {name!r} exists; suites do not change, so "
+                                                     "create one under a new name")
+        return EvalSuite.objects.create(name=name, owner=user, content=content, digest=suite.digest,
+                                        default_metric=default_metric, example_count=len(suite.examples))
+
+
+def visible_suites(user):
+    suites = EvalSuite.objects.select_related("owner")
+    return suites if user.is_staff else suites.filter(owner=user)
+
+
+def suite_for(user, name: str) -> EvalSuite:
+    suite = visible_suites(user).filter(name=name).first()
+    if suite is None:
+        raise ActionRefused(404, "suite_not_found", f"no evaluation suite named {name!r} (or it belongs to someone "
+                                                    "else); GET /v1/evals/suites lists yours")
+    return suite
+
+
+# -- runs --
+
+
+def _baseline(candidate: str, candidate_base: str) -> dict:
+    """The adapter serving now, or the candidate's base when none is (or the candidate itself is active)."""
+    from kiln_web.serving.models import ServedAdapter
+
+    active = ServedAdapter.objects.filter(active=True).select_related("adapter").first()
+    if active is not None and active.adapter.name != candidate:
+        return {"baseline_kind": BaselineKind.ADAPTER, "baseline": active.adapter.name, "baseline_base": active.base,
+                "baseline_sha256": active.adapter_sha256}
+    note = ("no adapter is active" if active is None else
+            f"the active adapter is {candidate!r} itself, whose snapshot the new run has replaced")
+    return {"baseline_kind": BaselineKind.BASE, "baseline": candidate_base, "baseline_base": candidate_base,
+            "baseline_note": f"{note}: compared with the base"}
+
+
+def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None = None, training_job=None,
+                          purpose: str = EvalPurpose.MANUAL, max_new_tokens: int = MAX_NEW_TOKENS) -> EvalRun:
+    """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot) against the active adapter, or
+    its base, on SUITE; a worker runs it (Celery with REDIS_URL, else the embedded worker)."""
+    from kiln_web.serving import actions as serving_actions
+    from kiln_web.serving import runtime as serving_runtime
+
+    adapter = serving_actions.adapter_for(user, candidate)
+    if not serving_runtime.has_snapshot(candidate):
+        raise ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
+                                                      "training run publishes one when it succeeds")
+    suite_row = suite_for(user, suite)
+    candidate_base = base or serving_actions.adapter_base(adapter)
+    if candidate_base is None or not serving_runtime.is_base(candidate_base):
+        raise ActionRefused(400, "base_not_found", f"cannot evaluate {candidate!r}: base {candidate_base!r} is not "
+                                                   "registered; name one (base)")
+    with transaction.atomic():
+        run = EvalRun.objects.create(owner=user, suite=suite_row, suite_digest=suite_row.digest, candidate=adapter,
+                                     candidate_base=candidate_base, training_job=training_job, purpose=purpose,
+                                     max_new_tokens=max_new_tokens, **_baseline(candidate, candidate_base))
+        run_id = run.pk
+        transaction.on_commit(lambda: enqueue_evaluation(run_id))
+    return run
+
+
+def enqueue_evaluation(run_id) -> None:
+    """Hand a committed queued run to a worker; a broker that cannot be reached fails the run at once."""
+    if settings.KILN_EMBEDDED_WORKER:
+        from kiln_web.jobs.worker import wake_embedded_workers
+
+        wake_embedded_workers()
+        return
+    from kiln_web.evals.tasks import run_evaluation
+
+    try:
+        run_evaluation.apply_async(args=[str(run_id)])
+    except Exception as exc:  # noqa: BLE001 (any broker failure)
+        logger.exception("could not send evaluation %s to the broker", run_id)
+        do_fail_unclaimed(run_id, "broker_unavailable", f"could not reach the broker ({exc}); check REDIS_URL and "
+                                                        "that a `celery -A kiln_web worker -Q training` runs")
+
+
+def do_claim_evaluation(run_id, worker_id: str) -> bool:
+    changed = EvalRun.objects.filter(pk=run_id, status=EvalStatus.QUEUED).update(
+        status=EvalStatus.RUNNING, worker_id=worker_id, started_at=timezone.now())
+    return changed == 1
+
+
+def _finished(run_id) -> None:
+    transaction.on_commit(lambda: signals.evaluation_finished.send_robust(sender=EvalRun, run_id=run_id))
+
+
+def do_fail_unclaimed(run_id, code: str, message: str) -> bool:
+    """queued -> failed for a run no worker can get."""
+    with transaction.atomic():
+        changed = EvalRun.objects.filter(pk=run_id, status=EvalStatus.QUEUED).update(
+            status=EvalStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now())
+        if changed == 1:
+            _finished(run_id)
+    return changed == 1
+
+
+def do_finish_evaluation(run_id, worker_id: str, comparison=None, *, error_code: str = "",
+                         error_message: str = "") -> bool:
+    """running -> succeeded (with the comparison's summaries and per-example results) or failed."""
+    with transaction.atomic():
+        run = EvalRun.objects.select_for_update().get(pk=run_id)
+        if run.worker_id != worker_id or run.status != EvalStatus.RUNNING:
+            return False
+        run.finished_at = timezone.now()
+        if comparison is None:
+            run.status, run.error_code, run.error_message = EvalStatus.FAILED, error_code, error_message
+            run.save(update_fields=["status", "error_code", "error_message", "finished_at"])
+        else:
+            run.status = EvalStatus.SUCCEEDED
+            run.candidate_summary = comparison.candidate.summary()
+            run.baseline_summary = comparison.baseline.summary()
+            run.candidate_sha256 = comparison.candidate_sha256
+            run.save(update_fields=["status", "candidate_summary", "baseline_summary", "candidate_sha256",
+                                    "finished_at"])
+            EvalExampleResult.objects.bulk_create(
+                EvalExampleResult(run=run, index=ours["index"], expected=ours["expected"], metric=ours["metric"],
+                                  candidate_output=ours["output"], candidate_correct=ours["correct"],
+                                  baseline_output=theirs["output"], baseline_correct=theirs["correct"])
+                for ours, theirs in zip(comparison.candidate.examples, comparison.baseline.examples))
+        _finished(run.pk)
+    return True
+
+
+def visible_runs(user):
+    runs = EvalRun.objects.select_related("owner", "suite", "candidate")
+    return runs if user.is_staff else runs.filter(owner=user)

@@ -1,0 +1,61 @@
+"""The one place kiln_web.evals reaches the trainer: suite parsing, scoring and the gate decision.
+
+Models are loaded in a scratch serving pool (kiln_web.serving.runtime), one at a time, so
+an evaluation holds at most one model beside the pool's bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.evals import SuiteError, evaluate, gate_decision, parse_suite  # noqa: F401 (SuiteError, gate_decision: for the app)
+
+from kiln_web.serving import runtime as serving_runtime
+from kiln_web.serving.runtime import ServingError
+
+
+class EvaluationError(Exception):
+    """The evaluation cannot run; `code` is machine-readable."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class Comparison:
+    candidate: object  # trainer.evals.EvalResult
+    baseline: object
+    candidate_sha256: str
+
+
+def parse(name: str, content: str, default_metric: str):
+    """The parsed Suite; SuiteError names the line at fault."""
+    return parse_suite(name, content, default_metric=default_metric)
+
+
+def compare(suite, *, candidate: str, candidate_base: str, baseline_kind: str, baseline: str, baseline_base: str,
+            baseline_sha256: str = "", max_new_tokens: int = 64, progress=None) -> Comparison:
+    """Greedy completions of every example by the candidate adapter, then by the baseline."""
+    total = 2 * len(suite.examples)
+    try:
+        with serving_runtime.scratch_pool() as pool:
+            sha = serving_runtime.snapshot_sha256(candidate)
+            served = pool.load_adapter(candidate, candidate_base)
+            if serving_runtime.snapshot_sha256(candidate) != sha:
+                raise EvaluationError("adapter_changed", f"the snapshot of {candidate!r} changed while loading")
+            report = (lambda done, _: progress(done, total)) if progress else None
+            ours = evaluate(served.model, served.tokenizer, suite, max_new_tokens=max_new_tokens, progress=report)
+            pool.unload(candidate)
+            if baseline_kind == "adapter":
+                if serving_runtime.snapshot_sha256(baseline) != baseline_sha256:
+                    raise EvaluationError("baseline_changed", f"the snapshot of the baseline {baseline!r} is no longer "
+                                                              "the one that was serving when the evaluation was queued")
+                served = pool.load_adapter(baseline, baseline_base)
+            else:
+                served = pool.resolve(baseline)
+            report = (lambda done, _: progress(len(suite.examples) + done, total)) if progress else None
+            theirs = evaluate(served.model, served.tokenizer, suite, max_new_tokens=max_new_tokens, progress=report)
+    except ServingError as error:
+        raise EvaluationError(error.code, error.message) from None
+    return Comparison(candidate=ours, baseline=theirs, candidate_sha256=sha)

@@ -1,0 +1,97 @@
+"""Request and response shapes of the evaluation API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from ninja import Schema
+from pydantic import ConfigDict, Field
+
+
+class Strict(Schema):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SuiteIn(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+    content: str = Field(min_length=1, description="JSONL: {prompt | messages, expected, metric?, tolerance?} per "
+                                                   "line")
+    default_metric: Literal["exact", "contains", "regex", "numeric"] = Field(
+        "exact", description="for lines without their own metric")
+
+
+class SuiteOut(Schema):
+    name: str
+    owner: str
+    digest: str
+    default_metric: str
+    example_count: int
+    created_at: datetime
+    content: str | None = None
+
+
+class SuiteListOut(Schema):
+    items: list[SuiteOut]
+
+
+class RunIn(Strict):
+    adapter: str = Field(min_length=1, description="the candidate: an adapter with a PEFT snapshot")
+    suite: str = Field(min_length=1)
+    base: str | None = Field(None, min_length=1, description="absent: the base the adapter was trained over")
+    max_new_tokens: int = Field(64, ge=1, le=4096, description="greedy tokens per example")
+
+
+class Summary(Schema):
+    suite: str
+    suite_digest: str
+    correct: int
+    total: int
+    accuracy: float
+
+
+class CandidateOut(Schema):
+    adapter: str
+    base: str
+    adapter_sha256: str | None = Field(description="the snapshot evaluated")
+    summary: Summary | None
+
+
+class BaselineOut(Schema):
+    kind: Literal["adapter", "base"] = Field(description="the adapter active when the run was queued, or the "
+                                                         "candidate's base")
+    name: str
+    base: str
+    adapter_sha256: str | None
+    note: str | None = Field(description="why the base was the baseline")
+    summary: Summary | None
+
+
+class RunError(Schema):
+    code: str
+    message: str
+
+
+class RunOut(Schema):
+    id: str
+    owner: str
+    suite: str
+    suite_digest: str
+    candidate: CandidateOut
+    baseline: BaselineOut
+    training_job: str | None = Field(description="the training job whose promotion gate asked for this run")
+    purpose: Literal["manual", "gate"]
+    max_new_tokens: int
+    status: Literal["queued", "running", "succeeded", "failed"]
+    error: RunError | None
+    worker_id: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    examples: list[dict[str, Any]] | None = Field(None, description="per example: index, expected, metric, and "
+                                                                    "each side's output and correctness")
+
+
+class RunListOut(Schema):
+    items: list[RunOut]
+    count: int

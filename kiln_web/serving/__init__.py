@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible completions API, the adapter lifecycle and promotion."""

@@ -1,0 +1,239 @@
+"""Every change to what is served, one function each, shared by the API, the CLI, the dashboard and promotion.
+
+The ServedAdapter rows are the authority (kiln_web.serving.models); a change is written in a
+transaction on locked rows, then this process's pool is brought in step. Loading through
+the API loads in this process first, so an adapter that does not fit its base is refused
+before any row says it is served.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from django.db import transaction
+from django.utils import timezone
+
+from kiln_web.adapters.models import Adapter
+from kiln_web.core.http import ActionRefused
+from kiln_web.serving import runtime
+from kiln_web.serving.models import PromotionOutcome, PromotionRecord, ServedAdapter
+from kiln_web.serving.runtime import ServingError
+
+logger = logging.getLogger("kiln.serving")
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+ERROR_STATUS = {"adapter_not_found": 404, "model_not_found": 400, "adapter_incompatible": 409,
+                "adapter_not_loaded": 409}
+
+
+def _refusal(error: ServingError) -> ActionRefused:
+    code = "base_not_found" if error.code == "model_not_found" else error.code
+    return ActionRefused(ERROR_STATUS.get(error.code, 400), code, error.message)
+
+
+def adapter_for(user, name: str) -> Adapter:
+    """The adapter USER may change: theirs, or anyone's for staff. A PEFT snapshot in the registry that no
+    run has claimed is registered to the first person who acts on it."""
+    if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+        raise ActionRefused(400, "invalid_request", f"{name!r} is not an adapter name (letters, digits, '.', '_', "
+                                                    "'-'; at most 100)")
+    adapter = Adapter.objects.select_related("owner").filter(name=name).first()
+    if adapter is None:
+        if not runtime.has_snapshot(name):
+            raise ActionRefused(404, "adapter_not_found", f"no adapter named {name!r}; GET /v1/adapters lists them")
+        adapter, _ = Adapter.objects.get_or_create(name=name, defaults={"owner": user})
+    if adapter.owner_id != user.pk and not user.is_staff:
+        raise ActionRefused(403, "adapter_not_yours", f"the adapter {name!r} belongs to another user")
+    return adapter
+
+
+def job_base(job) -> str | None:
+    """The base a training job ran over: its effective base_model, else what the adapter's snapshot names,
+    else the base identity's name."""
+    config = job.effective_config if isinstance(job.effective_config, dict) else {}
+    identity = (job.identities or {}).get("base") if isinstance(job.identities, dict) else None
+    for base in (config.get("base_model"), runtime.snapshot_base(job.adapter.name), (identity or {}).get("name")):
+        if isinstance(base, str) and base:
+            return base
+    return None
+
+
+def adapter_base(adapter: Adapter) -> str | None:
+    """The base an adapter was trained over: its newest succeeded job's, else what its snapshot names."""
+    from kiln_web.jobs.models import JobStatus
+
+    job = adapter.jobs.filter(status=JobStatus.SUCCEEDED).order_by("-finished_at").first()
+    if job is not None:
+        return job_base(job)
+    return runtime.snapshot_base(adapter.name)
+
+
+def _base_for(adapter: Adapter, base: str | None) -> str:
+    base = base or adapter_base(adapter)
+    if base is None:
+        raise ActionRefused(400, "base_required", f"cannot tell which base {adapter.name!r} was trained over; "
+                                                  "name it (base)")
+    if not runtime.is_base(base):
+        raise ActionRefused(400, "base_not_found", f"no registered base named {base!r}; kiln base list shows them")
+    return base
+
+
+def _in_step() -> None:
+    """Bring this process's pool in step with the rows, if this process serves at all."""
+    serving = runtime.started()
+    if serving is not None:
+        serving.reconcile(runtime.wanted_adapters())
+
+
+def _record_load(adapter: Adapter, base: str, sha: str, loaded_by: str) -> ServedAdapter:
+    """Create or renew the adapter's row (a new generation makes every process reload it)."""
+    row = ServedAdapter.objects.select_for_update().filter(adapter=adapter).first()
+    if row is None:
+        return ServedAdapter.objects.create(adapter=adapter, base=base, adapter_sha256=sha, loaded_by=loaded_by)
+    row.base, row.adapter_sha256, row.loaded_by, row.loaded_at = base, sha, loaded_by, timezone.now()
+    row.generation += 1
+    row.save(update_fields=["base", "adapter_sha256", "loaded_by", "loaded_at", "generation"])
+    return row
+
+
+def do_load_adapter(user, name: str, base: str | None = None) -> ServedAdapter:
+    """Load the adapter's PEFT snapshot over its base here, then record that every process serves it."""
+    adapter = adapter_for(user, name)
+    base = _base_for(adapter, base)
+    serving = runtime.serving()
+    with serving.exclusive():
+        try:
+            sha = serving.load_now(name, base)
+        except ServingError as error:
+            raise _refusal(error) from None
+        try:
+            with transaction.atomic():
+                adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+                if runtime.snapshot_sha256(name) != sha:
+                    raise ActionRefused(409, "adapter_changed", f"the snapshot of {name!r} changed while it loaded; "
+                                                                "load it again")
+                row = _record_load(adapter, base, sha, user.get_username())
+            serving.mark_loaded(name, row.generation, sha)
+        except BaseException:
+            serving.reconcile(runtime.wanted_adapters())  # drop what was loaded but not recorded
+            raise
+    return row
+
+
+def do_unload_adapter(user, name: str) -> bool:
+    """Stop serving the adapter everywhere; returns whether it was the active one (no adapter is then)."""
+    adapter = adapter_for(user, name)
+    with transaction.atomic():
+        row = ServedAdapter.objects.select_for_update().filter(adapter=adapter).first()
+        if row is None:
+            raise ActionRefused(409, "adapter_not_loaded", f"the adapter {name!r} is not loaded")
+        was_active = row.active
+        row.delete()
+    _in_step()
+    return was_active
+
+
+def _activate(row: ServedAdapter, *, decided_by: str, reason: str, user=None, job=None,
+              evaluation=None) -> PromotionRecord:
+    """Make ROW the active adapter and record the promotion (inside the caller's transaction)."""
+    previous = ServedAdapter.objects.select_for_update().filter(active=True).exclude(pk=row.pk).first()
+    if previous is not None:
+        previous.active = False
+        previous.save(update_fields=["active"])
+    row.active, row.activated_at = True, timezone.now()
+    row.save(update_fields=["active", "activated_at"])
+    return PromotionRecord.objects.create(
+        adapter=row.adapter, job=job, evaluation=evaluation, outcome=PromotionOutcome.PROMOTED, reason=reason,
+        decided_by=decided_by, user=user, adapter_sha256=row.adapter_sha256,
+        previous_active=previous.adapter.name if previous is not None else "")
+
+
+def do_activate_adapter(user, name: str) -> PromotionRecord:
+    """Serve this loaded adapter when a request names no model; a person's promotion, recorded."""
+    adapter = adapter_for(user, name)
+    with transaction.atomic():
+        row = ServedAdapter.objects.select_for_update().select_related("adapter").filter(adapter=adapter).first()
+        if row is None:
+            raise ActionRefused(409, "adapter_not_loaded", f"load the adapter {name!r} before activating it "
+                                                           f"(POST /v1/adapters/{name}/load)")
+        record = _activate(row, decided_by=user.get_username(), user=user,
+                           reason=f"activated by {user.get_username()}")
+    _in_step()
+    return record
+
+
+def do_promote(adapter: Adapter, base: str, sha: str, *, decided_by: str, reason: str, job=None,
+               evaluation=None) -> PromotionRecord:
+    """Load and activate an adapter whose canary passed (promotion by a gate or auto_load). The web
+    processes load it when they next serve; the snapshot must still be the one the canary ran."""
+    with transaction.atomic():
+        adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+        if runtime.snapshot_sha256(adapter.name) != sha:
+            raise ServingError("adapter_changed", f"the snapshot of {adapter.name!r} changed after its canary ran")
+        row = _record_load(adapter, base, sha, decided_by)
+        record = _activate(row, decided_by=decided_by, reason=reason, job=job, evaluation=evaluation)
+    return record
+
+
+def do_record_promotion(adapter: Adapter, outcome: str, reason: str, *, decided_by: str, job=None,
+                        evaluation=None, sha: str = "") -> PromotionRecord:
+    """Record a decision that left the adapter unpromoted (the active adapter is unchanged)."""
+    active = ServedAdapter.objects.filter(active=True).select_related("adapter").first()
+    return PromotionRecord.objects.create(adapter=adapter, job=job, evaluation=evaluation, outcome=outcome,
+                                          reason=reason, decided_by=decided_by, adapter_sha256=sha,
+                                          previous_active=active.adapter.name if active is not None else "")
+
+
+def do_delete_adapter(user, name: str) -> dict:
+    """Delete an idle adapter's files: its checkpoint directories (its exact prefix only) and its PEFT
+    snapshot. Refused while it is loaded or active, trained, or evaluated. The Adapter row stays as the
+    history its jobs refer to."""
+    from kiln_web.evals.models import EvalRun, EvalStatus
+    from kiln_web.jobs.models import ACTIVE_STATUSES
+
+    adapter = adapter_for(user, name)
+    _in_step()
+    with transaction.atomic():
+        adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+        row = ServedAdapter.objects.filter(adapter=adapter).first()
+        if row is not None:
+            state = "active" if row.active else "loaded"
+            raise ActionRefused(409, f"adapter_{state}", f"the adapter {name!r} is {state}; unload it first "
+                                                         f"(POST /v1/adapters/{name}/unload), then delete it")
+        serving = runtime.started()
+        if serving is not None and name in serving.loaded_here():
+            raise ActionRefused(409, "adapter_loaded", f"the adapter {name!r} is still loaded in this process; "
+                                                       "try again in a moment")
+        job = adapter.jobs.filter(status__in=ACTIVE_STATUSES).first()
+        if job is not None:
+            raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} has a {job.status} training job "
+                                                     f"({job.pk}); wait for it or cancel it first", job_id=str(job.pk))
+        busy = EvalRun.objects.filter(candidate=adapter, status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING)).first()
+        if busy is not None:
+            raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is being evaluated ({busy.pk}); "
+                                                     "wait for the evaluation to end", evaluation_id=str(busy.pk))
+        checkpoints = runtime.delete_checkpoints(name)
+        snapshot = runtime.remove_snapshot(name)
+    logger.info("deleted adapter %s: %d checkpoint(s), snapshot %s", name, len(checkpoints), snapshot or "absent")
+    return {"adapter": name, "checkpoints_removed": checkpoints, "snapshot_removed": snapshot}
+
+
+# -- reading --
+
+
+def adapter_view(adapter: Adapter, rows: dict) -> dict:
+    row = rows.get(adapter.pk)
+    latest = adapter.promotions.order_by("-decided_at", "-id").first()
+    serving = runtime.started()
+    return {"name": adapter.name, "owner": adapter.owner.get_username(), "base": adapter_base(adapter),
+            "snapshot": runtime.has_snapshot(adapter.name), "loaded": row is not None,
+            "active": bool(row and row.active), "serving": row.to_dict() if row is not None else None,
+            "loaded_here": bool(serving and adapter.name in serving.loaded_here()),
+            "checkpoint_records": adapter.checkpoints.count(),
+            "latest_promotion": latest.to_dict() if latest is not None else None, "created_at": adapter.created_at}
+
+
+def visible_adapters(user):
+    adapters = Adapter.objects.select_related("owner").order_by("name")
+    return adapters if user.is_staff else adapters.filter(owner=user)

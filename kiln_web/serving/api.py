@@ -1,0 +1,109 @@
+"""/v1/adapters/: list, load, unload, activate and delete adapters; /v1/promotions/: the audit trail.
+
+Each view parses, authorises (the token, then ownership: an adapter's owner or staff), calls
+one action and responds. The OpenAI-compatible completions live in kiln_web.serving.views.
+"""
+
+from django.http import HttpRequest
+from ninja import Query, Router, Schema
+from pydantic import Field
+
+from kiln_web.core.http import ActionRefused, error_response
+from kiln_web.serving import actions
+from kiln_web.serving.models import PromotionRecord, ServedAdapter
+from kiln_web.serving.schemas import (AdapterListOut, AdapterOut, DeleteOut, ErrorShape, LoadIn, PromotionListOut,
+                                     PromotionOut, ServedOut, UnloadOut)
+
+router = Router(tags=["adapters"])
+promotions_router = Router(tags=["adapters"])
+
+REFUSALS = {400: ErrorShape, 401: ErrorShape, 403: ErrorShape, 404: ErrorShape, 409: ErrorShape}
+
+
+def _refused(exc: ActionRefused):
+    return error_response(exc.status, exc.code, exc.message, **exc.extra)
+
+
+def _rows() -> dict:
+    return {row.adapter_id: row for row in ServedAdapter.objects.select_related("adapter")}
+
+
+@router.get("", response={200: AdapterListOut, **REFUSALS}, summary="Your adapters and what is served",
+            operation_id="list_adapters")
+def list_adapters(request: HttpRequest):
+    rows = _rows()
+    active = next((row.adapter.name for row in rows.values() if row.active), None)
+    return {"items": [actions.adapter_view(adapter, rows) for adapter in actions.visible_adapters(request.auth)],
+            "active": active}
+
+
+@router.get("/{name}", response={200: AdapterOut, **REFUSALS}, summary="One adapter", operation_id="get_adapter")
+def get_adapter(request: HttpRequest, name: str):
+    try:
+        adapter = actions.adapter_for(request.auth, name)
+    except ActionRefused as exc:
+        return _refused(exc)
+    return actions.adapter_view(adapter, _rows())
+
+
+@router.post("/{name}/load", response={200: ServedOut, **REFUSALS}, summary="Load an adapter for serving",
+             operation_id="load_adapter")
+def load_adapter(request: HttpRequest, name: str, payload: LoadIn = None):
+    """Loads the adapter's PEFT snapshot over its base (the one it was trained over, or `base`) in this
+    process, then records it so that every web process serves it. Loading again reloads the snapshot."""
+    try:
+        row = actions.do_load_adapter(request.auth, name, base=payload.base if payload else None)
+    except ActionRefused as exc:
+        return _refused(exc)
+    return row.to_dict()
+
+
+@router.post("/{name}/unload", response={200: UnloadOut, **REFUSALS}, summary="Stop serving an adapter",
+             operation_id="unload_adapter")
+def unload_adapter(request: HttpRequest, name: str):
+    """Unloading the active adapter leaves no adapter active: requests must then name a model."""
+    try:
+        was_active = actions.do_unload_adapter(request.auth, name)
+    except ActionRefused as exc:
+        return _refused(exc)
+    return {"adapter": name, "was_active": was_active}
+
+
+@router.post("/{name}/activate", response={200: PromotionOut, **REFUSALS},
+             summary="Serve a loaded adapter by default", operation_id="activate_adapter")
+def activate_adapter(request: HttpRequest, name: str):
+    """The adapter answers requests that name no model; recorded as a promotion by you."""
+    try:
+        record = actions.do_activate_adapter(request.auth, name)
+    except ActionRefused as exc:
+        return _refused(exc)
+    return record.to_dict()
+
+
+@router.delete("/{name}", response={200: DeleteOut, **REFUSALS}, summary="Delete an idle adapter's files",
+               operation_id="delete_adapter")
+def delete_adapter(request: HttpRequest, name: str):
+    """Removes its checkpoint directories (exactly its own prefix) and its PEFT snapshot. Refused (409)
+    while it is loaded or active (unload it first), trained or evaluated. Kiln never prunes on a timer."""
+    try:
+        return actions.do_delete_adapter(request.auth, name)
+    except ActionRefused as exc:
+        return _refused(exc)
+
+
+class PromotionFilter(Schema):
+    adapter: str | None = Field(None, description="only this adapter's promotions")
+    limit: int = Field(50, ge=1, le=500)
+
+
+@promotions_router.get("", response={200: PromotionListOut, **REFUSALS}, summary="Promotion decisions, newest first",
+                       operation_id="list_promotions")
+def list_promotions(request: HttpRequest, filters: Query[PromotionFilter]):
+    """Which adapter, which evaluation, the outcome and why, when, and who decided (a person, 'gate' or
+    'auto_load'). You see your adapters' decisions; staff see all."""
+    records = PromotionRecord.objects.select_related("adapter")
+    if not request.auth.is_staff:
+        records = records.filter(adapter__owner=request.auth)
+    if filters.adapter:
+        records = records.filter(adapter__name=filters.adapter)
+    return {"items": [record.to_dict() for record in records[:filters.limit]]}

@@ -1,0 +1,268 @@
+"""The one place kiln_web.serving reaches the trainer: this process's serving pool, kept in step
+with the database's ServedAdapter rows, scratch pools for canaries and evaluations, and the
+PEFT snapshots in the adapter registry.
+
+One ServingRuntime per process, created on first use from the settings: the pool, the
+threads completions run on, and what this process has loaded. `reconcile()` makes the pool
+match the rows (load, reload on a new generation, unload, activate); a snapshot whose bytes
+differ from what was recorded when it was loaded is refused, never served in its place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+from trainer.bases import check_name, list_bases, show_base
+from trainer.generation import SamplingConfig  # noqa: F401  (re-exported for the views)
+from trainer.serving import ServingError, ServingPool
+
+SNAPSHOT_CONFIG = "adapter_config.json"
+SNAPSHOT_WEIGHTS = "adapter_model.safetensors"
+HEX12 = "[0-9a-f]{12}"
+
+
+@dataclass(frozen=True)
+class WantedAdapter:
+    """One ServedAdapter row, as a process reconciles against it."""
+
+    name: str
+    base: str
+    generation: int
+    sha256: str
+    active: bool
+
+
+def wanted_adapters() -> tuple:
+    """The ServedAdapter rows (a database read: call it from synchronous code)."""
+    from kiln_web.serving.models import ServedAdapter
+
+    return tuple(WantedAdapter(row.adapter.name, row.base, row.generation, row.adapter_sha256, row.active)
+                 for row in ServedAdapter.objects.select_related("adapter").order_by("adapter__name"))
+
+
+# -- the adapter registry's PEFT snapshots --
+
+
+def registry() -> Path:
+    return Path(settings.KILN_ADAPTERS_DIR)
+
+
+def snapshot_path(name: str) -> Path:
+    return registry() / name
+
+
+def has_snapshot(name: str) -> bool:
+    return (snapshot_path(name) / SNAPSHOT_CONFIG).is_file()
+
+
+def snapshot_sha256(name: str) -> str:
+    """SHA-256 of the snapshot's weights; ServingError adapter_not_found when there is none."""
+    path = snapshot_path(name) / SNAPSHOT_WEIGHTS
+    if not has_snapshot(name) or not path.is_file():
+        raise ServingError("adapter_not_found", f"no PEFT snapshot for adapter {name!r} in {registry()}; "
+                                                "a training run publishes one when it succeeds")
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def snapshot_base(name: str) -> str | None:
+    """The base_model_name_or_path the snapshot's adapter_config.json names, if any."""
+    import json
+
+    try:
+        value = json.loads((snapshot_path(name) / SNAPSHOT_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def remove_snapshot(name: str) -> list[str]:
+    """Remove the snapshot `registry/name` and orphaned staging or retired copies of it; their names."""
+    removed = []
+    pattern = re.compile(rf"^\.(?:staging-final|retired)-{re.escape(name)}-{HEX12}$")
+    candidates = [snapshot_path(name)] + [p for p in registry().iterdir() if pattern.match(p.name)]
+    for path in candidates:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            continue
+        removed.append(path.name)
+    return removed
+
+
+def delete_checkpoints(name: str) -> list[str]:
+    """Remove the adapter's own `.kiln-checkpoint` directories (its exact prefix); their names."""
+    from kiln_web.jobs import runtime as jobs_runtime
+
+    return [path.name for path in jobs_runtime.checkpoint_module().delete_adapter_checkpoints(registry(), name)]
+
+
+# -- bases --
+
+
+def base_names() -> list[str]:
+    return [info.name for info in list_bases(settings.KILN_HOME)]
+
+
+def is_base(name: str) -> bool:
+    try:
+        check_name(name)
+        show_base(name, settings.KILN_HOME)
+    except (ValueError, LookupError):
+        return False
+    return True
+
+
+# -- pools --
+
+
+@contextmanager
+def scratch_pool():
+    """A pool of this call's own (canaries, evaluations), closed afterwards."""
+    pool = ServingPool(settings.KILN_HOME, registry())
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def canary(adapter: str, base: str) -> tuple[bool, str, str]:
+    """(passed, reason, adapter_sha256): load the snapshot over BASE in a scratch pool and run the
+    serving canary (it generates, and its log-probabilities are finite)."""
+    try:
+        sha = snapshot_sha256(adapter)
+    except ServingError as error:
+        return False, error.message, ""
+    with scratch_pool() as pool:
+        try:
+            pool.load_adapter(adapter, base)
+        except ServingError as error:
+            return False, f"{error.code}: {error.message}", sha
+        passed, reason = pool.canary(adapter)
+    return passed, reason, sha
+
+
+class ServingRuntime:
+    def __init__(self, home: Path, adapters: Path, threads: int):
+        self.pool = ServingPool(home, adapters)
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kiln-serving")
+        self._lock = threading.RLock()  # one load, unload or reconcile at a time
+        self._loaded = {}  # name -> (generation, sha256) this process holds
+        self._refused = {}  # name -> (generation, ServingError): not retried until the generation changes
+        self._synced = None  # the wanted state last reconciled
+
+    @contextmanager
+    def exclusive(self):
+        with self._lock:
+            yield
+
+    def _load(self, wanted: WantedAdapter) -> None:
+        if snapshot_sha256(wanted.name) != wanted.sha256:
+            raise ServingError("adapter_changed", f"the snapshot of {wanted.name!r} changed since it was loaded "
+                                                  "(a newer run published over it); load it again to serve it")
+        self.pool.load_adapter(wanted.name, wanted.base)
+        if snapshot_sha256(wanted.name) != wanted.sha256:  # replaced while it was being read
+            self.pool.unload(wanted.name)
+            raise ServingError("adapter_changed", f"the snapshot of {wanted.name!r} changed while it was loading")
+        self._loaded[wanted.name] = (wanted.generation, wanted.sha256)
+        self._refused.pop(wanted.name, None)
+
+    def load_now(self, name: str, base: str) -> str:
+        """Load NAME over BASE into this pool (the caller records it); returns the snapshot's SHA-256."""
+        with self._lock:
+            sha = snapshot_sha256(name)
+            self.pool.load_adapter(name, base)
+            return sha
+
+    def mark_loaded(self, name: str, generation: int, sha256: str) -> None:
+        with self._lock:
+            self._loaded[name] = (generation, sha256)
+            self._refused.pop(name, None)
+            self._synced = None
+
+    def reconcile(self, wanted: tuple) -> None:
+        """Make the pool hold exactly the WANTED adapters, with the wanted one active."""
+        if wanted == self._synced:
+            return
+        with self._lock:
+            if wanted == self._synced:
+                return
+            by_name = {w.name: w for w in wanted}
+            for name in list(self._loaded):
+                if name not in by_name:
+                    self._unload(name)
+            for w in wanted:
+                if self._loaded.get(w.name, (None,))[0] == w.generation:
+                    continue
+                if self._refused.get(w.name, (None,))[0] == w.generation:
+                    continue
+                try:
+                    self._load(w)
+                except ServingError as error:
+                    self._unload(w.name)  # never keep serving an older generation in its place
+                    self._refused[w.name] = (w.generation, error)
+            active = next((w.name for w in wanted if w.active), None)
+            if active is not None and active in self._loaded:
+                self.pool.activate(active)
+            elif self.pool.active is not None:
+                self.pool.deactivate()
+            self._synced = wanted
+
+    def _unload(self, name: str) -> None:
+        self._loaded.pop(name, None)
+        try:
+            self.pool.unload(name)
+        except ServingError:
+            pass
+
+    def refusal(self, name: str) -> ServingError | None:
+        """Why a wanted adapter is not served here, if its load failed."""
+        refused = self._refused.get(name)
+        return refused[1] if refused else None
+
+    def loaded_here(self) -> dict:
+        return dict(self._loaded)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+
+_RUNTIME_LOCK = threading.Lock()
+_RUNTIME: list[ServingRuntime] = []  # at most one: this process's
+
+
+def serving() -> ServingRuntime:
+    """This process's ServingRuntime, created on first use from the settings."""
+    with _RUNTIME_LOCK:
+        if not _RUNTIME:
+            _RUNTIME.append(ServingRuntime(settings.KILN_HOME, registry(), settings.KILN_SERVING_THREADS))
+        return _RUNTIME[0]
+
+
+def started() -> ServingRuntime | None:
+    """This process's ServingRuntime if one was created, else None (nothing to reconcile)."""
+    with _RUNTIME_LOCK:
+        return _RUNTIME[0] if _RUNTIME else None
+
+
+def close_serving() -> None:
+    """Close this process's pool (tests, and settings that changed under it)."""
+    with _RUNTIME_LOCK:
+        runtime = _RUNTIME.pop() if _RUNTIME else None
+    if runtime is not None:
+        runtime.close()

@@ -1,0 +1,1 @@
+"""Teacher aliases for on-policy distillation: name@route, its configuration and revisions."""

@@ -1,0 +1,154 @@
+"""Every change to a teacher alias, one function each, used by the API, the admin and job submission.
+
+An alias name is global: anyone with a token may list it, show it and name it as an OPD teacher;
+only its owner (or staff) may change or delete it, and not while an active OPD job names it.
+The identity revision is computed here, by the trainer's own function (through
+kiln_web.jobs.runtime), on every create and change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from kiln_web.core.http import ActionRefused
+from kiln_web.jobs import runtime
+from kiln_web.jobs.models import ACTIVE_STATUSES, JobKind, TrainingJob
+from kiln_web.teachers.models import ALIAS_RE, SPEC_FIELDS, TeacherAlias
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a PEFT adapter directory holds
+
+
+# -- helpers --
+
+
+def _adapter_directory(text: str) -> str:
+    """The resolved adapter directory, which must lie in the adapter registry or a data root."""
+    path = Path(text)
+    if not path.is_absolute():
+        raise ActionRefused(400, "invalid_request", f"adapter {text!r} must be an absolute path", field="adapter")
+    resolved = path.resolve()
+    roots = [Path(settings.KILN_ADAPTERS_DIR), *map(Path, settings.KILN_DATA_ROOTS)]
+    if not any(resolved.is_relative_to(root.resolve()) and resolved != root.resolve() for root in roots):
+        raise ActionRefused(400, "adapter_outside_roots",
+                            f"adapter {text} is outside the adapter registry and the data roots "
+                            f"({', '.join(map(str, roots))}); copy it into one of them", field="adapter")
+    missing = [name for name in PEFT_FILES if not (resolved / name).is_file()]
+    if missing:
+        raise ActionRefused(400, "adapter_not_found", f"adapter {text} is not a PEFT adapter directory: it lacks "
+                                                      f"{', '.join(missing)}", field="adapter")
+    return str(resolved)
+
+
+def validate_teacher(name: str, fields: dict) -> tuple[str, dict, str]:
+    """(route, the stored configuration, its identity revision) for NAME; ActionRefused on a bad value."""
+    match = ALIAS_RE.match(name or "")
+    if match is None:
+        raise ActionRefused(400, "invalid_request", f"teacher alias {name!r} must be NAME@native or NAME@openai "
+                                                    "(NAME: letters, digits, '.', '_', '-')", field="name")
+    values = {key: fields.get(key) or None for key in SPEC_FIELDS}
+    if values["adapter"] is not None:
+        values["adapter"] = _adapter_directory(values["adapter"])
+    try:
+        spec = runtime.teacher_spec({"alias": name, "route": match.group(1), **values})
+    except LookupError as exc:
+        raise ActionRefused(400, "base_not_found", f"{exc}; register it with: kiln base import PATH --name NAME",
+                            field="base") from None
+    except ValueError as exc:
+        raise ActionRefused(400, "invalid_request", f"teacher {name}: {exc}") from None
+    return match.group(1), values, spec["identity_revision"]
+
+
+def _locked(name: str) -> TeacherAlias:
+    alias = TeacherAlias.objects.select_for_update().select_related("owner").filter(name=name).first()
+    if alias is None:
+        raise ActionRefused(404, "not_found", f"no teacher alias {name!r} (kiln teacher list shows them)")
+    return alias
+
+
+def _check_owner(alias: TeacherAlias, user) -> None:
+    if alias.owner_id != user.pk and not user.is_staff:
+        raise ActionRefused(403, "teacher_not_yours", f"the teacher alias {alias.name} belongs to "
+                                                      f"{alias.owner.get_username()}; register your own name")
+
+
+def check_unused(alias: TeacherAlias) -> None:
+    job = (TrainingJob.objects.filter(kind=JobKind.OPD, status__in=ACTIVE_STATUSES,
+                                      request__config__teacher=alias.name).only("pk", "status").first())
+    if job is not None:
+        raise ActionRefused(409, "teacher_in_use", f"the {job.status} OPD job {job.pk} uses {alias.name}; wait for "
+                                                   "it to end or cancel it first", job_id=str(job.pk))
+
+
+# -- changes --
+
+
+def do_create_teacher(user, name: str, fields: dict) -> TeacherAlias:
+    """Register NAME (name@route) with its configuration (base, adapter, endpoint, model) for USER."""
+    route, values, revision = validate_teacher(name, fields)
+    try:
+        with transaction.atomic():
+            return TeacherAlias.objects.create(
+                name=name, route=route, owner=user, identity_revision=revision,
+                **{key: value or "" for key, value in values.items()})
+    except IntegrityError:
+        raise ActionRefused(409, "teacher_exists", f"the teacher alias {name} already exists; change it with "
+                                                   "PUT /v1/teachers/{name} (kiln teacher add --replace)") from None
+
+
+def do_update_teacher(user, name: str, fields: dict) -> TeacherAlias:
+    """Replace NAME's configuration. A different configuration has a different identity revision, so
+    OPD checkpoints made with the old one can no longer be resumed (until the old one is restored)."""
+    _, values, revision = validate_teacher(name, fields)
+    with transaction.atomic():
+        alias = _locked(name)
+        _check_owner(alias, user)
+        check_unused(alias)
+        for key, value in values.items():
+            setattr(alias, key, value or "")
+        if alias.identity_revision != revision:
+            alias.identity_revision, alias.content_revision, alias.content_checked_at = revision, "", None
+        alias.save()
+    return alias
+
+
+def do_delete_teacher(user, name: str) -> None:
+    with transaction.atomic():
+        alias = _locked(name)
+        _check_owner(alias, user)
+        check_unused(alias)
+        alias.delete()
+
+
+def do_record_teacher_content(teacher: dict) -> None:
+    """Keep the content revision an OPD admission reconstructed (TEACHER: its teacher identity), when the
+    alias still has that identity revision."""
+    TeacherAlias.objects.filter(name=teacher["alias"], identity_revision=teacher["identity_revision"]).update(
+        content_revision=teacher["content_revision"], content_checked_at=timezone.now())
+
+
+# -- reads used by job submission and the worker --
+
+
+def resolve_teacher(name) -> dict:
+    """The spec the OPD run takes for alias NAME: {alias, route, base, adapter, endpoint, model, identity_revision}."""
+    alias = TeacherAlias.objects.filter(name=name).first() if isinstance(name, str) else None
+    if alias is None:
+        raise ActionRefused(400, "teacher_not_found", f"no teacher alias {name!r}; kiln teacher list shows the "
+                                                      "registered ones and kiln teacher add registers one",
+                            field="config.teacher")
+    return {**alias.spec_fields(), "identity_revision": alias.identity_revision}
+
+
+def check_teacher_unchanged(spec: dict) -> None:
+    """At dequeue: the alias still has the identity revision the job was admitted with."""
+    current = TeacherAlias.objects.filter(name=spec["alias"]).values_list("identity_revision", flat=True).first()
+    if current != spec["identity_revision"]:
+        what = "was deleted" if current is None else "changed"
+        raise ActionRefused(409, "teacher_changed", f"teacher alias {spec['alias']} {what} after the job was "
+                                                    "admitted; submit the run again",
+                            differences=[{"field": "teacher.identity_revision", "checkpoint": spec["identity_revision"],
+                                          "request": current}])

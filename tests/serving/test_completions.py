@@ -1,0 +1,157 @@
+"""The OpenAI-compatible endpoints in-process: answers equal the trainer's own generation, log-probabilities
+and echo, stop strings, seeds, the active adapter as the default model, and refusals."""
+
+import math
+
+import numpy as np
+import pytest
+from django.test import Client
+
+from kiln_web.serving import runtime
+from trainer.generation import SamplingConfig
+from trainer.serving import ServingPool
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def http(ada):
+    return Client(HTTP_AUTHORIZATION=f"Bearer {ada.token}")
+
+
+def post(http, path, body):
+    return http.post(path, body, content_type="application/json")
+
+
+@pytest.fixture
+def loaded(api, publish, adapter_name):
+    publish(adapter_name, seed=3)
+    assert api.post(f"/v1/adapters/{adapter_name}/load").status_code == 200
+    return adapter_name
+
+
+def reference(settings, model, prompt_ids, sampling, seed=None, echo=False, top=0):
+    """The trainer's own answer, from a pool of the test's own."""
+    pool = ServingPool(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR)
+    try:
+        if model != "kiln-tiny":
+            pool.load_adapter(model, "kiln-tiny")
+        served, generation = pool.complete(model, prompt_ids, sampling, seed=seed, echo=echo, top_logprobs=top)
+        return served.tokenizer, generation
+    finally:
+        pool.close()
+
+
+def test_a_completion_is_the_trainers_generation(http, settings, loaded):
+    response = post(http, "/v1/completions", {"model": loaded, "prompt": "clay", "max_tokens": 12,
+                                              "temperature": 0.9, "seed": 41})
+    assert response.status_code == 200, response.content
+    answer = response.json()
+    tokenizer, generation = reference(settings, loaded, [99, 108, 97, 121],
+                                      SamplingConfig(max_new_tokens=12, temperature=0.9, stop_token_ids=(258,)),
+                                      seed=41)
+    tokens = generation.tokens[:-1] if generation.tokens[-1] == 258 else generation.tokens
+    assert answer["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert answer["model"] == loaded and answer["object"] == "text_completion"
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": len(generation.tokens),
+                               "total_tokens": 4 + len(generation.tokens)}
+    assert answer["choices"][0]["finish_reason"] == generation.finish_reason
+    again = post(http, "/v1/completions", {"model": loaded, "prompt": "clay", "max_tokens": 12, "temperature": 0.9,
+                                           "seed": 41}).json()
+    assert again["choices"][0]["text"] == answer["choices"][0]["text"]  # a seed repeats
+    other = post(http, "/v1/completions", {"model": loaded, "prompt": "clay", "max_tokens": 12, "temperature": 0.9,
+                                           "seed": 42}).json()
+    assert other["choices"][0]["text"] != answer["choices"][0]["text"]
+
+
+def test_echo_scores_the_prompt(http, settings):
+    prompt = [104, 101, 108, 108, 111]  # "hello" in kiln-tiny's byte vocabulary
+    response = post(http, "/v1/completions", {"model": "kiln-tiny", "prompt": prompt, "max_tokens": 0,
+                                              "echo": True, "logprobs": 2})
+    assert response.status_code == 200, response.content
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "hello" and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == list("hello") and logprobs["text_offset"] == [0, 1, 2, 3, 4]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    _, generation = reference(settings, "kiln-tiny", prompt, SamplingConfig(max_new_tokens=1, temperature=0),
+                              echo=True, top=2)
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:], generation.prompt_logprobs, atol=1e-5)
+    for chosen, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+        assert len(top) == 2 and max(top.values()) >= chosen - 1e-5 and all(math.isfinite(v) for v in top.values())
+    assert response.json()["usage"]["completion_tokens"] == 0
+
+
+def test_chat_defaults_to_the_active_adapter(api, http, loaded):
+    body = {"messages": [{"role": "user", "content": "Say kiln."}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3}
+    refused = post(http, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_required"
+    api.post(f"/v1/adapters/{loaded}/activate")
+    answer = post(http, "/v1/chat/completions", body).json()
+    assert answer["model"] == loaded and answer["object"] == "chat.completion"
+    named = post(http, "/v1/chat/completions", {**body, "model": loaded}).json()
+    assert named["choices"][0]["message"] == answer["choices"][0]["message"]
+    base = post(http, "/v1/chat/completions", {**body, "model": "kiln-tiny"}).json()
+    assert base["model"] == "kiln-tiny" and base["choices"][0]["logprobs"] != answer["choices"][0]["logprobs"]
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert content and all(len(item["top_logprobs"]) == 3 for item in content)
+    assert all(item["top_logprobs"][0]["logprob"] >= item["logprob"] - 1e-5 for item in content)  # greedy
+
+
+def test_stop_strings_cut_the_answer(http):
+    body = {"model": "kiln-tiny", "prompt": "glaze", "max_tokens": 40, "temperature": 0}
+    full = post(http, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = full[5:7]
+    assert len(full) > 8 and stop and "\ufffd" not in stop
+    cut = post(http, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == full[:full.find(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_models_lists_bases_and_loaded_adapters(api, http, loaded):
+    api.post(f"/v1/adapters/{loaded}/activate")
+    listing = http.get("/v1/models").json()
+    assert listing["object"] == "list"
+    models = {item["id"]: item["kiln"] for item in listing["data"]}
+    assert models["kiln-tiny"]["kind"] == "base"
+    assert models[loaded] == {"kind": "adapter", "active": True, "base": "kiln-tiny"}
+
+
+def test_refusals(http, loaded):
+    assert Client().post("/v1/completions", {}, content_type="application/json").status_code == 401
+    assert Client(HTTP_AUTHORIZATION="Bearer kiln_wrong").get("/v1/models").status_code == 401
+    assert http.get("/v1/completions").status_code == 405
+    cases = [
+        ({"model": "kiln-tiny", "prompt": "a", "n": 2}, 400, "invalid_request"),
+        ({"model": "kiln-tiny", "prompt": "a", "temperature": 3}, 400, "invalid_request"),
+        ({"model": "kiln-tiny", "prompt": "a", "max_tokens": 0}, 400, "invalid_request"),
+        ({"model": "kiln-tiny", "prompt": "a", "logit_bias": {"1": 5}}, 400, "invalid_request"),
+        ({"model": "kiln-tiny", "prompt": [999]}, 400, "invalid_request"),
+        ({"model": "kiln-tiny", "prompt": "a" * 600}, 400, "context_length_exceeded"),
+        ({"model": "no-such-model", "prompt": "a"}, 404, "model_not_found"),
+        ({"model": "../../etc/passwd", "prompt": "a"}, 404, "model_not_found"),
+        ({"prompt": "a"}, 400, "model_required"),
+        ({"model": "kiln-tiny"}, 400, "invalid_request"),
+    ]
+    for body, status, code in cases:
+        response = post(http, "/v1/completions", body)
+        assert (response.status_code, response.json()["error"]["code"]) == (status, code), body
+        assert response.json()["error"]["message"]
+    bad = post(http, "/v1/chat/completions", {"model": loaded, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert bad.status_code == 400
+
+
+def test_a_pool_follows_the_served_adapters_of_other_processes(ada, http, publish, adapter_name):
+    """Rows written elsewhere (a worker that promoted) are served here on the next request."""
+    from kiln_web.adapters.models import Adapter
+    from kiln_web.serving import actions
+
+    publish(adapter_name, seed=5)
+    adapter = Adapter.objects.create(name=adapter_name, owner=ada)
+    actions.do_promote(adapter, "kiln-tiny", runtime.snapshot_sha256(adapter_name), decided_by="gate",
+                       reason="test")
+    assert runtime.started() is None  # this process had no pool yet
+    answer = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 3, "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["model"] == adapter_name
