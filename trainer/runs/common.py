@@ -126,10 +126,14 @@ def execution_identity(backend: str) -> dict:
     from threadpoolctl import threadpool_info
 
     import native_ext
+    from native_ext import blas as engine_blas
     native = Path(native_ext.__file__).parent
     builds = {p.name: file_sha256(p) for p in sorted(native.glob("_*.so"))}
+    # only the BLAS the engine computes with (numpy's): other libraries loaded in the same
+    # process (torch's, scipy's) do not touch training arithmetic
     blas = sorted((i.get("internal_api"), str(i.get("version")), str(i.get("architecture")),
-                   i.get("num_threads")) for i in threadpool_info() if i.get("user_api") == "blas")
+                   i.get("num_threads")) for i in threadpool_info()
+                  if i.get("user_api") == "blas" and str(engine_blas.LIBRARY_PATH) == i.get("filepath"))
     return {
         "backend": backend,
         "device": platform.machine(),
