@@ -69,6 +69,24 @@ def enqueue_job(job_id) -> None:
                                         "check REDIS_URL and that a `celery -A kiln_web worker -Q training` runs")
 
 
+def do_redispatch_queued() -> list:
+    """Send every queued job (and queued evaluation) to the broker again; returns the job ids. For when the
+    broker may have lost them: a Redis restarted without persistence forgets its queue, and a submission
+    while it was unreachable was never sent. A second delivery changes nothing: the claim is conditional."""
+    job_ids = list(TrainingJob.objects.filter(status=JobStatus.QUEUED).order_by("created_at")
+                   .values_list("pk", flat=True))
+    for job_id in job_ids:
+        enqueue_job(job_id)
+    from kiln_web.evals.actions import enqueue_evaluation
+    from kiln_web.evals.models import EvalRun, EvalStatus
+
+    for run_id in EvalRun.objects.filter(status=EvalStatus.QUEUED).values_list("pk", flat=True):
+        enqueue_evaluation(run_id)
+    if job_ids:
+        logger.warning("sent %d queued job(s) to the broker again: %s", len(job_ids), ", ".join(map(str, job_ids)))
+    return job_ids
+
+
 # -- submission --
 
 

@@ -141,13 +141,39 @@ class EmbeddedWorker:
             self._thread.join(timeout)
 
 
+class BrokerWatch:
+    """Tells when the broker (Redis) has restarted, or answers again after not answering, since the last
+    look: its queue may then have lost messages, or never got them."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.run_id = None  # Redis's own id of its current process; None: not known (never seen, or unreachable)
+
+    def came_back(self) -> bool:
+        import redis
+
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                run_id = client.info("server")["run_id"]
+            finally:
+                client.close()
+        except (redis.RedisError, OSError, KeyError):
+            self.run_id = None
+            return False
+        came_back, self.run_id = run_id != self.run_id, run_id
+        return came_back
+
+
 class Housekeeper:
-    """The lost-job check alone, for `kiln up` when Celery workers run the jobs (no beat needed)."""
+    """The lost-job check alone, for `kiln up` when Celery workers run the jobs (no beat needed); with a
+    broker, also sends queued jobs again whenever the broker may have lost them (BrokerWatch)."""
 
     running_job = None
 
     def __init__(self, interval: float | None = None):
         self.interval = max(settings.KILN_LOST_AFTER_SECONDS / 4, 1.0) if interval is None else interval
+        self.broker = None if settings.KILN_EMBEDDED_WORKER else BrokerWatch(settings.CELERY_BROKER_URL)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-housekeeper", daemon=True)
 
@@ -161,8 +187,12 @@ class Housekeeper:
                 try:
                     close_old_connections()  # a connection broken by a database restart is replaced
                     actions.do_mark_lost()
+                    if self.broker is not None and self.broker.came_back():
+                        actions.do_redispatch_queued()
                 except Exception:
                     logger.warning("the lost-job check failed", exc_info=True)
+                    if self.broker is not None:
+                        self.broker.run_id = None  # look again, and send again, next time
                 if self._stop.wait(self.interval):
                     return
         finally:

@@ -1,0 +1,44 @@
+"""PostgreSQL crashes (an immediate stop: every connection drops at once) and comes back while a run is in
+progress: briefly, which the run rides out, and for longer than the worker waits (KILN_LOST_AFTER_SECONDS),
+which ends the job failed or lost (never `running` for ever) with its checkpoints intact."""
+
+import pytest
+
+from controlplane.services import TERMINAL
+
+from .conftest import adapter, request
+from .harness import assert_truthful, check_registry, final_bytes, finish_by_resuming
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def postgres(services):
+    if services["postgres"] is None:
+        pytest.skip(f"no throwaway PostgreSQL cluster: {services['postgres_missing']}")
+    return services["postgres"]
+
+
+def test_postgresql_restarted_during_a_run(stack, postgres, reference):
+    body = request(adapter())
+    job = stack.submit(body)
+    stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 10)
+    postgres.restart(down_seconds=1.0)
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=90)
+    assert job["status"] == "succeeded", job["error"]  # the worker waited for the database and went on
+    assert_truthful(stack, job)
+    check_registry(stack.registry)
+    assert final_bytes(stack, job) == reference
+
+
+def test_postgresql_down_longer_than_the_worker_waits(stack, postgres, reference):
+    body = request(adapter())
+    job = stack.submit(body)
+    stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 10)
+    postgres.restart(down_seconds=float(stack.env["KILN_LOST_AFTER_SECONDS"]) + 2)
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=60)
+    assert job["status"] in ("failed", "lost"), job
+    assert job["error"]["code"] in ("database_unavailable", "worker_lost"), job["error"]
+    assert_truthful(stack, job)
+    check_registry(stack.registry)
+    assert final_bytes(stack, finish_by_resuming(stack, job, body)) == reference

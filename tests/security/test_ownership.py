@@ -1,0 +1,198 @@
+"""People see and act only on their own jobs, checkpoints, adapters, suites and evaluations; staff see and
+act on everyone's. One test per /v1 operation (enumerated from the schema: a new operation fails
+`test_every_operation_is_classified` until it gets a row here), each across two people and staff.
+
+Someone else's job, suite or evaluation answers 404, the same as one that does not exist. Adapter names
+and teacher aliases are global names (a submission must be refused an adapter name someone else trains,
+and OPD runs name teachers by alias), so someone else's adapter or alias answers 403 `*_not_yours`
+instead: its existence is already public. Teacher aliases are readable by everyone, by design.
+"""
+
+from dataclasses import dataclass, field
+
+import pytest
+from django.test import Client
+
+from kiln_web.adapters.models import Adapter
+from kiln_web.evals.models import EvalRun, EvalSuite
+from kiln_web.jobs.models import TrainingJob
+from kiln_web.teachers.models import TeacherAlias
+
+from .conftest import call, fill, operations, session
+
+pytestmark = pytest.mark.django_db
+
+TEACHER = {"endpoint": "http://127.0.0.1:9", "model": "other"}
+
+
+def _sft(world, adapter=None, **config):
+    return {"data": [{"prompt": "q", "completion": "a"}], "config": {"output_name": adapter or world.adapter, **config}}
+
+
+@dataclass
+class Case:
+    """How the other person attacks one operation: the path's values and body, the status they get (and code),
+    and the status staff get for the same request (None: anything but 401, 403 and 404)."""
+
+    body: object = None
+    values: dict = field(default_factory=dict)
+    other: int = 404
+    code: str | None = None
+    staff: int | None = None
+    listing: str | None = None  # a list operation: the key whose values name the owner's objects
+
+
+# operationId -> the attack; `world` fills the blanks (see _request)
+CASES = {
+    "submit_sft": Case(body=_sft, other=403, code="adapter_not_yours"),
+    "submit_grpo": Case(body=lambda w: {"groups": [{"prompt": "p", "completions": [{"text": "a", "reward": 1.0}]}],
+                                        "config": {"output_name": w.adapter}}, other=403, code="adapter_not_yours"),
+    "submit_opd": Case(body=lambda w: {"prompts": ["p"], "config": {"output_name": w.adapter, "teacher": w.teacher}},
+                       other=403, code="adapter_not_yours"),
+    "list_jobs": Case(listing="id"),
+    "get_job": Case(),
+    "cancel_job": Case(values={"job_id": "queued_job_id"}),
+    "list_job_checkpoints": Case(),
+    "list_job_metrics": Case(),
+    "list_job_events": Case(),
+    "list_teachers": Case(listing=None),  # public: checked in its own test
+    "create_teacher": Case(body=lambda w: {"name": w.teacher, **TEACHER}, other=409, code="teacher_exists", staff=409),
+    "get_teacher": Case(values={"name": "teacher"}, other=200, staff=200),
+    "update_teacher": Case(values={"name": "teacher"}, body=lambda w: TEACHER, other=403, code="teacher_not_yours",
+                           staff=200),
+    "delete_teacher": Case(values={"name": "teacher"}, other=403, code="teacher_not_yours", staff=204),
+    "list_adapters": Case(listing="name"),
+    "get_adapter": Case(other=403, code="adapter_not_yours", staff=200),
+    "delete_adapter": Case(other=403, code="adapter_not_yours", staff=409),  # staff: busy (a queued evaluation)
+    "load_adapter": Case(body=lambda w: {}, other=403, code="adapter_not_yours"),
+    "unload_adapter": Case(other=403, code="adapter_not_yours", staff=409),  # staff: not loaded
+    "activate_adapter": Case(other=403, code="adapter_not_yours", staff=409),  # staff: not loaded
+    "list_promotions": Case(listing="adapter"),
+    "create_suite": Case(body=lambda w: {"name": w.suite, "content": '{"prompt": "x", "expected": "y"}'},
+                         other=409, code="suite_exists", staff=409),
+    "list_suites": Case(listing="name"),
+    "get_suite": Case(values={"name": "suite"}),
+    "create_eval_run": Case(body=lambda w: {"adapter": w.adapter, "suite": w.suite}, other=403,
+                            code="adapter_not_yours"),
+    "list_eval_runs": Case(listing="id"),
+    "get_eval_run": Case(),
+}
+OPERATIONS = {operation["operationId"]: (method, path) for method, path, operation in operations()}
+
+
+def test_every_operation_is_classified():
+    assert sorted(set(OPERATIONS) - set(CASES)) == [], "add a row to CASES for each new operation"
+    assert sorted(set(CASES) - set(OPERATIONS)) == []
+
+
+def _request(world, operation_id: str, user):
+    method, template = OPERATIONS[operation_id]
+    case = CASES[operation_id]
+    values = world.path_values() | {key: getattr(world, attribute) for key, attribute in case.values.items()}
+    body = case.body(world) if callable(case.body) else case.body
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {user.token}")
+    return call(client, method, fill(template, values), body)
+
+
+def _snapshot(world) -> dict:
+    """What the other person must not be able to change."""
+    return {"jobs": dict(TrainingJob.objects.values_list("pk", "status")),
+            "adapters": dict(Adapter.objects.values_list("name", "owner_id")),
+            "teachers": dict(TeacherAlias.objects.values_list("name", "identity_revision")),
+            "suites": sorted(EvalSuite.objects.values_list("name", flat=True)),
+            "runs": dict(EvalRun.objects.values_list("pk", "status"))}
+
+
+@pytest.mark.parametrize("operation_id", sorted(CASES))
+def test_the_other_person_is_refused_and_staff_is_not(world, operation_id):
+    case = CASES[operation_id]
+    if case.listing is not None or operation_id == "list_teachers":
+        _check_listing(world, operation_id, case)
+        return
+    before = _snapshot(world)
+    response = _request(world, operation_id, world.other)
+    assert response.status_code == case.other, (operation_id, response.content[:300])
+    if case.code:
+        assert response.json()["error"]["code"] == case.code
+    if response.status_code == 404:
+        assert "error" in response.json()
+    assert _snapshot(world) == before, f"{operation_id} by another person changed something"
+
+    response = _request(world, operation_id, world.staff)
+    if case.staff is None:
+        assert response.status_code not in (401, 403, 404), (operation_id, response.content[:300])
+    else:
+        assert response.status_code == case.staff, (operation_id, response.content[:300])
+
+
+def _check_listing(world, operation_id, case):
+    method, template = OPERATIONS[operation_id]
+    owner_items = _request(world, operation_id, world.owner).json()["items"]
+    other_items = _request(world, operation_id, world.other).json()["items"]
+    staff_items = _request(world, operation_id, world.staff).json()["items"]
+    if operation_id == "list_teachers":  # aliases are public names: everyone lists them
+        assert [item["name"] for item in other_items] == [item["name"] for item in owner_items] == [world.teacher]
+        return
+    if operation_id == "list_promotions":  # nothing promoted yet: promote the owner's adapter first
+        _promote(world)
+        owner_items = _request(world, operation_id, world.owner).json()["items"]
+        other_items = _request(world, operation_id, world.other).json()["items"]
+        staff_items = _request(world, operation_id, world.staff).json()["items"]
+    mine = {item[case.listing] for item in owner_items}
+    assert mine, f"{operation_id}: the owner lists nothing, so the test would prove nothing"
+    assert not mine & {item[case.listing] for item in other_items}, f"{operation_id} shows another person's objects"
+    assert mine <= {item[case.listing] for item in staff_items}
+
+
+def _promote(world) -> None:
+    from kiln_web.serving import runtime
+    from kiln_web.serving.actions import adapter_for, do_promote
+
+    do_promote(adapter_for(world.owner, world.adapter), "kiln-tiny", runtime.snapshot_sha256(world.adapter),
+               decided_by="test", reason="a promotion to list")
+
+
+def test_a_checkpoint_cannot_be_resumed_into_someone_elses_run(world):
+    """Checkpoints are reached only through their adapter: resuming another person's checkpoint under one's own
+    adapter name is refused (the checkpoint binds its adapter), and under their name is 403."""
+    bob = Client(HTTP_AUTHORIZATION=f"Bearer {world.other.token}")
+    own_name = call(bob, "POST", "/v1/train/sft", _sft(world, adapter="bobs-own", resume_checkpoint=world.checkpoint))
+    assert own_name.status_code in (400, 409) and own_name.json()["error"]["code"] in ("wrong_adapter",
+                                                                                       "noncanonical_name")
+    theirs = call(bob, "POST", "/v1/train/sft", _sft(world, resume_checkpoint=world.checkpoint))
+    assert theirs.status_code == 403
+    assert not TrainingJob.objects.filter(owner=world.other).exists()
+
+
+# -- the dashboard --
+
+DASHBOARD = [  # (method, path template, other person's status); staff get anything but 403/404
+    ("GET", "/jobs/{job_id}/", 404),
+    ("GET", "/jobs/{job_id}/snapshot", 404),
+    ("POST", "/jobs/{queued_job_id}/stop/", 404),
+    ("GET", "/jobs/{job_id}/resume/", 404),
+    ("POST", "/jobs/{job_id}/resume/", 404),
+    ("GET", "/adapters/{adapter}/", 404),
+]
+
+
+@pytest.mark.parametrize("method, template, status", DASHBOARD)
+def test_dashboard_pages_and_actions_refuse_the_other_person(world, method, template, status):
+    path = template.format(job_id=world.job_id, queued_job_id=world.queued_job_id, adapter=world.adapter)
+    before = _snapshot(world)
+    assert call(session(world.other, csrf=False), method, path).status_code == status
+    assert _snapshot(world) == before
+    assert call(session(world.staff, csrf=False), method, path).status_code not in (403, 404)
+
+
+def test_dashboard_lists_show_only_ones_own(world):
+    bob, root = session(world.other), session(world.staff)
+    for path, needle in (("/", world.job_id), ("/jobs/rows", world.job_id), ("/adapters/", world.adapter)):
+        assert needle not in bob.get(path).content.decode(), path
+        assert needle in root.get(path).content.decode(), path
+
+
+def test_dashboard_teacher_delete_is_refused_for_the_other_person(world):
+    response = session(world.other, csrf=False).post(f"/teachers/{world.teacher}/delete/", follow=True)
+    assert TeacherAlias.objects.filter(name=world.teacher).exists()
+    assert "belongs to" in response.content.decode()
