@@ -16,7 +16,7 @@ import json
 import math
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from safetensors.numpy import load as safetensors_load
@@ -25,8 +25,7 @@ from safetensors.numpy import save as safetensors_save
 from trainer import Adam, LoraConfig
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.checkpoint_dir import CheckpointError
-from trainer.runs.common import (ADAPTER_FILE, BACKEND_LOSS_ROUTES,
+from trainer.runs.common import (ADAPTER_FILE, BACKEND_LOSS_ROUTES, Admission, load_resume,
                                  MANIFEST_FIELDS, OPTIMIZER_FILE, STATE_FILE, AdmissionError, NullHooks,
                                  RequestError, RunFailed, RunResult, RunSettings, check_shared, compare,
                                  confined, difference, execution_identity, int_field, learning_rate_at,
@@ -173,25 +172,7 @@ def planning_identity(config: dict, loss_route: str) -> dict:
 # -- admission ----------------------------------------------------------------------------
 
 
-@dataclass
-class SFTAdmission:
-    kind: str
-    adapter: str
-    request: dict
-    effective_config: dict
-    effective_seed: int
-    data_source_kind: str
-    total_steps: int
-    steps_per_epoch: int
-    identities: dict
-    resume: dict | None = None
-
-    def to_json(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
-
-    @classmethod
-    def from_json(cls, data: dict) -> "SFTAdmission":
-        return cls(**data)
+SFTAdmission = Admission  # the admission record every training kind stores in its job row
 
 
 def _steps_per_epoch(examples: int, config: dict) -> int:
@@ -200,13 +181,7 @@ def _steps_per_epoch(examples: int, config: dict) -> int:
 
 
 def _load_resume(reference: str, adapter: str, settings: RunSettings):
-    try:
-        path = checkpoint_dir.resolve_checkpoint(settings.registry, reference)
-        return checkpoint_dir.load_checkpoint(path, full=True, expected_type="sft",
-                                              expected_adapter=adapter,
-                                              allowed_manifest_fields=MANIFEST_FIELDS)
-    except CheckpointError as error:
-        raise AdmissionError(error.code, str(error)) from None
+    return load_resume(reference, adapter, "sft", settings)
 
 
 def _prepare(request: dict, settings: RunSettings):
