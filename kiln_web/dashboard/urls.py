@@ -16,6 +16,7 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/resume/", views.resume_job, name="resume_job"),
     path("adapters/", views.adapters, name="adapters"),
     path("adapters/<str:name>/", views.adapter_detail, name="adapter"),
+    path("adapters/<str:name>/<str:action>/", views.adapter_action, name="adapter_action"),
     path("qualification/", views.qualification, name="qualification"),
     path("teachers/", views.teachers, name="teachers"),
     path("teachers/<str:name>/delete/", views.delete_teacher, name="delete_teacher"),

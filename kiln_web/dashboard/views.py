@@ -238,6 +238,32 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
         "show_owner": request.user.is_staff, "nav": "adapters"})
 
 
+ADAPTER_ACTIONS = {
+    "load": ("do_load_adapter", "Loaded {name}: it is served when a request names it."),
+    "unload": ("do_unload_adapter", "Unloaded {name}."),
+    "activate": ("do_activate_adapter", "Activated {name}: it now serves requests that name no model."),
+    "delete": ("do_delete_adapter", "Deleted the checkpoints and PEFT snapshot of {name}."),
+}
+
+
+@require_POST
+@login_required
+def adapter_action(request: HttpRequest, name: str, action: str) -> HttpResponse:
+    """Load, unload, activate or delete an adapter through the same actions as the API."""
+    from kiln_web.serving import actions as serving_actions
+
+    if action not in ADAPTER_ACTIONS:
+        raise Http404("no such adapter action")
+    function, done = ADAPTER_ACTIONS[action]
+    try:
+        getattr(serving_actions, function)(request.user, name)
+    except ActionRefused as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, done.format(name=name))
+    return redirect("dashboard:adapter", name=name)
+
+
 # -- qualification --
 
 

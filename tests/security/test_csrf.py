@@ -42,7 +42,8 @@ def site_routes() -> list[str]:
 
 
 def _values(world) -> dict:
-    return {"kind": "sft", "job_id": world.job_id, "name": world.teacher, "uidb64": "MQ", "token": "set-password"}
+    return {"kind": "sft", "job_id": world.job_id, "name": world.teacher, "uidb64": "MQ", "token": "set-password",
+            "action": "unload"}
 
 
 def _path(world, route: str) -> str:
@@ -53,7 +54,8 @@ def _path(world, route: str) -> str:
 def test_the_enumeration_finds_the_dashboard_forms():
     routes = site_routes()
     for route in ("jobs/new/<slug:kind>/", "jobs/<uuid:job_id>/stop/", "jobs/<uuid:job_id>/resume/", "teachers/",
-                  "teachers/<str:name>/delete/", "accounts/login/", "accounts/logout/"):
+                  "teachers/<str:name>/delete/", "adapters/<str:name>/<str:action>/", "accounts/login/",
+                  "accounts/logout/"):
         assert route in routes
 
 
