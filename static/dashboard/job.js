@@ -21,10 +21,13 @@
   function ordered() {
     return Array.from(steps.values()).sort(function (a, b) { return a.step - b.step; });
   }
-  function lastStep() {
-    let max = 0;
-    steps.forEach(function (_, step) { if (step > max) max = step; });
-    return max;
+  // The last step of the unbroken run of steps from the first one held: a resync asks for
+  // everything after it, so live events that arrived past a gap cannot hide the gap.
+  function contiguousEnd() {
+    if (steps.size === 0) return 0;
+    let step = Math.min.apply(null, Array.from(steps.keys()));
+    while (steps.has(step + 1)) step += 1;
+    return step;
   }
 
   // -- progress and ETA --
@@ -127,7 +130,7 @@
     if (syncing) { again = true; return; }
     syncing = true;
     try {
-      const data = await K.fetchJSON(root.dataset.snapshotUrl + "?after_step=" + lastStep());
+      const data = await K.fetchJSON(root.dataset.snapshotUrl + "?after_step=" + contiguousEnd());
       data.metrics.forEach(function (m) { steps.set(m.step, m); });
       state.status = data.job.status;
       state.committed = data.job.committed_step;
