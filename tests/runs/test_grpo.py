@@ -183,7 +183,7 @@ def test_sigkill_then_resume_is_byte_identical(streamed_reference, tmp_path):
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"kind": "grpo", "home": str(tmp_path), "request": request}))
     env = {**os.environ, "KILN_TEST_STEP_DELAY": "0.4"}
-    worker = subprocess.Popen([sys.executable, str(HERE / "rl_worker.py"), str(spec)], env=env)
+    worker = subprocess.Popen([sys.executable, str(HERE / "run_worker.py"), str(spec)], env=env)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

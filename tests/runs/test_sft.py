@@ -120,9 +120,9 @@ def test_sigkill_then_resume_is_byte_identical(reference, tmp_path):
     settings = make_settings(tmp_path)
     req = request(write_dataset(tmp_path))
     spec = tmp_path / "job.json"
-    spec.write_text(json.dumps({"home": str(tmp_path), "request": req}))
+    spec.write_text(json.dumps({"kind": "sft", "home": str(tmp_path), "request": req}))
     env = {**os.environ, "KILN_TEST_STEP_DELAY": "0.3"}
-    worker = subprocess.Popen([sys.executable, str(HERE / "sft_worker.py"), str(spec)], env=env)
+    worker = subprocess.Popen([sys.executable, str(HERE / "run_worker.py"), str(spec)], env=env)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -1,7 +1,7 @@
-"""Runs one SFT job in its own process (for kill tests): python sft_worker.py job.json
+"""Runs one training job in its own process (for kill tests): python run_worker.py job.json
 
-job.json: {"home": KILN_HOME, "request": {...}}. KILN_TEST_STEP_DELAY (seconds) slows each
-committed step so the parent can kill the process mid-run.
+job.json: {"kind": "sft" | "grpo" | "opd", "home": KILN_HOME, "request": {...}}. KILN_TEST_STEP_DELAY
+(seconds) slows each committed step so the parent can kill the process mid-run.
 """
 
 import json
@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.runs.sft import RunSettings, admit_sft, run_sft
+from trainer.runs import grpo, opd, sft
+from trainer.runs.common import RunSettings
+
+RUNS = {"sft": (sft.admit_sft, sft.run_sft), "grpo": (grpo.admit_grpo, grpo.run_grpo),
+        "opd": (opd.admit_opd, opd.run_opd)}
 
 
 class SlowHooks:
@@ -35,8 +39,9 @@ def main():
     home = Path(spec["home"])
     settings = RunSettings(home=home, registry=home / "adapters", bases_root=home,
                            data_roots=(home / "datasets",))
-    admission = admit_sft(spec["request"], settings)
-    result = run_sft(admission, settings, SlowHooks(float(os.environ.get("KILN_TEST_STEP_DELAY", "0"))))
+    admit, run = RUNS[spec["kind"]]
+    result = run(admit(spec["request"], settings), settings,
+                 SlowHooks(float(os.environ.get("KILN_TEST_STEP_DELAY", "0"))))
     print(json.dumps({"status": result.status, "steps": result.steps_completed}))
 
 
