@@ -25,12 +25,12 @@ from safetensors.numpy import save as safetensors_save
 from trainer import Adam, LoraConfig
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.common import (ADAPTER_FILE, BACKEND_LOSS_ROUTES, Admission, load_resume,
-                                 MANIFEST_FIELDS, OPTIMIZER_FILE, STATE_FILE, AdmissionError, NullHooks,
-                                 RequestError, RunFailed, RunResult, RunSettings, check_shared, compare,
-                                 confined, difference, execution_identity, int_field, learning_rate_at,
-                                 merge_config, publish_final, select_loss_route,
-                                 LORA_DEFAULT, SCHEDULE_DEFAULT)
+from trainer.runs.common import (ADAPTER_FILE, BACKEND_LOSS_ROUTES, LORA_DEFAULT, MANIFEST_FIELDS,
+                                 OPTIMIZER_FILE, SCHEDULE_DEFAULT, STATE_FILE, Admission, AdmissionError,
+                                 NullHooks, RequestError, RunFailed, RunResult, RunSettings, check_shared,
+                                 comparable_config, confined, difference, execution_identity, int_field,
+                                 learning_rate_at, load_resume, merge_config, publish_final, refuse_drift,
+                                 resume_record, select_loss_route)
 
 PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
 SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
@@ -226,28 +226,18 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
         manifest = loaded.manifest
         request_view = {"training": {"kind": "sft", "adapter": config["output_name"],
                                      "data_source_kind": kind},
-                        "config": _comparable_config(config), "base": identities["base"],
+                        "config": comparable_config(config), "base": identities["base"],
                         "tokenizer": identities["tokenizer"], "dataset": identities["dataset"],
                         "execution": identities["execution"], "planning": identities["planning"]}
-        checkpoint_view = {key: manifest.get(key) for key in request_view}
-        differences = []
         if manifest.get("planning", {}).get("schema") != PLANNING_SCHEMA_SFT:
             raise AdmissionError(
                 "planning_schema", f"checkpoint planning identity {manifest.get('planning', {}).get('schema')!r} "
                 f"cannot resume under {PLANNING_SCHEMA_SFT}: it does not prove which loss route "
                 "admission budgeted and execution used; start a new run or use base_adapter",
                 [difference("planning.schema", manifest.get("planning", {}).get("schema"), PLANNING_SCHEMA_SFT)])
-        compare("", checkpoint_view, request_view, differences)
-        if seed is not None and seed != manifest["seed"]:
-            differences.append(difference("seed", manifest["seed"], seed))
-        if differences:
-            raise AdmissionError("resume_drift", "the request differs from the checkpoint in "
-                                 f"{len(differences)} field(s); exact resume continues the same run, "
-                                 "so restore the original request or start a new run", differences)
+        refuse_drift(manifest, request_view, seed)
         seed = manifest["seed"]
-        resume = {"checkpoint": loaded.path.name, "checkpoint_id": loaded.checkpoint_id,
-                  "manifest_digest": loaded.manifest_digest, "seed": seed,
-                  "step": manifest["progress"]["committed_step"]}
+        resume = resume_record(loaded)
     if seed is None:
         seed = secrets.randbelow(2**31)
     config["seed"] = seed
@@ -255,11 +245,6 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
                         effective_config=config, effective_seed=seed, data_source_kind=kind,
                         total_steps=steps_per_epoch * config["epochs"], steps_per_epoch=steps_per_epoch,
                         identities=identities, resume=resume)
-
-
-def _comparable_config(config: dict) -> dict:
-    """The effective configuration as bound into a checkpoint (no resume pointer, no seed)."""
-    return {k: v for k, v in config.items() if k not in ("resume_checkpoint", "seed")}
 
 
 def revalidate_sft(admission: SFTAdmission, settings: RunSettings) -> None:
@@ -361,7 +346,7 @@ def _publish(admission, settings, model, optimizer, loop, examples, hooks, compl
     manifest = {
         "training": {"kind": "sft", "adapter": admission.adapter,
                      "data_source_kind": admission.data_source_kind},
-        "config": _comparable_config(admission.effective_config),
+        "config": comparable_config(admission.effective_config),
         "seed": admission.effective_seed,
         "base": admission.identities["base"],
         "tokenizer": admission.identities["tokenizer"],
