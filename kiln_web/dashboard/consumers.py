@@ -24,7 +24,8 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
     joined: list[str] = []
 
     async def group_names(self, user) -> list[str] | None:
-        raise NotImplementedError
+        """The groups this user may join here; the base joins none and refuses the socket."""
+        return None
 
     async def connect(self) -> None:
         user = self.scope.get("user")
