@@ -268,6 +268,24 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
     return c
 
 
+def check_request(request, inline_field: str) -> None:
+    """A request is an object with config and either dataset_path or its inline field."""
+    if not isinstance(request, dict):
+        raise RequestError("request", "must be an object")
+    unknown = sorted(set(request) - {"dataset_path", inline_field, "config"})
+    if unknown:
+        raise RequestError(unknown[0], "is not a known request field")
+
+
+def find_base(config: dict, settings: RunSettings):
+    """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found."""
+    from trainer.bases import show_base
+    try:
+        return show_base(config["base_model"], settings.bases_root)
+    except (LookupError, ValueError) as error:
+        raise AdmissionError("base_not_found", str(error)) from None
+
+
 def check_lora(lora) -> dict:
     if not isinstance(lora, dict) or set(lora) - {"rank", "alpha", "targets", "use_rslora"}:
         raise RequestError("config.lora", "must be {rank, alpha, targets, use_rslora}")

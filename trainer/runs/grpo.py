@@ -26,7 +26,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.common import (publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
+from trainer.runs.common import (check_request, find_base, publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
                                  AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
                                  adapter_values, canonical, check_planning_schema, check_shared, clip_and_step,
                                  comparable_config, confined, difference, execution_identity, int_field, load_resume,
@@ -406,22 +406,14 @@ def verify_stream_prefix(path, cursor: dict, plans=()) -> None:
 
 
 def _prepare(request: dict, settings: RunSettings):
-    from trainer.bases import show_base
-    if not isinstance(request, dict):
-        raise RequestError("request", "must be an object")
-    unknown = sorted(set(request) - {"dataset_path", "groups", "config"})
-    if unknown:
-        raise RequestError(unknown[0], "is not a known request field")
+    check_request(request, "groups")
     config = normalise_config(request.get("config", {}), settings)
     has_path, has_groups = request.get("dataset_path") is not None, request.get("groups") is not None
     if has_path == has_groups:
         raise RequestError("dataset_path", "give exactly one of dataset_path or groups")
     if config["streaming"] and not has_path:
         raise RequestError("config.streaming", "the streamed route reads a dataset_path JSONL file")
-    try:
-        base = show_base(config["base_model"], settings.bases_root)
-    except (LookupError, ValueError) as error:
-        raise AdmissionError("base_not_found", str(error)) from None
+    base = find_base(config, settings)
     return config, base
 
 

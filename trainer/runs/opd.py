@@ -26,7 +26,7 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.common import (publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
+from trainer.runs.common import (check_request, find_base, publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
                                  AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
                                  canonical, check_planning_schema, check_shared, clip_and_step,
                                  comparable_config, confined, difference, execution_identity, file_sha256,
@@ -242,18 +242,10 @@ def check_teacher(checkpoint_teacher: dict, teacher: dict):
 
 
 def _prepare(request: dict, settings: RunSettings):
-    from trainer.bases import show_base
-    if not isinstance(request, dict):
-        raise RequestError("request", "must be an object")
-    unknown = sorted(set(request) - {"dataset_path", "prompts", "config"})
-    if unknown:
-        raise RequestError(unknown[0], "is not a known request field")
+    check_request(request, "prompts")
     config = normalise_config(request.get("config", {}), settings)
     records, raw, kind = read_prompts(request, settings)
-    try:
-        base = show_base(config["base_model"], settings.bases_root)
-    except (LookupError, ValueError) as error:
-        raise AdmissionError("base_not_found", str(error)) from None
+    base = find_base(config, settings)
     return config, records, raw, kind, base
 
 

@@ -25,7 +25,7 @@ from safetensors.numpy import save as safetensors_save
 from trainer import Adam, LoraConfig
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.common import (ADAPTER_FILE, BACKEND_LOSS_ROUTES, LORA_DEFAULT, MANIFEST_FIELDS,
+from trainer.runs.common import (check_request, find_base, ADAPTER_FILE, BACKEND_LOSS_ROUTES, LORA_DEFAULT, MANIFEST_FIELDS,
                                  OPTIMIZER_FILE, SCHEDULE_DEFAULT, STATE_FILE, Admission, AdmissionError,
                                  NullHooks, RequestError, RunFailed, RunResult, RunSettings, check_shared,
                                  comparable_config, confined, difference, execution_identity, int_field,
@@ -186,18 +186,10 @@ def _load_resume(reference: str, adapter: str, settings: RunSettings):
 
 def _prepare(request: dict, settings: RunSettings):
     """Everything admission and the worker both derive from a request."""
-    from trainer.bases import show_base
-    if not isinstance(request, dict):
-        raise RequestError("request", "must be an object")
-    unknown = sorted(set(request) - {"dataset_path", "data", "config"})
-    if unknown:
-        raise RequestError(unknown[0], "is not a known request field")
+    check_request(request, "data")
     config = normalise_config(request.get("config", {}), settings)
     records, raw, kind = read_dataset(request, settings)
-    try:
-        base = show_base(config["base_model"], settings.bases_root)
-    except (LookupError, ValueError) as error:
-        raise AdmissionError("base_not_found", str(error)) from None
+    base = find_base(config, settings)
     return config, records, raw, kind, base
 
 
