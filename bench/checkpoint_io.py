@@ -5,7 +5,8 @@ optimizer, plus a small state.json), one run prints side by side, in MB/s (10^6 
 
 - raw write+fsync: one file of the same bytes written in 64 MiB calls and fsynced once;
 - raw SHA-256: hashlib.sha256 over the same bytes in one thread;
-- publish: publish_checkpoint (staging, sentinel, write, fsync, manifest, rename, parent fsync);
+- publish: publish_checkpoint into an existing registry (staging, sentinel, write, fsync, manifest,
+  rename, parent fsync);
 - validate: load_checkpoint(full=True) straight after publication (warm page cache);
 - cold validate: the same after posix_fadvise(DONTNEED) evicts the (clean) files;
 - light: load_checkpoint(full=False), in milliseconds;
@@ -84,6 +85,7 @@ def measure(folder: Path, size_mb: int, repeats: int) -> dict:
         runs["raw_write_fsync"].append(raw[0])
         runs["raw_sha256"].append(raw[1])
         registry = folder / f"registry-{size_mb}-{repeat}"
+        registry.mkdir()  # a run publishes into its existing registry; creating one is not publishing
         started = time.perf_counter()
         path = cd.publish_checkpoint(registry, "bench", 1, checkpoint_type="sft", files=files,
                                      manifest={"progress": {"committed_step": 1}}, on_timing=timings.append)

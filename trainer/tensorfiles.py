@@ -23,6 +23,60 @@ _DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"
 FLOATS = ("F64", "F32", "F16", "BF16")
 
 
+def parse_header(header_bytes, data_size: int, where: str) -> tuple[dict, dict]:
+    """(metadata, {name: (dtype, shape, begin, end)}) from a safetensors JSON header.
+
+    Every tensor's dtype must be one Kiln reads and its data offsets must lie inside the
+    `data_size` bytes after the header and match its shape; ValueError names what is wrong.
+    """
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: the safetensors header is not an object")
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            if not all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}: malformed header entry for {name!r}") from None
+        if dtype not in _DTYPES:
+            raise ValueError(f"{where}: {name} has dtype {dtype}, which Kiln does not read")
+        count = int(np.prod(shape, dtype=np.int64))
+        if not 0 <= begin <= end <= data_size or end - begin != count * _DTYPES[dtype].itemsize:
+            raise ValueError(f"{where}: {name} has data offsets {begin}..{end} that do not "
+                             f"fit its shape {shape} and dtype {dtype} in {data_size} data bytes")
+        tensors[name] = (dtype, shape, begin, end)
+    return metadata, tensors
+
+
+def tensors_from_buffer(data, where: str = "safetensors data") -> dict:
+    """{name: new array} from a whole safetensors file held in any buffer (bytes, bytearray,
+    memoryview over a mapping), without first copying the buffer into `bytes`.
+
+    Arrays keep their stored dtype (as `safetensors.numpy.load` does), so BF16, which numpy
+    lacks, is refused here; each array is a fresh, writable, C-contiguous copy.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < 8:
+        raise ValueError(f"{where}: not a safetensors file (shorter than 8 bytes)")
+    (header_size,) = struct.unpack("<Q", view[:8])
+    if header_size > min(MAX_HEADER_BYTES, view.nbytes - 8):
+        raise ValueError(f"{where}: not a safetensors file (header of {header_size} bytes)")
+    start = 8 + header_size
+    _, tensors = parse_header(bytes(view[8:start]), view.nbytes - start, where)
+    out = {}
+    for name, (dtype, shape, begin, end) in tensors.items():
+        if dtype == "BF16":
+            raise ValueError(f"{where}: {name} is BF16, which has no numpy dtype; Kiln writes state in FP32")
+        out[name] = np.frombuffer(view[start + begin:start + end], dtype=_DTYPES[dtype]).reshape(shape).copy()
+    return out
+
+
 class SafetensorsFile:
     """One .safetensors file: `names`, `info(name)` and `float32(name)` (a fresh FP32 array)."""
 
@@ -36,28 +90,9 @@ class SafetensorsFile:
             (header_size,) = struct.unpack("<Q", prefix)
             if header_size > min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError(f"{self.path}: not a safetensors file (header of {header_size} bytes)")
-            try:
-                header = json.loads(handle.read(header_size))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{self.path}: unreadable safetensors header ({exc})") from None
-        if not isinstance(header, dict):
-            raise ValueError(f"{self.path}: the safetensors header is not an object")
-        self.metadata = header.pop("__metadata__", None) or {}
+            header_bytes = handle.read(header_size)
+        self.metadata, self._tensors = parse_header(header_bytes, size - 8 - header_size, str(self.path))
         self._data_start = 8 + header_size
-        data_size = size - self._data_start
-        self._tensors = {}
-        for name, info in header.items():
-            try:
-                dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{self.path}: malformed header entry for {name!r}") from None
-            if dtype not in _DTYPES:
-                raise ValueError(f"{self.path}: {name} has dtype {dtype}, which Kiln does not read")
-            count = int(np.prod(shape, dtype=np.int64))
-            if not 0 <= begin <= end <= data_size or end - begin != count * _DTYPES[dtype].itemsize:
-                raise ValueError(f"{self.path}: {name} has data offsets {begin}..{end} that do not "
-                                 f"fit its shape {shape} and dtype {dtype} in {data_size} data bytes")
-            self._tensors[name] = (dtype, shape, begin, end)
         self._map = None
 
     @property

@@ -11,12 +11,14 @@ Run as `python tests/fuzz/atheris_loaders.py TARGET SCRATCH CORPUS [libFuzzer fl
 
 CheckpointError is the expected answer; any other exception is a crash that libFuzzer
 reports with the input. CORPUS holds the seeds (a real archive or manifest). For a long
-run pass -runs=-1 -max_total_time=600.
+run pass -runs=-1 -max_total_time=600. KILN_FUZZ_DATA_LIMIT_MB bounds its memory (RLIMIT_DATA).
 """
 
 import hashlib
 import io
 import json
+import os
+import resource
 import sys
 import zipfile
 
@@ -95,6 +97,9 @@ def kiln(scratch):
 
 
 def main(argv):
+    limit = int(os.environ.get("KILN_FUZZ_DATA_LIMIT_MB", "0")) << 20
+    if limit:  # heap and private mappings; a case that needs more fails with MemoryError
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     target, scratch = argv[1], argv[2]
     one = {"riftckpt": riftckpt, "riftckpt-manifest": riftckpt_manifest, "kiln": kiln}[target](scratch)
     atheris.Setup([argv[0]] + argv[3:], one)

@@ -12,10 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainer.runs import checkpoint_dir as cd
 from trainer.runs.checkpoint_dir import CheckpointError
+from trainer.runs.common import tensors_bytes, tensors_from
 
 WORKER_PATH = Path(__file__).with_name("publish_worker.py")
 _spec = importlib.util.spec_from_file_location("publish_worker", WORKER_PATH)
@@ -379,6 +381,31 @@ def test_large_file_read_paths_refuse_drift(registry, monkeypatch):
     assert "'big.bin'" in refused("checksum_mismatch", cd.load_checkpoint, path)
 
 
+def test_large_state_files_restore_through_the_run_readers(registry):
+    """Files above PIPELINE_MIN come back as read-only views; tensors and JSON parse from them as
+    from bytes (a real base's optimizer file is tens of MB)."""
+    rng = np.random.default_rng(3)
+    moments = {"first_moment/w": rng.standard_normal((1200, 1100), dtype=np.float32),
+               "second_moment/w": rng.random((1200, 1100), dtype=np.float32),
+               "step_count": np.arange(5, dtype=np.int64)}
+    state = {"plans": [[i, i * 2] for i in range(400_000)]}
+    files = {"optimizer.safetensors": tensors_bytes(moments), "state.json": json.dumps(state).encode()}
+    assert min(len(data) for data in files.values()) > cd.PIPELINE_MIN
+    path = cd.publish_checkpoint(registry, "bot", 1, checkpoint_type="sft", files=files, manifest={})
+    for loaded in (cd.load_checkpoint(path), cd.load_checkpoint(path, full=False)):
+        data = loaded.read("optimizer.safetensors")
+        assert data == files["optimizer.safetensors"]
+        if loaded.files:
+            assert isinstance(data, memoryview) and data.readonly
+        restored = tensors_from(data)
+        assert sorted(restored) == sorted(moments)
+        for name, array in moments.items():
+            assert restored[name].dtype == array.dtype and restored[name].shape == array.shape
+            assert restored[name].tobytes() == array.tobytes()
+            assert restored[name].flags.writeable
+        assert loaded.read_json("state.json") == state
+
+
 def test_symlink_refusals(tmp_path, registry, published):
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"x")
@@ -547,7 +574,7 @@ def _stage_names():
 
 
 STAGES = ["staging", "sentinel", "file:adapter.safetensors", "file:optimizer.safetensors",
-          "file:rng/streams.json", "file:state.json", "files_synced", "manifest", "sentinel_removed",
+          "file:rng/streams.json", "file:state.json", "manifest", "synced", "sentinel_removed",
           "renamed", "published"]
 
 

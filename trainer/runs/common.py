@@ -18,13 +18,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
 import trainer
 from trainer import LoraConfig
 from trainer.lora import PROJECTIONS
 from trainer.peft import publish_final_adapter
+from trainer.tensorfiles import tensors_from_buffer
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
 PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
@@ -425,8 +425,9 @@ def tensors_bytes(tensors: dict) -> bytes:
     return safetensors_save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
 
 
-def tensors_from(data: bytes) -> dict:
-    return safetensors_load(data)
+def tensors_from(data) -> dict:
+    """{name: array} from a safetensors file's bytes, or the memoryview a checkpoint load returns."""
+    return tensors_from_buffer(data)
 
 
 def optimizer_files(model, optimizer) -> tuple[dict, dict]:

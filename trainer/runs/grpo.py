@@ -479,7 +479,7 @@ def admit_grpo(request: dict, settings: RunSettings) -> Admission:
         check_planning_schema(manifest)
         if kind == "streamed_jsonl" and manifest.get("training", {}).get("data_source_kind") == kind:
             cursor = manifest["progress"]["next_cursor"]
-            plans = json.loads(loaded.read(STATE_FILE))["plans"]
+            plans = loaded.read_json(STATE_FILE)["plans"]
             verify_stream_prefix(path, _stream_cursor(cursor), plans)
             changed = []
             compare_dataset = manifest.get("dataset") or {}
@@ -534,7 +534,7 @@ def _state_document(loop: GRPOLoop, scalars: dict, config: dict, seed: int) -> d
 
 def _restore(loaded, model, optimizer, loop: GRPOLoop, config: dict):
     """Restore adapter, optimizer and loop; returns (EMA reference or None, pending rollout tensors)."""
-    document = json.loads(loaded.read(STATE_FILE))
+    document = loaded.read_json(STATE_FILE)
     restore_optimizer(loaded, model, optimizer, document["optimizer"])
     for key, value in document["loop"].items():
         setattr(loop, key, value)

@@ -412,7 +412,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
             latest = None
             if admission.resume is not None:
                 loaded = reopen_resume(admission, settings)
-                document = json.loads(loaded.read(STATE_FILE))
+                document = loaded.read_json(STATE_FILE)
                 restore_optimizer(loaded, model, optimizer, document["optimizer"])
                 for key, value in document["loop"].items():
                     setattr(loop, key, value)

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
 from trainer import Adam, LoraConfig
@@ -30,7 +29,7 @@ from trainer.runs.common import (check_request, find_base, ADAPTER_FILE, BACKEND
                                  NullHooks, RequestError, RunFailed, RunResult, RunSettings, check_shared,
                                  comparable_config, confined, difference, execution_identity, int_field,
                                  learning_rate_at, load_resume, merge_config, publish_final, refuse_drift,
-                                 resume_record, select_loss_route)
+                                 resume_record, select_loss_route, tensors_from)
 
 PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
 SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
@@ -311,9 +310,9 @@ def _serialise_state(model, optimizer, loop: LoopState):
 
 
 def _restore_state(loaded, model, optimizer, loop: LoopState):
-    adapter = safetensors_load(loaded.read(ADAPTER_FILE))
-    moments = safetensors_load(loaded.read(OPTIMIZER_FILE))
-    document = json.loads(loaded.read(STATE_FILE))
+    adapter = tensors_from(loaded.read(ADAPTER_FILE))
+    moments = tensors_from(loaded.read(OPTIMIZER_FILE))
+    document = loaded.read_json(STATE_FILE)
     model.load_adapter_state_dict(adapter)
     first = {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith("first_moment/")}
     second = {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith("second_moment/")}
