@@ -443,6 +443,23 @@ def _write_all(fd: int, view: memoryview):
         offset += os.write(fd, view[offset:offset + IO_CHUNK])
 
 
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """A process-wide thread pool, started on first use and kept: starting threads is a visible
+    part of a small checkpoint's time. A forked child starts its own."""
+    with _pools_lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kiln-ckpt-{name}")
+        return pool
+
+
+os.register_at_fork(after_in_child=_pools.clear)
+
+
 def _sha256(view: memoryview) -> tuple[str, float]:
     started = time.perf_counter()
     digest = hashlib.sha256(view).hexdigest()  # releases the GIL: overlaps the writes
@@ -525,11 +542,11 @@ def publish_checkpoint(registry, adapter: str, step: int, *, checkpoint_type: st
         # Hashing is the CPU work; writing is a memcpy into the page cache. One core writes while
         # the others hash, largest file first; once its writes are done the writing thread takes
         # over every hash no worker has started yet.
-        workers = max(1, min(len(views), (os.cpu_count() or 1) - 1))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kiln-ckpt-hash") as pool, \
-                ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="kiln-ckpt-sync") as syncer:
-            hashes = {path: pool.submit(_sha256, views[path])
-                      for path in sorted(views, key=lambda path: -views[path].nbytes)}
+        pool = _pool("hash", max(1, (os.cpu_count() or 1) - 1))
+        syncer = _pool("sync", SYNC_THREADS)
+        hashes = {path: pool.submit(_sha256, views[path])
+                  for path in sorted(views, key=lambda path: -views[path].nbytes)}
+        try:
             subdirs = sorted({"/".join(p.split("/")[:i]) for p in views for i in range(1, p.count("/") + 1)},
                              key=lambda d: (d.count("/"), d))
             for subdir in subdirs:
@@ -579,7 +596,10 @@ def publish_checkpoint(registry, adapter: str, step: int, *, checkpoint_type: st
                     future.exception()  # never close an fd a sync is still using
                 for fd in descriptors:
                     os.close(fd)
-            stage("synced")
+        finally:
+            for future in hashes.values():
+                future.cancel() or future.exception()  # nothing reads the caller's buffers after return
+        stage("synced")
         os.unlink(staging / SENTINEL)
         t = time.perf_counter()
         _fsync_dir(staging)
@@ -969,16 +989,15 @@ def load_checkpoint(path, *, full: bool = True, expected_type=None, expected_ada
         data = {}
         if full and declared:
             order = sorted(declared, key=lambda rel: -declared[rel]["size"])  # largest first
-            workers = max(1, min(len(order), os.cpu_count() or 1))  # hashing is the work; reads are memcpy
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kiln-ckpt-verify") as pool:
-                futures = {rel: pool.submit(_read_verified, root, rel, declared[rel], found[rel][1:], name)
-                           for rel in order}
-                errors = []
-                for rel in sorted(futures):
-                    try:
-                        data[rel] = futures[rel].result()
-                    except CheckpointError as error:
-                        errors.append(error)
+            pool = _pool("verify", os.cpu_count() or 1)  # a file a core: hashing is the work, reads are memcpy
+            futures = {rel: pool.submit(_read_verified, root, rel, declared[rel], found[rel][1:], name)
+                       for rel in order}
+            errors = []
+            for rel in sorted(futures):
+                try:
+                    data[rel] = futures[rel].result()
+                except CheckpointError as error:
+                    errors.append(error)
             if errors:
                 errors[0].path = path
                 raise errors[0]
