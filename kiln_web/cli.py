@@ -88,7 +88,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `docker stop` stops as cleanly as Ctrl-C
     try:
         # lifespan off: the Channels router does not speak the ASGI lifespan protocol.
-        uvicorn.run(application, host=args.host, port=args.port, lifespan="off", log_level="info")
+        # no per-message deflate: job events are a few hundred bytes of JSON, and compressing each one once
+        # per open dashboard costs the web process more CPU than the bytes it saves on a local network
+        uvicorn.run(application, host=args.host, port=args.port, lifespan="off", log_level="info",
+                    ws_per_message_deflate=False)
     except KeyboardInterrupt:
         pass  # uvicorn has shut down the server and re-raised the signal
     if worker is not None:

@@ -158,7 +158,10 @@ def broker_config(url: str | None) -> tuple[str, dict]:
     scheme = urlsplit(url).scheme
     if scheme not in {"redis", "rediss"}:
         raise ImproperlyConfigured(f"REDIS_URL must be a redis:// or rediss:// URL, not {scheme or 'a scheme-less'}:// one")
-    return url, {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [url]}}}
+    # redis-py caps an asyncio pool at 100 connections and raises past it; a web process with a
+    # hundred dashboards open joins groups and relays events on more than that at once
+    host = {"address": url, "max_connections": env_int("KILN_REDIS_MAX_CONNECTIONS", 1000, minimum=10)}
+    return url, {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}}
 
 
 def load_or_create_secret_key(kiln_home: Path) -> str:
@@ -317,6 +320,11 @@ KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda
 # largest request body the API reads (inline SFT data is sent in the body)
 KILN_UPLOAD_MAX_BYTES = env_int("KILN_UPLOAD_MAX_BYTES", 64 << 20, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = KILN_UPLOAD_MAX_BYTES
+# job-status polls (GET /v1/train/jobs/{id} with a bearer token) are answered from the last
+# answer Django gave while it is this young, and authenticated tokens are remembered this long
+# (kiln_web.core.fastpath); 0 sends every poll through Django
+KILN_STATUS_CACHE_SECONDS = env_float("KILN_STATUS_CACHE_SECONDS", 0.5, minimum=0.0)
+KILN_TOKEN_CACHE_SECONDS = env_float("KILN_TOKEN_CACHE_SECONDS", 10.0, minimum=0.0)
 # a running job's worker writes heartbeat_at this often; a job whose heartbeat is older
 # than KILN_LOST_AFTER_SECONDS is marked lost by the periodic check
 KILN_HEARTBEAT_SECONDS = env_float("KILN_HEARTBEAT_SECONDS", 10.0, minimum=0.1)

@@ -7,4 +7,22 @@ class CoreConfig(AppConfig):
     verbose_name = "Kiln core"
 
     def ready(self) -> None:
+        from django.contrib.auth import get_user_model
+        from django.db.models.signals import post_delete, post_save
+
+        from kiln_web.accounts.models import ApiToken
         from kiln_web.core import checks  # noqa: F401  (registers the system checks)
+        from kiln_web.core import fastpath
+        from kiln_web.jobs.models import TrainingJob
+
+        # what the job-status fast path remembers is dropped when this process changes it
+        for model in (ApiToken, get_user_model()):
+            post_save.connect(fastpath.forget_tokens, sender=model, dispatch_uid=f"fastpath-{model.__name__}-save")
+            post_delete.connect(fastpath.forget_tokens, sender=model, dispatch_uid=f"fastpath-{model.__name__}-delete")
+        post_save.connect(_forget_job, sender=TrainingJob, dispatch_uid="fastpath-job-save")
+
+
+def _forget_job(sender, instance, **_) -> None:
+    from kiln_web.core import fastpath
+
+    fastpath.forget_job(instance.pk)

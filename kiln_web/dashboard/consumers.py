@@ -1,7 +1,7 @@
 """WebSocket consumers: authenticate, join the job groups a person may see, relay; nothing else.
 
-Messages come from kiln_web.jobs.events after the database commit; a handler's name is the
-message type with "_" for "." and sends the message on unchanged. Group names come from
+Messages come from kiln_web.jobs.events after the database commit; the four job event types
+(RELAYED) are sent on unchanged by `dispatch` itself. Group names come from
 events.group_name. An anonymous socket, or one for a job the person may not see, is refused.
 """
 
@@ -14,6 +14,7 @@ from django.contrib.auth import get_user_model
 from kiln_web.dashboard.readers import visible_jobs
 from kiln_web.jobs import events
 
+RELAYED = frozenset({events.JOB_STATUS, events.JOB_STEP, events.JOB_CHECKPOINT, events.JOB_EVENT})
 UNAUTHENTICATED = 4401  # close codes a page can tell apart from a network failure
 NOT_FOUND = 4404
 
@@ -45,20 +46,17 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
         for name in self.joined:
             await self.channel_layer.group_discard(name, self.channel_name)
 
+    async def dispatch(self, message):
+        """Relayed events go straight to the socket. Channels' own dispatch first closes stale database
+        connections in a worker thread, for every message: a thread hop per event and per open
+        dashboard, for handlers that never touch the database. Connect and disconnect keep it."""
+        if message["type"] in RELAYED:
+            await self.send_json(message)
+        else:
+            await super().dispatch(message)
+
     async def receive_json(self, content, **kwargs) -> None:
         pass  # the page only listens; it asks the HTTP views for anything else
-
-    async def job_status(self, message: dict) -> None:
-        await self.send_json(message)
-
-    async def job_step(self, message: dict) -> None:
-        await self.send_json(message)
-
-    async def job_checkpoint(self, message: dict) -> None:
-        await self.send_json(message)
-
-    async def job_event(self, message: dict) -> None:
-        await self.send_json(message)
 
 
 class JobListConsumer(RelayConsumer):

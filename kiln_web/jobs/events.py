@@ -2,7 +2,7 @@
 
 Group names come from group_name() and nowhere else. Consumers (the dashboard) join
 `group_name("job", job_id)` for one job or `group_name("user", user_id)` for a person's jobs;
-the message `type` is the consumer handler name with "." for "_" (job.status -> job_status).
+the message `type` is one of the four below, which the dashboard consumers relay unchanged.
 """
 
 import json

@@ -1,0 +1,177 @@
+"""The job-status fast path (kiln_web.core.fastpath) through the real ASGI stack: what it answers from
+memory is byte for byte Django's answer, only to a token Django authenticated for someone who may
+see the job, and never older than KILN_STATUS_CACHE_SECONDS or past a change made in this process."""
+
+import asyncio
+import json
+import time
+
+import pytest
+from asgiref.sync import async_to_sync
+from asgiref.testing import ApplicationCommunicator
+
+from kiln_web.accounts.models import ApiToken
+from kiln_web.core import fastpath
+from kiln_web.jobs import actions
+from kiln_web.jobs.models import TrainingJob
+
+from .conftest import sft_body
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class CountingApp:
+    """The whole Kiln HTTP stack behind the fast path, counting the requests that reach it."""
+
+    def __init__(self):
+        from kiln_web.asgi import application
+
+        self.inner = application.application_mapping["http"].app  # what JobStatusFastPath wraps
+        self.calls = []
+
+    async def __call__(self, scope, receive, send):
+        self.calls.append((scope["method"], scope["path"]))
+        await self.inner(scope, receive, send)
+
+
+@pytest.fixture
+def stack(settings, fake_runner):
+    settings.KILN_STATUS_CACHE_SECONDS = 30  # long enough that only what a test does expires an answer
+    settings.KILN_TOKEN_CACHE_SECONDS = 30
+    fastpath.forget_everything()
+    counting = CountingApp()
+    yield fastpath.JobStatusFastPath(counting), counting
+    fastpath.forget_everything()
+
+
+async def _request(app, method, path, token=None, query=b""):
+    headers = [(b"host", b"testserver")]
+    if token:
+        headers.append((b"authorization", f"Bearer {token}".encode()))
+    scope = {"type": "http", "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": query, "headers": headers, "client": ("127.0.0.1", 1),
+             "server": ("testserver", 80)}
+    communicator = ApplicationCommunicator(app, scope)
+    await communicator.send_input({"type": "http.request", "body": b""})
+    start = await communicator.receive_output(20)
+    body = b""
+    while True:
+        message = await communicator.receive_output(20)
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await communicator.wait(5)
+    return start["status"], sorted(start["headers"]), body
+
+
+def get(app, path, token=None, query=b""):
+    return async_to_sync(_request)(app, "GET", path, token, query)
+
+
+def post(app, path, token=None):
+    return async_to_sync(_request)(app, "POST", path, token)
+
+
+def make_job(owner, adapter_name) -> str:
+    return str(actions.do_submit_job(owner, sft_body(adapter_name), sft_body(adapter_name)).pk)
+
+
+def test_a_repeated_poll_is_django_s_answer_from_memory(stack, ada, adapter_name):
+    app, counting = stack
+    path = f"/v1/train/jobs/{make_job(ada, adapter_name)}"
+    first = get(app, path, ada.token)
+    assert first[0] == 200 and json.loads(first[2])["status"] == "queued"
+    assert len(counting.calls) == 1
+    for _ in range(5):
+        assert get(app, path, ada.token) == first  # status, every header and the body, byte for byte
+    assert len(counting.calls) == 1
+
+
+def test_only_the_owner_or_staff_is_answered_from_memory(stack, ada, bob, make_user, adapter_name):
+    app, counting = stack
+    root = make_user("root", staff=True)
+    job_path = f"/v1/train/jobs/{make_job(ada, adapter_name)}"
+    ada_answer = get(app, job_path, ada.token)
+    bob_job = f"/v1/train/jobs/{make_job(bob, adapter_name + '-b')}"
+    assert get(app, bob_job, bob.token)[0] == 200  # bob's token is now known to the fast path
+    calls = len(counting.calls)
+    status, _, body = get(app, job_path, bob.token)
+    assert status == 404 and b"belongs to someone else" in body  # Django's refusal, not ada's answer
+    assert len(counting.calls) == calls + 1
+    assert get(app, job_path, root.token) == ada_answer  # first time: Django; it authenticates root
+    calls = len(counting.calls)
+    assert get(app, job_path, root.token) == ada_answer  # then from memory
+    assert len(counting.calls) == calls
+
+
+def test_missing_wrong_and_revoked_tokens_always_reach_django(stack, ada, adapter_name):
+    app, counting = stack
+    path = f"/v1/train/jobs/{make_job(ada, adapter_name)}"
+    assert get(app, path, ada.token)[0] == 200
+    assert get(app, path)[0] == 401
+    assert get(app, path, "kiln_" + "x" * 40)[0] == 401
+    assert get(app, path, ada.token.upper())[0] == 401
+    calls = len(counting.calls)
+    ApiToken.objects.filter(user=ada).delete()  # revoked in this process: forgotten at once
+    assert get(app, path, ada.token)[0] == 401
+    assert len(counting.calls) == calls + 1
+
+
+def test_changes_here_reach_the_next_poll(stack, ada, api, adapter_name):
+    app, counting = stack
+    job_id = make_job(ada, adapter_name)
+    path = f"/v1/train/jobs/{job_id}"
+    assert json.loads(get(app, path, ada.token)[2])["status"] == "queued"
+    status, _, body = post(app, path + "/cancel", ada.token)
+    assert status == 200 and json.loads(body)["status"] == "cancelled"
+    assert json.loads(get(app, path, ada.token)[2])["status"] == "cancelled"  # the POST forgot the answer
+    calls = len(counting.calls)
+    assert get(app, path, ada.token)[0] == 200
+    assert len(counting.calls) == calls  # remembered again
+    job = TrainingJob.objects.get(pk=job_id)
+    job.error_code, job.error_message = "test", "changed by a model save"
+    job.save()  # any save of the job in this process drops its answer
+    assert json.loads(get(app, path, ada.token)[2])["error"]["message"] == "changed by a model save"
+    assert len(counting.calls) == calls + 1
+
+
+def test_answers_expire(stack, settings, ada, adapter_name):
+    app, counting = stack
+    settings.KILN_STATUS_CACHE_SECONDS = 0.2
+    job_id = make_job(ada, adapter_name)
+    path = f"/v1/train/jobs/{job_id}"
+    get(app, path, ada.token)
+    TrainingJob.objects.filter(pk=job_id).update(status="cancelled")  # no signal, as from another process
+    assert json.loads(get(app, path, ada.token)[2])["status"] == "queued"  # still the remembered answer
+    time.sleep(0.25)
+    assert json.loads(get(app, path, ada.token)[2])["status"] == "cancelled"
+    settings.KILN_STATUS_CACHE_SECONDS = 0  # off: every poll is Django's
+    calls = len(counting.calls)
+    for _ in range(3):
+        get(app, path, ada.token)
+    assert len(counting.calls) == calls + 3
+
+
+def test_other_requests_pass_through(stack, ada, adapter_name):
+    app, counting = stack
+    job_id = make_job(ada, adapter_name)
+    get(app, f"/v1/train/jobs/{job_id}", ada.token)
+    calls = len(counting.calls)
+    for path, query in ((f"/v1/train/jobs/{job_id}/checkpoints", b""), (f"/v1/train/jobs/{job_id}/events", b""),
+                        (f"/v1/train/jobs/{job_id}", b"x=1"), ("/v1/train/jobs", b"")):
+        assert get(app, path, ada.token, query)[0] == 200
+    assert len(counting.calls) == calls + 4
+
+
+def test_simultaneous_misses_make_one_trip_through_django(stack, ada, adapter_name):
+    app, counting = stack
+    path = f"/v1/train/jobs/{make_job(ada, adapter_name)}"
+    get(app, "/v1/train/jobs", ada.token)  # the token is known; the job's answer is not
+
+    async def many():
+        return await asyncio.gather(*(_request(app, "GET", path, ada.token) for _ in range(20)))
+
+    calls = len(counting.calls)
+    answers = async_to_sync(many)()
+    assert all(answer == answers[0] for answer in answers) and answers[0][0] == 200
+    assert len(counting.calls) == calls + 1
