@@ -7,13 +7,15 @@ the web process's one interpreter, so a few hundred pollers saturate it and ever
 else (WebSocket events included) waits behind them.
 
 This ASGI wrapper keeps, per web process, the last 200 answer Django gave for each job
-(status line, headers and body, byte for byte) for KILN_STATUS_CACHE_SECONDS (default 0.5 s),
+(status line, headers and body, byte for byte) for KILN_STATUS_CACHE_SECONDS (default 1 s),
 and the tokens Django authenticated for KILN_TOKEN_CACHE_SECONDS (default 10 s). A poll
 is answered from memory only when both are fresh and the token's user may see the job
 (its owner, or staff: the rule of `kiln_web.jobs.api`); anything else goes to Django, which
 stays the only authority: it authenticates, authorizes and builds every answer that is
-replayed. When several polls for one job miss at once, one goes to Django and the rest
-wait for its answer.
+replayed. Once an answer is half its allowed age, the next poll goes to Django for a new
+one while the others are still given the old one; when there is no answer yet, one poll goes
+and the rest wait for it. So once a job is watched, no poll waits behind another's trip
+through Django.
 
 So a poll can be up to KILN_STATUS_CACHE_SECONDS older than the database, and a token
 revoked (or a user deactivated or demoted) in another process keeps reading job status for
@@ -51,7 +53,8 @@ class _Answer:
     owner: str
     headers: list
     body: bytes
-    expires: float
+    refresh_after: float  # from here one poll goes to Django for a new answer while the others get this one
+    expires: float  # from here it is never given
 
 
 _tokens: dict[bytes, _Token] = {}
@@ -106,15 +109,16 @@ def _bearer_hash(scope) -> str | None:
     return None
 
 
-def _lookup(token_hash: str, job_id: str) -> _Answer | None:
+def _lookup(token_hash: str, job_id: str) -> tuple[_Answer | None, bool]:
+    """(the answer this token may be given, whether it should be refreshed), or (None, True)."""
     now = time.monotonic()
     who = _tokens.get(token_hash.encode())
     answer = _answers.get(job_id)
     if who is None or answer is None or who.expires <= now or answer.expires <= now:
-        return None
+        return None, True
     if not (who.is_staff or who.username == answer.owner):
-        return None  # Django answers: 404, as for a job that does not exist
-    return answer
+        return None, True  # Django answers: 404, as for a job that does not exist
+    return answer, now >= answer.refresh_after
 
 
 def _remember_answer(job_id: str, status: int, headers: list, body: bytes) -> None:
@@ -128,8 +132,9 @@ def _remember_answer(job_id: str, status: int, headers: list, body: bytes) -> No
     except (ValueError, KeyError, TypeError):
         return
     kept = [(name, value) for name, value in headers if name.lower() in REPLAYED_HEADERS]
+    now, seconds = time.monotonic(), settings.KILN_STATUS_CACHE_SECONDS
     with _lock:
-        _answers[job_id] = _Answer(owner, kept, body, time.monotonic() + settings.KILN_STATUS_CACHE_SECONDS)
+        _answers[job_id] = _Answer(owner, kept, body, now + seconds / 2, now + seconds)
         _bounded(_answers)
 
 
@@ -155,14 +160,14 @@ class JobStatusFastPath:
         token_hash = _bearer_hash(scope)
         if match.group(2) or scope.get("method") != "GET" or scope.get("query_string") or token_hash is None:
             return await self.app(scope, receive, send)
-        answer = _lookup(token_hash, job_id)
+        answer, stale = _lookup(token_hash, job_id)
         if answer is None and job_id in self._filling:
             try:
                 await asyncio.wait_for(self._filling[job_id].wait(), FILL_WAIT_SECONDS)
-            except (TimeoutError, KeyError):
+            except TimeoutError:
                 pass
-            answer = _lookup(token_hash, job_id)
-        if answer is not None:
+            answer, stale = _lookup(token_hash, job_id)
+        if answer is not None and (not stale or job_id in self._filling):
             await send({"type": "http.response.start", "status": 200, "headers": answer.headers})
             await send({"type": "http.response.body", "body": answer.body})
             return

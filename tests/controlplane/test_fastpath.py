@@ -3,6 +3,7 @@ memory is byte for byte Django's answer, only to a token Django authenticated fo
 see the job, and never older than KILN_STATUS_CACHE_SECONDS or past a change made in this process."""
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -28,9 +29,12 @@ class CountingApp:
 
         self.inner = application.application_mapping["http"].app  # what JobStatusFastPath wraps
         self.calls = []
+        self.gate = None  # an asyncio.Event that requests wait for before reaching Django
 
     async def __call__(self, scope, receive, send):
         self.calls.append((scope["method"], scope["path"]))
+        if self.gate is not None:
+            await self.gate.wait()
         await self.inner(scope, receive, send)
 
 
@@ -174,4 +178,30 @@ def test_simultaneous_misses_make_one_trip_through_django(stack, ada, adapter_na
     calls = len(counting.calls)
     answers = async_to_sync(many)()
     assert all(answer == answers[0] for answer in answers) and answers[0][0] == 200
+    assert len(counting.calls) == calls + 1
+
+
+def test_an_ageing_answer_is_refreshed_by_one_poll_while_the_rest_get_it(stack, ada, adapter_name):
+    app, counting = stack
+    job_id = make_job(ada, adapter_name)
+    path = f"/v1/train/jobs/{job_id}"
+    old = get(app, path, ada.token)
+    TrainingJob.objects.filter(pk=job_id).update(status="cancelled")  # no signal, as from another process
+    fastpath._answers[job_id] = dataclasses.replace(fastpath._answers[job_id], refresh_after=0.0)
+
+    async def refresh_while_polling():
+        counting.gate = asyncio.Event()
+        refresher = asyncio.create_task(_request(app, "GET", path, ada.token))
+        while len(counting.calls) < 2:  # the refresher is at the gate, on its way to Django
+            await asyncio.sleep(0.01)
+        others = [await _request(app, "GET", path, ada.token) for _ in range(3)]
+        counting.gate.set()
+        return await refresher, others
+
+    calls = len(counting.calls)
+    refreshed, others = async_to_sync(refresh_while_polling)()
+    assert others == [old] * 3  # answered at once, from memory, while the refresh was held
+    assert len(counting.calls) == calls + 1
+    assert json.loads(refreshed[2])["status"] == "cancelled"
+    assert get(app, path, ada.token) == refreshed
     assert len(counting.calls) == calls + 1
