@@ -9,12 +9,13 @@ import time
 
 import pytest
 from asgiref.sync import async_to_sync
-from asgiref.testing import ApplicationCommunicator
 
 from kiln_web.accounts.models import ApiToken
 from kiln_web.core import fastpath
 from kiln_web.jobs import actions
 from kiln_web.jobs.models import TrainingJob
+
+from asgi_http import asgi_request
 
 from .conftest import sft_body
 
@@ -49,23 +50,8 @@ def stack(settings, fake_runner):
 
 
 async def _request(app, method, path, token=None, query=b""):
-    headers = [(b"host", b"testserver")]
-    if token:
-        headers.append((b"authorization", f"Bearer {token}".encode()))
-    scope = {"type": "http", "http_version": "1.1", "method": method, "scheme": "http", "path": path,
-             "raw_path": path.encode(), "query_string": query, "headers": headers, "client": ("127.0.0.1", 1),
-             "server": ("testserver", 80)}
-    communicator = ApplicationCommunicator(app, scope)
-    await communicator.send_input({"type": "http.request", "body": b""})
-    start = await communicator.receive_output(20)
-    body = b""
-    while True:
-        message = await communicator.receive_output(20)
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    await communicator.wait(5)
-    return start["status"], sorted(start["headers"]), body
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    return await asgi_request(app, method, path, headers, query)
 
 
 def get(app, path, token=None, query=b""):

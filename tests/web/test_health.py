@@ -42,26 +42,11 @@ def test_index_for_signed_in_user(client, django_user_model):
 
 def test_static_css_served_through_asgi_app():
     """`kiln up` serves the ASGI app alone, so it must hand out the static files itself."""
+    from asgi_http import asgi_request
     from asgiref.sync import async_to_sync
-    from asgiref.testing import ApplicationCommunicator
 
     from kiln_web.asgi import application
 
-    async def get(path):
-        scope = {"type": "http", "http_version": "1.1", "method": "GET", "scheme": "http", "path": path,
-                 "query_string": b"", "headers": [(b"host", b"localhost")], "server": ("localhost", 80)}
-        communicator = ApplicationCommunicator(application, scope)
-        await communicator.send_input({"type": "http.request", "body": b""})
-        start = await communicator.receive_output(5)
-        body = b""
-        while True:
-            message = await communicator.receive_output(5)
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        await communicator.wait(5)
-        return start["status"], body
-
-    status, body = async_to_sync(get)("/static/kiln.css")
+    status, _, body = async_to_sync(asgi_request)(application, "GET", "/static/kiln.css")
     assert status == 200
     assert b"Kiln" in body
