@@ -99,14 +99,13 @@ def forget_everything() -> None:
 def _bearer_hash(scope) -> str | None:
     from kiln_web.accounts.models import TOKEN_PREFIX, hash_token
 
-    for name, value in scope.get("headers") or ():
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            token = token.strip()
-            if scheme.lower() != "bearer" or not token.startswith(TOKEN_PREFIX):
-                return None
-            return hash_token(token)
-    return None
+    values = [value for name, value in scope.get("headers") or () if name == b"authorization"]
+    if len(values) != 1:
+        return None  # none, or several that Django would join into one it refuses
+    scheme, _, token = values[0].decode("latin-1").partition(" ")  # as django-ninja's HttpBearer splits it
+    if scheme.lower() != "bearer" or not token.startswith(TOKEN_PREFIX):
+        return None
+    return hash_token(token)
 
 
 def _lookup(token_hash: str, job_id: str) -> tuple[_Answer | None, bool]:

@@ -102,6 +102,11 @@ def test_missing_wrong_and_revoked_tokens_always_reach_django(stack, ada, adapte
     assert get(app, path, "kiln_" + "x" * 40)[0] == 401
     assert get(app, path, ada.token.upper())[0] == 401
     calls = len(counting.calls)
+    for headers in ([(b"authorization", f"Bearer  {ada.token}".encode())],  # what Django reads as another token
+                    [(b"authorization", f"Bearer {ada.token}".encode())] * 2):
+        assert async_to_sync(asgi_request)(app, "GET", path, headers)[0] == 401
+    assert len(counting.calls) == calls + 2
+    calls = len(counting.calls)
     ApiToken.objects.filter(user=ada).delete()  # revoked in this process: forgotten at once
     assert get(app, path, ada.token)[0] == 401
     assert len(counting.calls) == calls + 1
