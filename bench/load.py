@@ -1,7 +1,7 @@
 """Control-plane load on loopback: API pollers and dashboard WebSockets while two kiln-tiny jobs train.
 
 Kiln as deployed on one host, in a temporary KILN_HOME: `kiln up` (uvicorn, one process) with REDIS_URL
-set, two `celery -A kiln_web worker --pool solo` processes (one job each), a redis-server of the bench's
+set and KILN_STATUS_CACHE_SECONDS=1 (--status-cache), two `celery -A kiln_web worker --pool solo` processes (one job each), a redis-server of the bench's
 own on a free loopback port, and SQLite or the PostgreSQL named by --database-url (the bench creates a
 fresh database there and drops it). Two SFT jobs are submitted and, once both run, for DURATION seconds:
 
@@ -97,7 +97,7 @@ class Child:
 
 
 class Deployment:
-    def __init__(self, database_url: str | None, worker_nice: int):
+    def __init__(self, database_url: str | None, worker_nice: int, status_cache: float):
         self.home = Path(tempfile.mkdtemp(prefix="kiln-load-home-"))
         self.children: list[Child] = []
         self.database_url, self.database_name = None, None
@@ -112,7 +112,8 @@ class Deployment:
         self.url = f"http://{HOST}:{self.port}"
         self.env = {key: value for key, value in os.environ.items() if key not in {"DATABASE_URL", "REDIS_URL"}}
         self.env |= {"KILN_HOME": str(self.home), "REDIS_URL": f"redis://{HOST}:{redis_port}/0",
-                     "PYTHONUNBUFFERED": "1", "KILN_TRAINING_QUEUE": "training", "KILN_LOG_LEVEL": "WARNING"}
+                     "PYTHONUNBUFFERED": "1", "KILN_TRAINING_QUEUE": "training", "KILN_LOG_LEVEL": "WARNING",
+                     "KILN_STATUS_CACHE_SECONDS": str(status_cache)}
         if self.database_url:
             self.env["DATABASE_URL"] = self.database_url
         self.web = Child([sys.executable, "-m", "kiln_web.cli", "up", "--host", HOST, "--port", str(self.port)],
@@ -309,12 +310,14 @@ def main() -> int:
                              "workers on machines of their own would (0: compete as equals)")
     parser.add_argument("--database-url", default=None, help="a loopback PostgreSQL server to create a "
                                                              "database in (default: SQLite in KILN_HOME)")
+    parser.add_argument("--status-cache", type=float, default=1.0,
+                        help="KILN_STATUS_CACHE_SECONDS for the web process (default 1; 0: every poll through Django)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is needed: apt-get install redis-server")
 
-    deployment = Deployment(args.database_url, args.worker_nice)
+    deployment = Deployment(args.database_url, args.worker_nice, args.status_cache)
     try:
         jobs = [deployment.api("POST", "/v1/train/sft", job_request(f"load-{index}", args.epochs,
                                                                     args.accumulation))["id"] for index in range(2)]
@@ -339,6 +342,7 @@ def main() -> int:
     latencies, delivery = polls["latencies"], sockets["delivery"]
     report = {
         "setup": {"web": "kiln up (uvicorn, 1 process) with REDIS_URL",
+                  "status_cache_s": args.status_cache,
                   "workers": f"2 x celery --pool solo, nice {args.worker_nice}",
                   "database": "postgresql" if args.database_url else "sqlite", "clients": args.clients,
                   "sockets": args.sockets, "poll_interval_s": args.poll_interval,

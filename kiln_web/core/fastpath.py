@@ -7,7 +7,7 @@ the web process's one interpreter, so a few hundred pollers saturate it and ever
 else (WebSocket events included) waits behind them.
 
 This ASGI wrapper keeps, per web process, the last 200 answer Django gave for each job
-(status line, headers and body, byte for byte) for KILN_STATUS_CACHE_SECONDS (default 1 s),
+(status line, headers and body, byte for byte) for KILN_STATUS_CACHE_SECONDS (off by default; the load bench uses 1 s),
 and the tokens Django authenticated for KILN_TOKEN_CACHE_SECONDS (default 10 s). A poll
 is answered from memory only when both are fresh and the token's user may see the job
 (its owner, or staff: the rule of `kiln_web.jobs.api`); anything else goes to Django, which
@@ -20,7 +20,8 @@ through Django.
 So a poll can be up to KILN_STATUS_CACHE_SECONDS older than the database, and a token
 revoked (or a user deactivated or demoted) in another process keeps reading job status for
 up to KILN_TOKEN_CACHE_SECONDS there; changes made in this process take effect at once
-(model signals drop what they affect). KILN_STATUS_CACHE_SECONDS=0 turns the fast path off.
+(model signals drop what they affect). That lag is why it is off unless KILN_STATUS_CACHE_SECONDS is set:
+a script that waits for a worker to finish and then reads the status once expects the new status.
 """
 
 from __future__ import annotations
