@@ -1,7 +1,7 @@
 """Control-plane load on loopback: API pollers and dashboard WebSockets while two kiln-tiny jobs train.
 
 Kiln as deployed on one host, in a temporary KILN_HOME: `kiln up` (uvicorn, one process) with REDIS_URL
-set and KILN_STATUS_CACHE_SECONDS=1 (--status-cache), two `celery -A kiln_web worker --pool solo` processes (one job each), a redis-server of the bench's
+set (KILN_STATUS_CACHE_SECONDS from --status-cache, default 1 as Kiln's own), two `celery -A kiln_web worker --pool solo` processes (one job each), a redis-server of the bench's
 own on a free loopback port, and SQLite or the PostgreSQL named by --database-url (the bench creates a
 fresh database there and drops it). Two SFT jobs are submitted and, once both run, for DURATION seconds:
 

@@ -320,11 +320,11 @@ KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda
 # largest request body the API reads (inline SFT data is sent in the body)
 KILN_UPLOAD_MAX_BYTES = env_int("KILN_UPLOAD_MAX_BYTES", 64 << 20, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = KILN_UPLOAD_MAX_BYTES
-# above 0, job-status polls (GET /v1/train/jobs/{id} with a bearer token) are answered from the
-# last answer Django gave while it is this young (refreshed from half that age on), for hundreds of
-# pollers per web process (kiln_web.core.fastpath); off by default, because then a poll can miss a
-# change another process made less than this long ago. Tokens are remembered KILN_TOKEN_CACHE_SECONDS.
-KILN_STATUS_CACHE_SECONDS = env_float("KILN_STATUS_CACHE_SECONDS", 0.0, minimum=0.0)
+# job-status polls (GET /v1/train/jobs/{id} with a bearer token) are answered from the last
+# answer Django gave when nothing changed since and it is younger than this (refreshed from half
+# that age on); authenticated tokens are remembered KILN_TOKEN_CACHE_SECONDS (kiln_web.core.fastpath).
+# 0 sends every poll through Django
+KILN_STATUS_CACHE_SECONDS = env_float("KILN_STATUS_CACHE_SECONDS", 1.0, minimum=0.0)
 KILN_TOKEN_CACHE_SECONDS = env_float("KILN_TOKEN_CACHE_SECONDS", 10.0, minimum=0.0)
 # a running job's worker writes heartbeat_at this often; a job whose heartbeat is older
 # than KILN_LOST_AFTER_SECONDS is marked lost by the periodic check

@@ -15,14 +15,17 @@ class CoreConfig(AppConfig):
         from kiln_web.core import fastpath
         from kiln_web.jobs.models import TrainingJob
 
-        # what the job-status fast path remembers is dropped when this process changes it
+        # the job-status fast path never replays what a token, user or job change made old
         for model in (ApiToken, get_user_model()):
-            post_save.connect(fastpath.forget_tokens, sender=model, dispatch_uid=f"fastpath-{model.__name__}-save")
-            post_delete.connect(fastpath.forget_tokens, sender=model, dispatch_uid=f"fastpath-{model.__name__}-delete")
-        post_save.connect(_forget_job, sender=TrainingJob, dispatch_uid="fastpath-job-save")
+            post_save.connect(fastpath.note_auth_changed, sender=model, dispatch_uid=f"fastpath-{model.__name__}-save")
+            post_delete.connect(fastpath.note_auth_changed, sender=model,
+                                dispatch_uid=f"fastpath-{model.__name__}-delete")
+        post_save.connect(_job_saved, sender=TrainingJob, dispatch_uid="fastpath-job-save")
 
 
-def _forget_job(sender, instance, **_) -> None:
+def _job_saved(sender, instance, **_) -> None:
+    from django.db import transaction
+
     from kiln_web.core import fastpath
 
-    fastpath.forget_job(instance.pk)
+    transaction.on_commit(lambda: fastpath.note_job_changed(instance.pk))

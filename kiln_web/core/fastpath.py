@@ -7,35 +7,51 @@ the web process's one interpreter, so a few hundred pollers saturate it and ever
 else (WebSocket events included) waits behind them.
 
 This ASGI wrapper keeps, per web process, the last 200 answer Django gave for each job
-(status line, headers and body, byte for byte) for KILN_STATUS_CACHE_SECONDS (off by default; the load bench uses 1 s),
-and the tokens Django authenticated for KILN_TOKEN_CACHE_SECONDS (default 10 s). A poll
-is answered from memory only when both are fresh and the token's user may see the job
-(its owner, or staff: the rule of `kiln_web.jobs.api`); anything else goes to Django, which
-stays the only authority: it authenticates, authorizes and builds every answer that is
-replayed. Once an answer is half its allowed age, the next poll goes to Django for a new
-one while the others are still given the old one; when there is no answer yet, one poll goes
-and the rest wait for it. So once a job is watched, no poll waits behind another's trip
-through Django.
+(status line, headers and body, byte for byte) and the tokens Django authenticated. A poll
+is answered from memory only when
 
-So a poll can be up to KILN_STATUS_CACHE_SECONDS older than the database, and a token
-revoked (or a user deactivated or demoted) in another process keeps reading job status for
-up to KILN_TOKEN_CACHE_SECONDS there; changes made in this process take effect at once
-(model signals drop what they affect). That lag is why it is off unless KILN_STATUS_CACHE_SECONDS is set:
-a script that waits for a worker to finish and then reads the status once expects the new status.
+- the token's user may see the job (its owner, or staff: the rule of `kiln_web.jobs.api`);
+- nothing changed since: every change to a job (each state change publishes a job event,
+  kiln_web.jobs.events, and a saved job row counts too) and every change to a token or user
+  bumps a version; with REDIS_URL the versions live in Redis, so a worker's change is seen
+  by every web process on the next poll (one MGET per poll), and without Redis the worker
+  runs in the web process, which drops what changed at once;
+- the answer is younger than KILN_STATUS_CACHE_SECONDS (default 1 s) and the token's
+  authentication younger than KILN_TOKEN_CACHE_SECONDS (default 10 s). These bound what no
+  version covers: the heartbeat time, a promotion or evaluation added to the job, and a token
+  revoked by another process when there is no Redis.
+
+Anything else goes to Django, which stays the only authority: it authenticates, authorizes
+and builds every answer that is replayed. Once an answer is half its allowed age, the next
+poll goes to Django for a new one while the others still get the old one; when there is no
+usable answer, one poll goes and the rest wait for it. KILN_STATUS_CACHE_SECONDS=0 turns
+the fast path off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+import logging
+import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
+import redis
+import redis.asyncio
 from django.conf import settings
 
+logger = logging.getLogger("kiln.web")
+
 JOB_PATH = re.compile(r"/v1/train/jobs/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(/|\Z)")
+JOB_VERSION = "kiln:status:job:{}"
+AUTH_VERSION = "kiln:status:auth"
+VERSION_KEY_SECONDS = 7 * 86_400  # a job's version key outlives any poll of it
+REDIS_TIMEOUT_SECONDS = 2.0
 FILL_WAIT_SECONDS = 5.0  # a poll waiting for another's trip through Django gives up after this and goes itself
 MAX_ENTRIES = 10_000  # jobs or tokens remembered; beyond this the oldest half is dropped
 REPLAYED_HEADERS = {b"content-type", b"content-length", b"x-content-type-options", b"referrer-policy",
@@ -46,6 +62,7 @@ REPLAYED_HEADERS = {b"content-type", b"content-length", b"x-content-type-options
 class _Token:
     username: str
     is_staff: bool
+    auth_version: int | None  # None: authenticated outside a status poll, so not known; never used
     expires: float
 
 
@@ -54,13 +71,17 @@ class _Answer:
     owner: str
     headers: list
     body: bytes
+    job_version: int
     refresh_after: float  # from here one poll goes to Django for a new answer while the others get this one
     expires: float  # from here it is never given
 
 
-_tokens: dict[bytes, _Token] = {}
+_tokens: dict[str, _Token] = {}
 _answers: dict[str, _Answer] = {}
 _lock = threading.Lock()  # Django fills from its threads; the event loop reads
+_observed = contextvars.ContextVar("kiln_status_versions", default=None)  # (job, auth) read before Django ran
+_sync_client = None  # (url, client)
+_async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> client
 
 
 def _bounded(table: dict) -> None:
@@ -69,32 +90,85 @@ def _bounded(table: dict) -> None:
             table.pop(key, None)
 
 
-def remember_token(token_hash: str, user) -> None:
-    """Django authenticated this token for `user` (kiln_web.accounts.actions.authenticate_token)."""
-    seconds = settings.KILN_TOKEN_CACHE_SECONDS
-    if seconds <= 0 or settings.KILN_STATUS_CACHE_SECONDS <= 0:
+# -- what changes tell it (any process) --
+
+
+def _bump(key: str) -> None:
+    global _sync_client
+    if settings.REDIS_URL is None:
         return
-    with _lock:
-        _tokens[token_hash.encode()] = _Token(user.get_username(), bool(user.is_staff), time.monotonic() + seconds)
-        _bounded(_tokens)
+    try:
+        if _sync_client is None or _sync_client[0] != settings.REDIS_URL:
+            _sync_client = settings.REDIS_URL, redis.Redis.from_url(
+                settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
+        with _sync_client[1].pipeline() as pipe:
+            pipe.incr(key).expire(key, VERSION_KEY_SECONDS).execute()
+    except redis.RedisError as exc:  # never fails a run or a request; the ages still bound what is served
+        logger.warning("could not mark %s changed in Redis: %s", key, exc)
 
 
-def forget_tokens(**_) -> None:
-    """A token, user or permission changed here: every cached authentication goes."""
-    with _lock:
-        _tokens.clear()
+def _reset_after_fork() -> None:
+    global _sync_client
+    _sync_client = None
+    _async_clients.clear()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def forget_job(job_id) -> None:
-    """The job changed here: its next poll goes to Django."""
     with _lock:
         _answers.pop(str(job_id), None)
+
+
+def note_job_changed(job_id) -> None:
+    """The job changed (after the commit): no web process replays an answer from before."""
+    forget_job(job_id)
+    _bump(JOB_VERSION.format(job_id))
+
+
+def note_auth_changed(**_) -> None:
+    """A token or user changed: no web process uses an authentication from before."""
+    with _lock:
+        _tokens.clear()
+    _bump(AUTH_VERSION)
 
 
 def forget_everything() -> None:
     with _lock:
         _tokens.clear()
         _answers.clear()
+
+
+def remember_token(token_hash: str, user) -> None:
+    """Django authenticated this token for `user` (kiln_web.accounts.actions.authenticate_token)."""
+    seconds = settings.KILN_TOKEN_CACHE_SECONDS
+    if seconds <= 0 or settings.KILN_STATUS_CACHE_SECONDS <= 0:
+        return
+    observed = _observed.get()
+    with _lock:
+        _tokens[token_hash] = _Token(user.get_username(), bool(user.is_staff),
+                                     observed[1] if observed else None, time.monotonic() + seconds)
+        _bounded(_tokens)
+
+
+# -- the web process --
+
+
+async def _versions(job_id: str) -> tuple[int, int] | None:
+    """(job version, auth version) now; None when Redis cannot say (then Django answers)."""
+    if settings.REDIS_URL is None:
+        return 0, 0
+    loop = asyncio.get_running_loop()
+    client = _async_clients.get(loop)
+    if client is None:
+        client = _async_clients[loop] = redis.asyncio.Redis.from_url(
+            settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
+    try:
+        job, auth = await client.mget(JOB_VERSION.format(job_id), AUTH_VERSION)
+    except redis.RedisError:
+        return None
+    return int(job or 0), int(auth or 0)
 
 
 def _bearer_hash(scope) -> str | None:
@@ -109,19 +183,20 @@ def _bearer_hash(scope) -> str | None:
     return hash_token(token)
 
 
-def _lookup(token_hash: str, job_id: str) -> tuple[_Answer | None, bool]:
+def _lookup(token_hash: str, job_id: str, versions) -> tuple[_Answer | None, bool]:
     """(the answer this token may be given, whether it should be refreshed), or (None, True)."""
     now = time.monotonic()
-    who = _tokens.get(token_hash.encode())
+    who = _tokens.get(token_hash)
     answer = _answers.get(job_id)
-    if who is None or answer is None or who.expires <= now or answer.expires <= now:
+    if (versions is None or who is None or answer is None or who.expires <= now or answer.expires <= now
+            or (answer.job_version, who.auth_version) != versions):
         return None, True
     if not (who.is_staff or who.username == answer.owner):
         return None, True  # Django answers: 404, as for a job that does not exist
     return answer, now >= answer.refresh_after
 
 
-def _remember_answer(job_id: str, status: int, headers: list, body: bytes) -> None:
+def _remember_answer(job_id: str, job_version: int, status: int, headers: list, body: bytes) -> None:
     if status != 200 or any(name.lower() == b"set-cookie" for name, _ in headers):
         return
     try:
@@ -134,12 +209,12 @@ def _remember_answer(job_id: str, status: int, headers: list, body: bytes) -> No
     kept = [(name, value) for name, value in headers if name.lower() in REPLAYED_HEADERS]
     now, seconds = time.monotonic(), settings.KILN_STATUS_CACHE_SECONDS
     with _lock:
-        _answers[job_id] = _Answer(owner, kept, body, now + seconds / 2, now + seconds)
+        _answers[job_id] = _Answer(owner, kept, body, job_version, now + seconds / 2, now + seconds)
         _bounded(_answers)
 
 
 class JobStatusFastPath:
-    """ASGI wrapper: fresh, authorized job-status polls from memory; everything else to `app`."""
+    """ASGI wrapper: current, authorized job-status polls from memory; everything else to `app`."""
 
     def __init__(self, app):
         self.app = app
@@ -160,21 +235,22 @@ class JobStatusFastPath:
         token_hash = _bearer_hash(scope)
         if match.group(2) or scope.get("method") != "GET" or scope.get("query_string") or token_hash is None:
             return await self.app(scope, receive, send)
-        answer, stale = _lookup(token_hash, job_id)
-        if answer is None and job_id in self._filling:
+        versions = await _versions(job_id)
+        answer, stale = _lookup(token_hash, job_id, versions)
+        if answer is None and job_id in self._filling and versions is not None:
             try:
                 await asyncio.wait_for(self._filling[job_id].wait(), FILL_WAIT_SECONDS)
             except TimeoutError:
                 pass
-            answer, stale = _lookup(token_hash, job_id)
+            answer, stale = _lookup(token_hash, job_id, versions)
         if answer is not None and (not stale or job_id in self._filling):
             await send({"type": "http.response.start", "status": 200, "headers": answer.headers})
             await send({"type": "http.response.body", "body": answer.body})
             return
-        await self._through_django(job_id, scope, receive, send)
+        await self._through_django(job_id, versions, scope, receive, send)
 
-    async def _through_django(self, job_id: str, scope, receive, send):
-        filling = job_id not in self._filling
+    async def _through_django(self, job_id: str, versions, scope, receive, send):
+        filling = job_id not in self._filling and versions is not None
         if filling:
             self._filling[job_id] = asyncio.Event()
         start, chunks = {}, []
@@ -184,12 +260,15 @@ class JobStatusFastPath:
                 start.update(message)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
-                if not message.get("more_body", False) and start:
-                    _remember_answer(job_id, start["status"], list(start.get("headers") or ()), b"".join(chunks))
+                if not message.get("more_body", False) and start and versions is not None:
+                    _remember_answer(job_id, versions[0], start["status"], list(start.get("headers") or ()),
+                                     b"".join(chunks))
             await send(message)
 
+        token = _observed.set(versions)  # Django's threads inherit it: remember_token records the auth version
         try:
             await self.app(scope, receive, keep)
         finally:
+            _observed.reset(token)
             if filling:
                 self._filling.pop(job_id).set()

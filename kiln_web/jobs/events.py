@@ -14,6 +14,8 @@ from channels.layers import get_channel_layer
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 
+from kiln_web.core import fastpath
+
 logger = logging.getLogger("kiln.jobs")
 
 JOB_STATUS = "job.status"
@@ -38,6 +40,7 @@ def publish_after_commit(job_id, owner_id, event_type: str, payload: dict) -> No
 
 
 def _send(groups: list[str], message: dict) -> None:
+    fastpath.note_job_changed(message["job_id"])  # before any browser can hear of the change
     layer = get_channel_layer()
     if layer is None:
         return

@@ -1,6 +1,9 @@
 """The job-status fast path (kiln_web.core.fastpath) through the real ASGI stack: what it answers from
 memory is byte for byte Django's answer, only to a token Django authenticated for someone who may
-see the job, and never older than KILN_STATUS_CACHE_SECONDS or past a change made in this process."""
+see the job, never older than KILN_STATUS_CACHE_SECONDS, and never past a change: one made in this
+process, or (with Redis) one another process announced."""
+
+import os
 
 import asyncio
 import dataclasses
@@ -196,3 +199,51 @@ def test_an_ageing_answer_is_refreshed_by_one_poll_while_the_rest_get_it(stack, 
     assert json.loads(refreshed[2])["status"] == "cancelled"
     assert get(app, path, ada.token) == refreshed
     assert len(counting.calls) == calls + 1
+
+
+@pytest.fixture
+def with_redis(settings):
+    url = os.environ.get("KILN_TEST_REDIS_URL")
+    if not url:
+        pytest.skip("KILN_TEST_REDIS_URL is not set: no Redis to hold the versions (./dev test sets it)")
+    settings.REDIS_URL = url
+    return url
+
+
+def test_changes_announced_by_another_process_reach_the_next_poll(stack, with_redis, ada, adapter_name):
+    """With Redis, a worker's change (a job event) or another process's token revocation bumps a version
+    that every web process reads before answering from memory."""
+    app, counting = stack
+    job_id = make_job(ada, adapter_name)
+    path = f"/v1/train/jobs/{job_id}"
+    old = get(app, path, ada.token)
+    TrainingJob.objects.filter(pk=job_id).update(status="cancelled")  # another process's change: no signal here
+    assert get(app, path, ada.token) == old
+    calls = len(counting.calls)
+    fastpath._bump(fastpath.JOB_VERSION.format(job_id))  # what that process's job event does after its commit
+    assert json.loads(get(app, path, ada.token)[2])["status"] == "cancelled"
+    assert len(counting.calls) == calls + 1
+    assert json.loads(get(app, path, ada.token)[2])["status"] == "cancelled"
+    assert len(counting.calls) == calls + 1  # and the new answer is remembered
+    ApiToken.objects.filter(user=ada).update(token_hash="0" * 64)  # revoked elsewhere: no signal here
+    assert get(app, path, ada.token)[0] == 200  # still the remembered authentication
+    fastpath._bump(fastpath.AUTH_VERSION)  # what that process's token change does
+    assert get(app, path, ada.token)[0] == 401
+
+
+def test_job_events_announce_the_change(stack, with_redis, ada, adapter_name):
+    import redis
+
+    app, counting = stack
+    job_id = make_job(ada, adapter_name)
+    path = f"/v1/train/jobs/{job_id}"
+    key = fastpath.JOB_VERSION.format(job_id)
+    client = redis.Redis.from_url(with_redis)
+    get(app, path, ada.token)
+    before = int(client.get(key) or 0)
+    actions.do_add_event(job_id, "info", "a message from the worker")  # publishes a job event after its commit
+    assert int(client.get(key)) == before + 1  # every web process sees the new version
+    calls = len(counting.calls)
+    get(app, path, ada.token)
+    assert len(counting.calls) == calls + 1
+    client.close()
