@@ -11,15 +11,17 @@ This ASGI wrapper keeps, per web process, the last 200 answer Django gave for ea
 is answered from memory only when
 
 - the token's user may see the job (its owner, or staff: the rule of `kiln_web.jobs.api`);
-- nothing changed since: every change to a job (each state change publishes a job event,
-  kiln_web.jobs.events, and a saved job row counts too) and every change to a token or user
-  bumps a version; with REDIS_URL the versions live in Redis, so a worker's change is seen
-  by every web process on the next poll (one MGET per poll), and without Redis the worker
-  runs in the web process, which drops what changed at once;
+- the job's state and the token did not change since: each state change of a job (its
+  `job.status` event, kiln_web.jobs.events) and each change to a token or user is announced: with REDIS_URL on a Redis channel every web process listens to (while it
+  is not subscribed, every poll goes to Django), without Redis in the one process where the
+  worker runs too. A change drops what it affects, and an answer Django was building while a
+  change arrived is not kept;
 - the answer is younger than KILN_STATUS_CACHE_SECONDS (default 1 s) and the token's
   authentication younger than KILN_TOKEN_CACHE_SECONDS (default 10 s). These bound what no
-  version covers: the heartbeat time, a promotion or evaluation added to the job, and a token
-  revoked by another process when there is no Redis.
+  announcement covers: a running job's progress (committed step, latest checkpoint, heartbeat),
+  which changes several times a second and would otherwise send every poll to Django, a
+  promotion or evaluation added to the job, and a token revoked by another process when
+  there is no Redis.
 
 Anything else goes to Django, which stays the only authority: it authenticates, authorizes
 and builds every answer that is replayed. Once an answer is half its allowed age, the next
@@ -48,10 +50,9 @@ from django.conf import settings
 logger = logging.getLogger("kiln.web")
 
 JOB_PATH = re.compile(r"/v1/train/jobs/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(/|\Z)")
-JOB_VERSION = "kiln:status:job:{}"
-AUTH_VERSION = "kiln:status:auth"
-VERSION_KEY_SECONDS = 7 * 86_400  # a job's version key outlives any poll of it
+CHANGES = "kiln:status:changes"  # Redis channel: "job:<id>" or "auth"
 REDIS_TIMEOUT_SECONDS = 2.0
+RESUBSCRIBE_SECONDS = 1.0
 FILL_WAIT_SECONDS = 5.0  # a poll waiting for another's trip through Django gives up after this and goes itself
 MAX_ENTRIES = 10_000  # jobs or tokens remembered; beyond this the oldest half is dropped
 REPLAYED_HEADERS = {b"content-type", b"content-length", b"x-content-type-options", b"referrer-policy",
@@ -62,7 +63,7 @@ REPLAYED_HEADERS = {b"content-type", b"content-length", b"x-content-type-options
 class _Token:
     username: str
     is_staff: bool
-    auth_version: int | None  # None: authenticated outside a status poll, so not known; never used
+    auth_generation: int | None  # None: authenticated outside a status poll; never used
     expires: float
 
 
@@ -71,7 +72,7 @@ class _Answer:
     owner: str
     headers: list
     body: bytes
-    job_version: int
+    job_generation: int
     refresh_after: float  # from here one poll goes to Django for a new answer while the others get this one
     expires: float  # from here it is never given
 
@@ -79,9 +80,11 @@ class _Answer:
 _tokens: dict[str, _Token] = {}
 _answers: dict[str, _Answer] = {}
 _lock = threading.Lock()  # Django fills from its threads; the event loop reads
-_observed = contextvars.ContextVar("kiln_status_versions", default=None)  # (job, auth) read before Django ran
+_job_generations: dict[str, int] = {}  # changes heard of, per job
+_auth_generation = 0  # token and user changes heard of
+_observed = contextvars.ContextVar("kiln_status_generations", default=None)  # (job, auth) before Django ran
 _sync_client = None  # (url, client)
-_async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> client
+_listeners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Listener
 
 
 def _bounded(table: dict) -> None:
@@ -93,7 +96,7 @@ def _bounded(table: dict) -> None:
 # -- what changes tell it (any process) --
 
 
-def _bump(key: str) -> None:
+def _announce(change: str) -> None:
     global _sync_client
     if settings.REDIS_URL is None:
         return
@@ -101,43 +104,59 @@ def _bump(key: str) -> None:
         if _sync_client is None or _sync_client[0] != settings.REDIS_URL:
             _sync_client = settings.REDIS_URL, redis.Redis.from_url(
                 settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
-        with _sync_client[1].pipeline() as pipe:
-            pipe.incr(key).expire(key, VERSION_KEY_SECONDS).execute()
+        _sync_client[1].publish(CHANGES, change)
     except redis.RedisError as exc:  # never fails a run or a request; the ages still bound what is served
-        logger.warning("could not mark %s changed in Redis: %s", key, exc)
+        logger.warning("could not announce %s to the web processes: %s", change, exc)
 
 
 def _reset_after_fork() -> None:
     global _sync_client
     _sync_client = None
-    _async_clients.clear()
+    _listeners.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def forget_job(job_id) -> None:
+def _job_changed_here(job_id: str) -> None:
     with _lock:
-        _answers.pop(str(job_id), None)
+        _job_generations[job_id] = _job_generations.get(job_id, 0) + 1
+        _answers.pop(job_id, None)
+        if len(_job_generations) > MAX_ENTRIES:
+            for key in list(_job_generations)[: len(_job_generations) // 2]:
+                del _job_generations[key]
+                _answers.pop(key, None)  # its answer must not meet generation 0 again
+
+
+def _auth_changed_here() -> None:
+    global _auth_generation
+    with _lock:
+        _auth_generation += 1
+        _tokens.clear()
+
+
+def forget_job(job_id) -> None:
+    _job_changed_here(str(job_id))
 
 
 def note_job_changed(job_id) -> None:
     """The job changed (after the commit): no web process replays an answer from before."""
-    forget_job(job_id)
-    _bump(JOB_VERSION.format(job_id))
+    _job_changed_here(str(job_id))
+    _announce(f"job:{job_id}")
 
 
 def note_auth_changed(**_) -> None:
     """A token or user changed: no web process uses an authentication from before."""
-    with _lock:
-        _tokens.clear()
-    _bump(AUTH_VERSION)
+    _auth_changed_here()
+    _announce("auth")
 
 
 def forget_everything() -> None:
+    global _auth_generation
     with _lock:
         _tokens.clear()
         _answers.clear()
+        _auth_generation += 1
 
 
 def remember_token(token_hash: str, user) -> None:
@@ -155,20 +174,48 @@ def remember_token(token_hash: str, user) -> None:
 # -- the web process --
 
 
-async def _versions(job_id: str) -> tuple[int, int] | None:
-    """(job version, auth version) now; None when Redis cannot say (then Django answers)."""
-    if settings.REDIS_URL is None:
-        return 0, 0
-    loop = asyncio.get_running_loop()
-    client = _async_clients.get(loop)
-    if client is None:
-        client = _async_clients[loop] = redis.asyncio.Redis.from_url(
-            settings.REDIS_URL, socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
-    try:
-        job, auth = await client.mget(JOB_VERSION.format(job_id), AUTH_VERSION)
-    except redis.RedisError:
-        return None
-    return int(job or 0), int(auth or 0)
+class _Listener:
+    """Hears the changes other processes announce, in one event loop; `live` while subscribed."""
+
+    def __init__(self):
+        self.live = False
+        self.task = asyncio.get_running_loop().create_task(self._run(), name="kiln-status-changes")
+
+    async def _run(self):
+        while True:
+            client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(CHANGES)
+                    async for message in pubsub.listen():
+                        if message["type"] == "subscribe":
+                            forget_everything()  # what changed before the subscription is unknown
+                            self.live = True
+                        elif message["type"] == "message":
+                            change = message["data"].decode()
+                            if change == "auth":
+                                _auth_changed_here()
+                            elif change.startswith("job:"):
+                                _job_changed_here(change[4:])
+            except (redis.RedisError, OSError) as exc:
+                if self.live:
+                    logger.warning("job-status fast path off until Redis answers again: %s", exc)
+            finally:
+                self.live = False
+                await client.aclose()
+            await asyncio.sleep(RESUBSCRIBE_SECONDS)
+
+
+def _generations(job_id: str) -> tuple[int, int] | None:
+    """(job, auth) changes heard of; None while changes could go unheard (then Django answers)."""
+    if settings.REDIS_URL is not None:
+        loop = asyncio.get_running_loop()
+        listener = _listeners.get(loop)
+        if listener is None:
+            listener = _listeners[loop] = _Listener()
+        if not listener.live:
+            return None
+    return _job_generations.get(job_id, 0), _auth_generation
 
 
 def _bearer_hash(scope) -> str | None:
@@ -183,20 +230,20 @@ def _bearer_hash(scope) -> str | None:
     return hash_token(token)
 
 
-def _lookup(token_hash: str, job_id: str, versions) -> tuple[_Answer | None, bool]:
+def _lookup(token_hash: str, job_id: str, generations) -> tuple[_Answer | None, bool]:
     """(the answer this token may be given, whether it should be refreshed), or (None, True)."""
     now = time.monotonic()
     who = _tokens.get(token_hash)
     answer = _answers.get(job_id)
-    if (versions is None or who is None or answer is None or who.expires <= now or answer.expires <= now
-            or (answer.job_version, who.auth_version) != versions):
+    if (generations is None or who is None or answer is None or who.expires <= now or answer.expires <= now
+            or (answer.job_generation, who.auth_generation) != generations):
         return None, True
     if not (who.is_staff or who.username == answer.owner):
         return None, True  # Django answers: 404, as for a job that does not exist
     return answer, now >= answer.refresh_after
 
 
-def _remember_answer(job_id: str, job_version: int, status: int, headers: list, body: bytes) -> None:
+def _remember_answer(job_id: str, generations: tuple[int, int], status: int, headers: list, body: bytes) -> None:
     if status != 200 or any(name.lower() == b"set-cookie" for name, _ in headers):
         return
     try:
@@ -209,7 +256,9 @@ def _remember_answer(job_id: str, job_version: int, status: int, headers: list, 
     kept = [(name, value) for name, value in headers if name.lower() in REPLAYED_HEADERS]
     now, seconds = time.monotonic(), settings.KILN_STATUS_CACHE_SECONDS
     with _lock:
-        _answers[job_id] = _Answer(owner, kept, body, job_version, now + seconds / 2, now + seconds)
+        if (_job_generations.get(job_id, 0), _auth_generation) != generations:
+            return  # something changed (or went unheard) while Django was building this answer
+        _answers[job_id] = _Answer(owner, kept, body, generations[0], now + seconds / 2, now + seconds)
         _bounded(_answers)
 
 
@@ -235,22 +284,22 @@ class JobStatusFastPath:
         token_hash = _bearer_hash(scope)
         if match.group(2) or scope.get("method") != "GET" or scope.get("query_string") or token_hash is None:
             return await self.app(scope, receive, send)
-        versions = await _versions(job_id)
-        answer, stale = _lookup(token_hash, job_id, versions)
-        if answer is None and job_id in self._filling and versions is not None:
+        generations = _generations(job_id)
+        answer, stale = _lookup(token_hash, job_id, generations)
+        if answer is None and job_id in self._filling and generations is not None:
             try:
                 await asyncio.wait_for(self._filling[job_id].wait(), FILL_WAIT_SECONDS)
             except TimeoutError:
                 pass
-            answer, stale = _lookup(token_hash, job_id, versions)
+            answer, stale = _lookup(token_hash, job_id, generations)
         if answer is not None and (not stale or job_id in self._filling):
             await send({"type": "http.response.start", "status": 200, "headers": answer.headers})
             await send({"type": "http.response.body", "body": answer.body})
             return
-        await self._through_django(job_id, versions, scope, receive, send)
+        await self._through_django(job_id, generations, scope, receive, send)
 
-    async def _through_django(self, job_id: str, versions, scope, receive, send):
-        filling = job_id not in self._filling and versions is not None
+    async def _through_django(self, job_id: str, generations, scope, receive, send):
+        filling = job_id not in self._filling and generations is not None
         if filling:
             self._filling[job_id] = asyncio.Event()
         start, chunks = {}, []
@@ -260,12 +309,12 @@ class JobStatusFastPath:
                 start.update(message)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
-                if not message.get("more_body", False) and start and versions is not None:
-                    _remember_answer(job_id, versions[0], start["status"], list(start.get("headers") or ()),
+                if not message.get("more_body", False) and start and generations is not None:
+                    _remember_answer(job_id, generations, start["status"], list(start.get("headers") or ()),
                                      b"".join(chunks))
             await send(message)
 
-        token = _observed.set(versions)  # Django's threads inherit it: remember_token records the auth version
+        token = _observed.set(generations)  # Django's threads inherit it: remember_token records the auth generation
         try:
             await self.app(scope, receive, keep)
         finally:

@@ -40,7 +40,8 @@ def publish_after_commit(job_id, owner_id, event_type: str, payload: dict) -> No
 
 
 def _send(groups: list[str], message: dict) -> None:
-    fastpath.note_job_changed(message["job_id"])  # before any browser can hear of the change
+    if message["type"] == JOB_STATUS:  # before any browser can hear of it, no status poll shows the old state
+        fastpath.note_job_changed(message["job_id"])
     layer = get_channel_layer()
     if layer is None:
         return

@@ -11,7 +11,7 @@ import json
 import time
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 
 from kiln_web.accounts.models import ApiToken
 from kiln_web.core import fastpath
@@ -126,11 +126,6 @@ def test_changes_here_reach_the_next_poll(stack, ada, api, adapter_name):
     calls = len(counting.calls)
     assert get(app, path, ada.token)[0] == 200
     assert len(counting.calls) == calls  # remembered again
-    job = TrainingJob.objects.get(pk=job_id)
-    job.error_code, job.error_message = "test", "changed by a model save"
-    job.save()  # any save of the job in this process drops its answer
-    assert json.loads(get(app, path, ada.token)[2])["error"]["message"] == "changed by a model save"
-    assert len(counting.calls) == calls + 1
 
 
 def test_answers_expire(stack, settings, ada, adapter_name):
@@ -211,39 +206,69 @@ def with_redis(settings):
 
 
 def test_changes_announced_by_another_process_reach_the_next_poll(stack, with_redis, ada, adapter_name):
-    """With Redis, a worker's change (a job event) or another process's token revocation bumps a version
-    that every web process reads before answering from memory."""
+    """With Redis, a worker's state change or another process's token revocation is announced on a channel
+    every web process listens to; until its listener is subscribed, a web process sends polls to Django."""
     app, counting = stack
     job_id = make_job(ada, adapter_name)
     path = f"/v1/train/jobs/{job_id}"
-    old = get(app, path, ada.token)
-    TrainingJob.objects.filter(pk=job_id).update(status="cancelled")  # another process's change: no signal here
-    assert get(app, path, ada.token) == old
-    calls = len(counting.calls)
-    fastpath._bump(fastpath.JOB_VERSION.format(job_id))  # what that process's job event does after its commit
-    assert json.loads(get(app, path, ada.token)[2])["status"] == "cancelled"
-    assert len(counting.calls) == calls + 1
-    assert json.loads(get(app, path, ada.token)[2])["status"] == "cancelled"
-    assert len(counting.calls) == calls + 1  # and the new answer is remembered
-    ApiToken.objects.filter(user=ada).update(token_hash="0" * 64)  # revoked elsewhere: no signal here
-    assert get(app, path, ada.token)[0] == 200  # still the remembered authentication
-    fastpath._bump(fastpath.AUTH_VERSION)  # what that process's token change does
-    assert get(app, path, ada.token)[0] == 401
+
+    async def until(condition):
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("not within 5 s")
+
+    async def scenario():
+        calls = len(counting.calls)
+        await _request(app, "GET", path, ada.token)  # starts this event loop's listener
+        listener = fastpath._listeners[asyncio.get_running_loop()]
+        assert len(counting.calls) == calls + 1
+        await until(lambda: listener.live)
+        old = await _request(app, "GET", path, ada.token)  # now remembered
+        calls = len(counting.calls)
+        assert await _request(app, "GET", path, ada.token) == old
+        assert len(counting.calls) == calls
+        await sync_to_async(TrainingJob.objects.filter(pk=job_id).update)(status="cancelled")  # elsewhere
+        assert await _request(app, "GET", path, ada.token) == old  # unannounced: still the remembered answer
+        heard = fastpath._job_generations.get(job_id, 0)
+        await sync_to_async(fastpath._announce)(f"job:{job_id}")  # what that process's job.status event does
+        await until(lambda: fastpath._job_generations.get(job_id, 0) > heard)
+        assert json.loads((await _request(app, "GET", path, ada.token))[2])["status"] == "cancelled"
+        assert len(counting.calls) == calls + 1
+        assert json.loads((await _request(app, "GET", path, ada.token))[2])["status"] == "cancelled"
+        assert len(counting.calls) == calls + 1  # and the new answer is remembered
+        await sync_to_async(ApiToken.objects.filter(user=ada).update)(token_hash="0" * 64)  # revoked elsewhere
+        assert (await _request(app, "GET", path, ada.token))[0] == 200  # unannounced: remembered
+        heard = fastpath._auth_generation
+        await sync_to_async(fastpath._announce)("auth")  # what that process's token change does
+        await until(lambda: fastpath._auth_generation > heard)
+        assert (await _request(app, "GET", path, ada.token))[0] == 401
+        listener.task.cancel()
+
+    async_to_sync(scenario)()
 
 
-def test_job_events_announce_the_change(stack, with_redis, ada, adapter_name):
+def test_state_changes_are_announced_and_progress_is_not(stack, with_redis, ada, adapter_name):
     import redis
 
-    app, counting = stack
     job_id = make_job(ada, adapter_name)
-    path = f"/v1/train/jobs/{job_id}"
-    key = fastpath.JOB_VERSION.format(job_id)
     client = redis.Redis.from_url(with_redis)
-    get(app, path, ada.token)
-    before = int(client.get(key) or 0)
-    actions.do_add_event(job_id, "info", "a message from the worker")  # publishes a job event after its commit
-    assert int(client.get(key)) == before + 1  # every web process sees the new version
-    calls = len(counting.calls)
-    get(app, path, ada.token)
-    assert len(counting.calls) == calls + 1
+    pubsub = client.pubsub()
+    pubsub.subscribe(fastpath.CHANGES)
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+
+    def heard() -> list:
+        out = []
+        while (message := pubsub.get_message(timeout=0.5)) is not None:
+            out.append(message["data"].decode())
+        return out
+
+    actions.do_add_event(job_id, "info", "a log line")  # progress-like: several a second while training
+    assert f"job:{job_id}" not in heard()
+    actions.do_cancel_job(job_id, reason="test")  # a state change: its job.status event after the commit
+    assert f"job:{job_id}" in heard()
+    ApiToken.objects.filter(user=ada).delete()
+    assert "auth" in heard()
+    pubsub.close()
     client.close()
