@@ -5,12 +5,17 @@ Group names come from group_name() and nowhere else. Consumers (the dashboard) j
 the message `type` is one of the four below, which the dashboard consumers relay unchanged.
 """
 
+import asyncio
+import atexit
 import json
 import logging
+import os
+import threading
 from functools import partial
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from channels_redis.core import RedisChannelLayer
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 
@@ -45,8 +50,68 @@ def _send(groups: list[str], message: dict) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
+    if isinstance(layer, RedisChannelLayer):
+        _Sender.for_layer(layer).send(groups, message)
+        return
     for group in groups:
         try:
             async_to_sync(layer.group_send)(group, message)
         except Exception:  # a dashboard update must never fail a run or a request
             logger.warning("could not send %s to %s", message["type"], group, exc_info=True)
+
+
+class _Sender:
+    """Sends a process's job events to a Redis channel layer from one thread and one event loop, in order.
+
+    `async_to_sync(group_send)` from a worker would start an event loop and open a Redis connection
+    for every event (several milliseconds of a training process that runs at low priority); here
+    the loop and its connections live as long as the process, and the run only queues the message.
+    Messages still queued when the process exits are sent first, for up to FLUSH_SECONDS.
+    """
+
+    FLUSH_SECONDS = 5.0
+    _instances: dict = {}
+    _guard = threading.Lock()
+
+    @classmethod
+    def for_layer(cls, layer) -> "_Sender":
+        with cls._guard:
+            key = (os.getpid(), id(layer))
+            sender = cls._instances.get(key)
+            if sender is None:
+                sender = cls._instances[key] = cls(layer)
+            return sender
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.loop = asyncio.new_event_loop()
+        self.pending = 0
+        self.idle = threading.Condition()
+        self.order = None  # an asyncio.Lock, made in the loop: sends go out in the order they were queued
+        threading.Thread(target=self.loop.run_forever, name="kiln-events", daemon=True).start()
+        atexit.register(self.flush)
+
+    def send(self, groups: list[str], message: dict) -> None:
+        with self.idle:
+            self.pending += 1
+        asyncio.run_coroutine_threadsafe(self._send(groups, message), self.loop)
+
+    async def _send(self, groups, message) -> None:
+        if self.order is None:
+            self.order = asyncio.Lock()
+        try:
+            async with self.order:
+                for group in groups:
+                    try:
+                        await self.layer.group_send(group, message)
+                    except Exception:  # a dashboard update must never fail a run or a request
+                        logger.warning("could not send %s to %s", message["type"], group, exc_info=True)
+        finally:
+            with self.idle:
+                self.pending -= 1
+                self.idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued message has been sent (or TIMEOUT); True when none is left."""
+        with self.idle:
+            return self.idle.wait_for(lambda: self.pending == 0, self.FLUSH_SECONDS if timeout is None else timeout)

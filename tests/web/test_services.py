@@ -59,3 +59,34 @@ def test_redis_channel_layer_round_trip():
         return message
 
     assert asyncio.run(round_trip()) == {"type": "kiln.ping", "n": 1}
+
+
+@pytest.mark.skipif(REDIS_URL is None, reason="KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
+def test_job_events_reach_a_redis_channel_layer_in_order():
+    """A worker's events go out from one long-lived loop (kiln_web.jobs.events._Sender), in the order
+    they were published, every one by the time flush returns."""
+    from django.utils.module_loading import import_string
+
+    from kiln_web.jobs import events
+    from kiln_web.settings import broker_config
+
+    _, layers = broker_config(REDIS_URL)
+    config = layers["default"]
+    layer = import_string(config["BACKEND"])(**config["CONFIG"])
+    group = f"kiln.job.{secrets.token_hex(8)}"
+    channel = asyncio.run(_join(layer, group))
+    sender = events._Sender(layer)
+    for n in range(100):
+        sender.send([group], {"type": events.JOB_STEP, "job_id": "j", "n": n})
+    assert sender.flush(30)
+
+    async def drain():
+        return [(await asyncio.wait_for(layer.receive(channel), 10))["n"] for _ in range(100)]
+
+    assert asyncio.run(drain()) == list(range(100))
+
+
+async def _join(layer, group):
+    channel = await layer.new_channel()
+    await layer.group_add(group, channel)
+    return channel
