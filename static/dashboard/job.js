@@ -125,20 +125,27 @@
     });
   }
 
-  let syncing = null, again = false;
+  let syncing = null, again = false, retryMs = 1000, retry = null;
   async function resync() {
     if (syncing) { again = true; return; }
     syncing = true;
+    clearTimeout(retry);
     try {
       const data = await K.fetchJSON(root.dataset.snapshotUrl + "?after_step=" + contiguousEnd());
+      retryMs = 1000;
       data.metrics.forEach(function (m) { steps.set(m.step, m); });
       state.status = data.job.status;
-      state.committed = data.job.committed_step;
+      // a job's committed step only grows: steps pushed while this snapshot was on its way stay
+      state.committed = Math.max(state.committed, data.job.committed_step);
       state.total = data.job.total_steps;
       applyPanels(data.panels);
       renderSoon();
     } catch (error) {
       if (error.signedOut) { live.stop("signed out: reload the page to sign in"); return; }
+      // a failed snapshot (a busy or restarting server) is asked for again, or the steps it would
+      // have filled in stay missing from the charts
+      retry = setTimeout(resync, retryMs);
+      retryMs = Math.min(retryMs * 2, 15000);
     } finally {
       syncing = null;
       if (again) { again = false; resync(); }
@@ -162,7 +169,7 @@
     "job.status": function (message) {
       state.status = message.status;
       if (message.progress) {
-        state.committed = message.progress.committed_step;
+        state.committed = Math.max(state.committed, message.progress.committed_step);
         state.total = message.progress.total_steps;
       }
       renderSoon();
