@@ -457,7 +457,13 @@ def _pool(name: str, workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-os.register_at_fork(after_in_child=_pools.clear)
+def _forget_pools_after_fork() -> None:
+    global _pools_lock
+    _pools.clear()  # their threads are not in the child
+    _pools_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
 
 
 def _sha256(view: memoryview) -> tuple[str, float]:
