@@ -29,7 +29,7 @@ from trainer.runs.common import (check_request, find_base, ADAPTER_FILE, BACKEND
                                  NullHooks, RequestError, RunFailed, RunResult, RunSettings, check_shared,
                                  comparable_config, confined, difference, execution_identity, int_field,
                                  learning_rate_at, load_resume, merge_config, publish_final, refuse_drift,
-                                 resume_record, select_loss_route, tensors_from)
+                                 restore_optimizer, resume_record, select_loss_route)
 
 PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
 SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
@@ -310,16 +310,8 @@ def _serialise_state(model, optimizer, loop: LoopState):
 
 
 def _restore_state(loaded, model, optimizer, loop: LoopState):
-    adapter = tensors_from(loaded.read(ADAPTER_FILE))
-    moments = tensors_from(loaded.read(OPTIMIZER_FILE))
     document = loaded.read_json(STATE_FILE)
-    model.load_adapter_state_dict(adapter)
-    first = {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith("first_moment/")}
-    second = {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith("second_moment/")}
-    optimizer.load_state_dict({"step": document["optimizer"]["step"],
-                               "beta1_power": document["optimizer"]["beta1_power"],
-                               "beta2_power": document["optimizer"]["beta2_power"],
-                               "first_moment": first, "second_moment": second})
+    restore_optimizer(loaded, model, optimizer, document["optimizer"])
     loop.epoch = document["loop"]["epoch"]
     loop.position = document["loop"]["position"]
     loop.step = document["loop"]["step"]
