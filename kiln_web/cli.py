@@ -624,6 +624,12 @@ def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
     show = commands.add_parser("show", help="show a checkpoint's summary and identities (bounded validation)")
     show.add_argument("path", metavar="PATH")
     show.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    clean = commands.add_parser("clean-orphans", help="remove hidden staging directories that interrupted "
+                                "publications left in the adapter registry")
+    clean.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                       help="only those untouched this long (default 3600; a live publication is younger)")
+    clean.add_argument("--registry", default=None, metavar="DIR",
+                       help="the adapter registry (default: KILN_HOME's, as the server uses)")
 
 
 def _manifest_fields(checkpoint_dir, path) -> set | None:
@@ -642,6 +648,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
     from trainer.runs import checkpoint_dir
 
+    if args.checkpoint_command == "clean-orphans":
+        return _clean_orphans(checkpoint_dir, args)
     path = Path(args.path).expanduser()
     try:
         fields = _manifest_fields(checkpoint_dir, path)
@@ -671,6 +679,30 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             value = loaded.manifest[key]
             print(f"{key:<18}{json.dumps(value, sort_keys=True) if isinstance(value, dict) else value}")
     print("(metadata only; `kiln checkpoint verify` checks every file's SHA-256)")
+    return 0
+
+
+def _clean_orphans(checkpoint_dir, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.registry is None:
+        _setup_django()
+        from django.conf import settings
+
+        registry = Path(settings.KILN_ADAPTERS_DIR)
+    else:
+        registry = Path(args.registry).expanduser()
+    if not args.older_than >= 0:
+        print("--older-than must be 0 or more seconds", file=sys.stderr)
+        return 2
+    try:
+        removed = checkpoint_dir.remove_staging_orphans(registry, args.older_than)
+    except OSError as exc:
+        print(f"cannot clean {registry}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    for path in removed:
+        print(f"removed {path.name}")
+    print(f"{len(removed)} staging orphan(s) removed from {registry}", file=sys.stderr)
     return 0
 
 

@@ -237,3 +237,16 @@ def test_teacher_add_list_show_and_train_opd_from_a_request_file(cli, tmp_path, 
     code, _, err = cli("train", "opd", "--file", str(request), "--adapter", adapter_name + "-c", "--teacher",
                        "nobody@native")
     assert code == 1 and "teacher_not_found" in err and "field: config.teacher" in err
+
+
+def test_checkpoint_clean_orphans(tmp_path, capsys):
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    orphan = registry / ".bot-checkpoint-step-00000002.kiln-checkpoint.staging-0123456789abcdef"
+    orphan.mkdir()
+    assert main(["checkpoint", "clean-orphans", "--registry", str(registry)]) == 0  # young: kept
+    assert orphan.is_dir() and "0 staging orphan(s) removed" in capsys.readouterr()[1]
+    assert main(["checkpoint", "clean-orphans", "--registry", str(registry), "--older-than", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert not orphan.exists() and out == f"removed {orphan.name}\n" and "1 staging orphan(s) removed" in err
+    assert main(["checkpoint", "clean-orphans", "--registry", str(registry), "--older-than", "-1"]) == 2

@@ -216,6 +216,34 @@ def test_staging_orphans_are_invisible_and_do_not_block(registry):
     assert cd.latest_checkpoint(registry, "bot") == path
 
 
+def test_old_staging_orphans_are_removed_and_nothing_else(tmp_path, registry):
+    kept = publish(registry, step=1)
+    old = registry / f".{cd.checkpoint_basename('bot', 2)}.staging-0123456789abcdef"
+    old.mkdir()
+    (old / cd.SENTINEL).write_bytes(b"")
+    (old / "adapter.safetensors").write_bytes(b"partial")
+    young = registry / f".{cd.checkpoint_basename('bot', 3)}.staging-fedcba9876543210"
+    young.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep")
+    squatter = registry / f".{cd.checkpoint_basename('bot', 4)}.staging-00000000000000aa"
+    squatter.symlink_to(outside)  # a link on a staging name: unlinked, never followed
+    other = registry / ".not-a-staging-name"
+    other.mkdir()
+    hour_ago = time.time() - 3600
+    for path in (old, old / cd.SENTINEL, old / "adapter.safetensors"):
+        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+    os.utime(squatter, (hour_ago, hour_ago), follow_symlinks=False)
+    assert sorted(cd.remove_staging_orphans(registry, older_than=1800)) == sorted([old, squatter])
+    assert not old.exists() and not os.path.lexists(squatter) and young.is_dir() and other.is_dir()
+    assert (outside / "precious").read_bytes() == b"keep"
+    assert cd.load_checkpoint(kept).step == 1
+    assert cd.remove_staging_orphans(registry, older_than=0) == [young]
+    with pytest.raises(ValueError):
+        cd.remove_staging_orphans(registry, older_than=float("nan"))
+
+
 # --- loading: every refusal --------------------------------------------------------------------
 
 

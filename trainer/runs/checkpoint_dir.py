@@ -1111,6 +1111,34 @@ def list_staging_orphans(registry, adapter: str | None = None) -> list[Path]:
     return sorted(found)
 
 
+def remove_staging_orphans(registry, older_than: float, now: float | None = None) -> list[Path]:
+    """Remove hidden staging directories untouched for `older_than` seconds; returns what was removed.
+
+    A publication in progress touches its staging directory as each file is written, so an age of
+    an hour or more is only ever an interrupted publication's leftovers. Nothing else is touched: a
+    link or file squatting on a staging name is unlinked, never followed.
+    """
+    if not older_than >= 0:
+        raise ValueError("older_than must be a number of seconds, 0 or more")
+    now = time.time() if now is None else now
+    removed = []
+    for path in list_staging_orphans(registry):
+        try:
+            info = os.lstat(path)
+            if now - info.st_mtime < older_than:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue  # gone meanwhile (its publication finished and renamed it, or another cleaner)
+        removed.append(path)
+    if removed:
+        _fsync_dir(registry)
+    return removed
+
+
 def delete_adapter_checkpoints(registry, adapter: str) -> list[Path]:
     """Remove this adapter's checkpoints and staging orphans, and nothing else; returns what was removed."""
     check_adapter_name(adapter)
