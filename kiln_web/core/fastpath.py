@@ -63,7 +63,7 @@ REPLAYED_HEADERS = {b"content-type", b"content-length", b"x-content-type-options
 class _Token:
     username: str
     is_staff: bool
-    auth_generation: int | None  # None: authenticated outside a status poll; never used
+    auth_generation: int  # token and user changes heard of before Django authenticated it
     expires: float
 
 
@@ -165,9 +165,11 @@ def remember_token(token_hash: str, user) -> None:
     if seconds <= 0 or settings.KILN_STATUS_CACHE_SECONDS <= 0:
         return
     observed = _observed.get()
+    if observed is None:
+        return  # not a status poll: what changed since is not known here, and nothing needs it
     with _lock:
-        _tokens[token_hash] = _Token(user.get_username(), bool(user.is_staff),
-                                     observed[1] if observed else None, time.monotonic() + seconds)
+        _tokens[token_hash] = _Token(user.get_username(), bool(user.is_staff), observed[1],
+                                     time.monotonic() + seconds)
         _bounded(_tokens)
 
 
