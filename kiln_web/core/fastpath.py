@@ -18,13 +18,10 @@ is answered from memory only when
   change arrived is not kept;
 - the answer is younger than KILN_STATUS_CACHE_SECONDS (default 1 s) and the token's
   authentication younger than KILN_TOKEN_CACHE_SECONDS (default 10 s). These bound what no
-  announcement covers: the heartbeat time, a promotion or evaluation added to the job, and a
-  token revoked by another process when there is no Redis.
-
-A running job's progress (each committed step and checkpoint, several a second) is announced
-too, but makes the answer due rather than unusable: the next poll fetches a new one from Django
-while the others are still given the last, so progress shows one trip through Django after
-the step without sending every poll there.
+  announcement covers: a running job's progress (committed step, latest checkpoint, heartbeat),
+  which changes several times a second and would otherwise send every poll to Django, a
+  promotion or evaluation added to the job, and a token revoked by another process when
+  there is no Redis.
 
 Anything else goes to Django, which stays the only authority: it authenticates, authorizes
 and builds every answer that is replayed. Once an answer is half its allowed age, the next
@@ -53,7 +50,7 @@ from django.conf import settings
 logger = logging.getLogger("kiln.web")
 
 JOB_PATH = re.compile(r"/v1/train/jobs/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(/|\Z)")
-CHANGES = "kiln:status:changes"  # Redis channel: "job:<id>", "progress:<id>" or "auth"
+CHANGES = "kiln:status:changes"  # Redis channel: "job:<id>" or "auth"
 REDIS_TIMEOUT_SECONDS = 2.0
 RESUBSCRIBE_SECONDS = 1.0
 FILL_WAIT_SECONDS = 5.0  # a poll waiting for another's trip through Django gives up after this and goes itself
@@ -76,7 +73,6 @@ class _Answer:
     headers: list
     body: bytes
     job_generation: int
-    progress_generation: int  # once the job has progressed past it, the next poll fetches a new answer
     refresh_after: float  # from here one poll goes to Django for a new answer while the others get this one
     expires: float  # from here it is never given
 
@@ -84,8 +80,7 @@ class _Answer:
 _tokens: dict[str, _Token] = {}
 _answers: dict[str, _Answer] = {}
 _lock = threading.Lock()  # Django fills from its threads; the event loop reads
-_job_generations: dict[str, int] = {}  # state changes heard of, per job
-_progress_generations: dict[str, int] = {}  # steps and checkpoints heard of, per job
+_job_generations: dict[str, int] = {}  # changes heard of, per job
 _auth_generation = 0  # token and user changes heard of
 _observed = contextvars.ContextVar("kiln_status_generations", default=None)  # (job, auth) before Django ran
 _sync_client = None  # (url, client)
@@ -130,7 +125,6 @@ def _job_changed_here(job_id: str) -> None:
         if len(_job_generations) > MAX_ENTRIES:
             for key in list(_job_generations)[: len(_job_generations) // 2]:
                 del _job_generations[key]
-                _progress_generations.pop(key, None)
                 _answers.pop(key, None)  # its answer must not meet generation 0 again
 
 
@@ -141,15 +135,6 @@ def _auth_changed_here() -> None:
         _tokens.clear()
 
 
-def _job_progressed_here(job_id: str) -> None:
-    with _lock:
-        _progress_generations[job_id] = _progress_generations.get(job_id, 0) + 1
-        if len(_progress_generations) > MAX_ENTRIES:
-            for key in list(_progress_generations)[: len(_progress_generations) // 2]:
-                del _progress_generations[key]
-                _answers.pop(key, None)  # its answer must not meet generation 0 again
-
-
 def forget_job(job_id) -> None:
     _job_changed_here(str(job_id))
 
@@ -158,13 +143,6 @@ def note_job_changed(job_id) -> None:
     """The job changed (after the commit): no web process replays an answer from before."""
     _job_changed_here(str(job_id))
     _announce(f"job:{job_id}")
-
-
-def note_job_progressed(job_id) -> None:
-    """The job committed a step or published a checkpoint: the next poll of it fetches a new answer
-    (the others meanwhile still get the last one)."""
-    _job_progressed_here(str(job_id))
-    _announce(f"progress:{job_id}")
 
 
 def note_auth_changed(**_) -> None:
@@ -221,8 +199,6 @@ class _Listener:
                                 _auth_changed_here()
                             elif change.startswith("job:"):
                                 _job_changed_here(change[4:])
-                            elif change.startswith("progress:"):
-                                _job_progressed_here(change[9:])
             except (redis.RedisError, OSError) as exc:
                 if self.live:
                     logger.warning("job-status fast path off until Redis answers again: %s", exc)
@@ -232,8 +208,8 @@ class _Listener:
             await asyncio.sleep(RESUBSCRIBE_SECONDS)
 
 
-def _generations(job_id: str) -> tuple[int, int, int] | None:
-    """(job state, auth, job progress) changes heard of; None while changes could go unheard."""
+def _generations(job_id: str) -> tuple[int, int] | None:
+    """(job, auth) changes heard of; None while changes could go unheard (then Django answers)."""
     if settings.REDIS_URL is not None:
         loop = asyncio.get_running_loop()
         listener = _listeners.get(loop)
@@ -241,7 +217,7 @@ def _generations(job_id: str) -> tuple[int, int, int] | None:
             listener = _listeners[loop] = _Listener()
         if not listener.live:
             return None
-    return _job_generations.get(job_id, 0), _auth_generation, _progress_generations.get(job_id, 0)
+    return _job_generations.get(job_id, 0), _auth_generation
 
 
 def _bearer_hash(scope) -> str | None:
@@ -262,11 +238,11 @@ def _lookup(token_hash: str, job_id: str, generations) -> tuple[_Answer | None, 
     who = _tokens.get(token_hash)
     answer = _answers.get(job_id)
     if (generations is None or who is None or answer is None or who.expires <= now or answer.expires <= now
-            or (answer.job_generation, who.auth_generation) != generations[:2]):
+            or (answer.job_generation, who.auth_generation) != generations):
         return None, True
     if not (who.is_staff or who.username == answer.owner):
         return None, True  # Django answers: 404, as for a job that does not exist
-    return answer, now >= answer.refresh_after or answer.progress_generation != generations[2]
+    return answer, now >= answer.refresh_after
 
 
 def _remember_answer(job_id: str, generations: tuple[int, int], status: int, headers: list, body: bytes) -> None:
@@ -282,10 +258,9 @@ def _remember_answer(job_id: str, generations: tuple[int, int], status: int, hea
     kept = [(name, value) for name, value in headers if name.lower() in REPLAYED_HEADERS]
     now, seconds = time.monotonic(), settings.KILN_STATUS_CACHE_SECONDS
     with _lock:
-        if (_job_generations.get(job_id, 0), _auth_generation) != generations[:2]:
+        if (_job_generations.get(job_id, 0), _auth_generation) != generations:
             return  # something changed (or went unheard) while Django was building this answer
-        _answers[job_id] = _Answer(owner, kept, body, generations[0], generations[2], now + seconds / 2,
-                                   now + seconds)
+        _answers[job_id] = _Answer(owner, kept, body, generations[0], now + seconds / 2, now + seconds)
         _bounded(_answers)
 
 

@@ -47,8 +47,6 @@ def publish_after_commit(job_id, owner_id, event_type: str, payload: dict) -> No
 def _send(groups: list[str], message: dict) -> None:
     if message["type"] == JOB_STATUS:  # before any browser can hear of it, no status poll shows the old state
         fastpath.note_job_changed(message["job_id"])
-    elif message["type"] in (JOB_STEP, JOB_CHECKPOINT):  # the next status poll fetches the new progress
-        fastpath.note_job_progressed(message["job_id"])
     layer = get_channel_layer()
     if layer is None:
         return

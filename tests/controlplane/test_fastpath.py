@@ -181,11 +181,8 @@ def test_an_ageing_answer_is_refreshed_by_one_poll_while_the_rest_get_it(stack, 
     async def refresh_while_polling():
         counting.gate = asyncio.Event()
         refresher = asyncio.create_task(_request(app, "GET", path, ada.token))
-        for _ in range(500):  # the refresher is at the gate, on its way to Django
-            if len(counting.calls) >= 2:
-                break
+        while len(counting.calls) < 2:  # the refresher is at the gate, on its way to Django
             await asyncio.sleep(0.01)
-        assert len(counting.calls) >= 2, "no poll went to Django for a new answer"
         others = [await _request(app, "GET", path, ada.token) for _ in range(3)]
         counting.gate.set()
         return await refresher, others
@@ -275,34 +272,3 @@ def test_state_changes_are_announced_and_progress_is_not(stack, with_redis, ada,
     assert "auth" in heard()
     pubsub.close()
     client.close()
-
-
-def test_progress_makes_the_answer_due_without_making_others_wait(stack, ada, adapter_name):
-    """A committed step (job.step event) sends the next poll to Django for the new progress; polls that
-    arrive while it is there still get the last answer."""
-    app, counting = stack
-    job_id = make_job(ada, adapter_name)
-    path = f"/v1/train/jobs/{job_id}"
-    old = get(app, path, ada.token)
-    TrainingJob.objects.filter(pk=job_id).update(committed_step=2)  # as the worker records a step...
-    assert get(app, path, ada.token) == old
-    fastpath.note_job_progressed(job_id)  # ...and its job.step event announces it
-
-    async def refresh_while_polling():
-        counting.gate = asyncio.Event()
-        refresher = asyncio.create_task(_request(app, "GET", path, ada.token))
-        for _ in range(500):
-            if len(counting.calls) >= 2:
-                break
-            await asyncio.sleep(0.01)
-        assert len(counting.calls) >= 2, "no poll went to Django for a new answer"
-        others = [await _request(app, "GET", path, ada.token) for _ in range(3)]
-        counting.gate.set()
-        return await refresher, others
-
-    refreshed, others = async_to_sync(refresh_while_polling)()
-    assert others == [old] * 3
-    assert json.loads(refreshed[2])["progress"]["committed_step"] == 2
-    calls = len(counting.calls)
-    assert get(app, path, ada.token) == refreshed  # remembered again, due no more
-    assert len(counting.calls) == calls
