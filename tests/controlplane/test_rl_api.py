@@ -9,6 +9,7 @@ of the wrong training kind."""
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -57,7 +58,12 @@ def finish(stack, kind, body) -> dict:
 
 def cancel_midway(stack, kind, body) -> dict:
     job = stack.client.submit(kind, body)
-    stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 2)
+    # the metrics are current; a status poll may show progress up to KILN_STATUS_CACHE_SECONDS late
+    # (kiln_web/core/fastpath.py), and these runs take well under a second
+    deadline = time.monotonic() + 120
+    while len(stack.client.metrics(job["id"])["items"]) < 2:
+        assert time.monotonic() < deadline, stack.worker.output[-3000:]
+        time.sleep(0.02)
     stack.client.cancel(job["id"])
     job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
     assert job["status"] == "cancelled", (job["error"], stack.worker.output[-3000:])
