@@ -1,6 +1,7 @@
 """Kiln as deployed, for end-to-end tests: `kiln up` in a temporary KILN_HOME and, with a Redis URL,
 a separate `celery -A kiln_web worker -Q training` process; both stopped by the caller."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -134,3 +135,30 @@ def sft_request(adapter, **config) -> dict:
             for w in words]
     return {"data": data, "config": {"output_name": adapter, "epochs": 25, "checkpoint_interval": 5, "seed": 29,
                                      **config}}
+
+
+@contextlib.contextmanager
+def celery_stack(home: Path, **kwargs):
+    """A Stack with its own Celery worker for a test module (skips without the test Redis); stopped after."""
+    if REDIS_URL is None:
+        import pytest
+
+        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
+    running = Stack(home, **kwargs)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def pytest_on_postgresql(paths: list[str], prefix: str) -> subprocess.CompletedProcess:
+    """Run the non-slow tests under PATHS in a second pytest process against a fresh database on the test
+    PostgreSQL (pytest-django binds one database per session); its test_<name> is dropped afterwards."""
+    import secrets
+    from urllib.parse import urlsplit, urlunsplit
+
+    url = urlunsplit(urlsplit(os.environ["KILN_TEST_DATABASE_URL"])._replace(path=f"/{prefix}_{secrets.token_hex(4)}"))
+    env = {key: value for key, value in os.environ.items() if key not in {"REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+    env["DATABASE_URL"] = url
+    return subprocess.run([sys.executable, "-m", "pytest", *paths, "-q", "-m", "not slow", "-p", "no:cacheprovider",
+                           "--create-db"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from .services import REDIS_URL, TERMINAL, Stack
+from .services import TERMINAL, celery_stack
 from .services import sft_request as body
 
 pytestmark = pytest.mark.slow
@@ -15,13 +15,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if REDIS_URL is None:
-        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    running = Stack(tmp_path_factory.mktemp("kiln-e2e-home"))
-    try:
+    with celery_stack(tmp_path_factory.mktemp("kiln-e2e-home")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,20 +17,15 @@ from kiln_web.client import ApiError
 from trainer.runs.checkpoint_dir import MANIFEST
 
 from .rl_data import grpo_inline, grpo_streamed, opd_request, write_groups, write_teacher_adapter
-from .services import REDIS_URL, TERMINAL, Stack, sft_request
+from .services import TERMINAL, celery_stack, sft_request
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if REDIS_URL is None:
-        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    running = Stack(tmp_path_factory.mktemp("kiln-rl-home"))
-    try:
+    with celery_stack(tmp_path_factory.mktemp("kiln-rl-home")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

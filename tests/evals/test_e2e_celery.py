@@ -8,20 +8,15 @@ import time
 
 import pytest
 
-from controlplane.services import REDIS_URL, Stack
+from controlplane.services import celery_stack
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if REDIS_URL is None:
-        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    running = Stack(tmp_path_factory.mktemp("kiln-promotion-home"))
-    try:
+    with celery_stack(tmp_path_factory.mktemp("kiln-promotion-home")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_a_worker_promotes_and_the_web_process_serves_it(stack):
