@@ -338,6 +338,11 @@ if KILN_LOST_AFTER_SECONDS < 3 * KILN_HEARTBEAT_SECONDS:
 # how often a running job asks the database whether it was cancelled (at step boundaries)
 KILN_CANCEL_POLL_SECONDS = env_float("KILN_CANCEL_POLL_SECONDS", 1.0, minimum=0.0)
 KILN_WORKER_POLL_SECONDS = env_float("KILN_WORKER_POLL_SECONDS", 2.0, minimum=0.05)  # embedded worker
+# test-only: a folder of gate files, by adapter name, that hold a worker's run at a step or inside a checkpoint
+# publication until the test moves the gate (kiln_web.jobs.pacing); never set in a deployment
+KILN_TEST_PACE_DIR = env_str("KILN_TEST_PACE_DIR")
+if KILN_TEST_PACE_DIR is not None and not os.path.isabs(KILN_TEST_PACE_DIR):
+    raise ImproperlyConfigured(f"KILN_TEST_PACE_DIR={KILN_TEST_PACE_DIR!r} must be an absolute path")
 # the module with RunSettings, admit_sft, revalidate_sft, run_sft (tests swap in a fake)
 KILN_SFT_RUNNER = env_str("KILN_SFT_RUNNER", "trainer.runs.sft")
 KILN_GRPO_RUNNER = env_str("KILN_GRPO_RUNNER", "trainer.runs.grpo")  # admit_grpo, revalidate_grpo, run_grpo

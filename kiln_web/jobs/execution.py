@@ -19,6 +19,7 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
 from kiln_web.jobs import actions, runtime
+from kiln_web.jobs.pacing import Pace
 from kiln_web.jobs.models import EventLevel, InvalidTransition, JobKind, JobStatus, TrainingJob
 from kiln_web.teachers import actions as teachers
 
@@ -64,9 +65,19 @@ class JobHooks:
         self._clock = clock
         self._last_poll: float | None = None
         self._cancel = False
+        self._pace = None  # tests only (KILN_TEST_PACE_DIR): hold the run where a fault test asks
+        if settings.KILN_TEST_PACE_DIR:
+            adapter = TrainingJob.objects.filter(pk=job_id).values_list("adapter__name", flat=True).first()
+            self._pace = Pace(settings.KILN_TEST_PACE_DIR, adapter, self.should_cancel)
 
     def on_step(self, metrics: dict) -> None:
+        if self._pace is not None:
+            self._pace.before_step(metrics["step"])
         through_outage(actions.do_record_step, self.job_id, self.worker_id, metrics)
+
+    def on_publish_stage(self, stage: str) -> None:
+        if self._pace is not None:
+            self._pace.at_stage(stage)
 
     def should_cancel(self) -> bool:
         """True once the job is no longer plainly running (cancelling, lost) or the worker is stopping;

@@ -1,8 +1,15 @@
 """Kiln as deployed, for end-to-end tests: `kiln up` in a temporary KILN_HOME and, with a Redis URL,
-a separate `celery -A kiln_web worker -Q training` process; both stopped by the caller."""
+a separate `celery -A kiln_web worker` process on a queue of the stack's own; both stopped by the caller.
+
+Tests never wait for a time window: they hold a run at a step or inside a checkpoint publication with a
+gate (`Stack.hold`, kiln_web.jobs.pacing), wait until the worker reports it is held (`Stack.wait_held`),
+act, then release it; and each test starts with no job of an earlier test still active (`Stack.settle`).
+"""
 
 import contextlib
+import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -70,11 +77,15 @@ class Stack:
     def __init__(self, home: Path, redis_url: str | None = REDIS_URL, **env):
         self.home = home
         self.port = free_port()
+        self.pace_dir = home / "pace"
+        self.pace_dir.mkdir(parents=True, exist_ok=True)
         self.env = {k: v for k, v in os.environ.items()
                     if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+        # a Celery queue of this stack's own: a new name is empty, so no task of another stack is consumed
         self.env |= {"KILN_HOME": str(home), "PYTHONUNBUFFERED": "1", "KILN_HEARTBEAT_SECONDS": "0.5",
                      "KILN_LOST_AFTER_SECONDS": "3", "KILN_CANCEL_POLL_SECONDS": "0.1",
-                     "KILN_WORKER_POLL_SECONDS": "0.2", **env}
+                     "KILN_WORKER_POLL_SECONDS": "0.2", "KILN_TEST_PACE_DIR": str(self.pace_dir),
+                     "KILN_TRAINING_QUEUE": f"kiln-test-{secrets.token_hex(6)}", **env}
         if redis_url is not None:
             self.env["REDIS_URL"] = redis_url
         self.web = Process([sys.executable, "-m", "kiln_web.cli", "up", "--port", str(self.port)], self.env)
@@ -100,7 +111,7 @@ class Stack:
 
     def start_worker(self):
         self.worker = Process([sys.executable, "-m", "celery", "-A", "kiln_web", "worker", "-Q",
-                               os.environ.get("KILN_TRAINING_QUEUE", "training"),
+                               self.env["KILN_TRAINING_QUEUE"],
                                "--pool", "solo", "-l", "info", "-n", f"kiln-test-{self.port}@%h"], self.env)
         self.worker.wait_for("ready.", 120)
 
@@ -113,7 +124,7 @@ class Stack:
     def submit(self, body) -> dict:
         return self.client.submit_sft(body)
 
-    def wait(self, job_id, until, timeout=120) -> dict:
+    def wait(self, job_id, until, timeout=300) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.client.job(job_id)
@@ -122,6 +133,47 @@ class Stack:
             time.sleep(0.05)
         output = (self.worker or self.web).output[-4000:]
         raise AssertionError(f"job {job_id} is still {job['status']} at {job['progress']}; output:\n{output}")
+
+    # -- holding a run where a test acts (kiln_web.jobs.pacing) --
+
+    def hold(self, adapter: str, step: int, stage: str | None = None) -> None:
+        """Hold ADAPTER's run once STEP is committed (or inside its checkpoint publication, after STAGE)."""
+        gate = {"step": step} | ({"stage": stage} if stage else {})
+        temporary = self.pace_dir / f".{adapter}.tmp"
+        temporary.write_text(json.dumps(gate))
+        os.replace(temporary, self.pace_dir / adapter)
+
+    def release(self, adapter: str) -> None:
+        (self.pace_dir / adapter).unlink(missing_ok=True)
+
+    def wait_held(self, adapter: str, job_id, timeout: float = 300) -> dict:
+        """Wait until the worker reports ADAPTER's run held at its gate; returns {"step", "stage"}."""
+        marker = self.pace_dir / f"{adapter}.held"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return json.loads(marker.read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+            job = self.job(job_id)
+            if job is not None and job["status"] in TERMINAL:
+                raise AssertionError(f"job {job_id} ended {job['status']} before it reached its gate: {job['error']}")
+            time.sleep(0.05)
+        output = (self.worker or self.web).output[-4000:]
+        raise AssertionError(f"job {job_id} was not held at its gate within {timeout:g} s; output:\n{output}")
+
+    def job(self, job_id) -> dict | None:
+        return self.client.job(job_id)
+
+    def settle(self, timeout: float = 300) -> None:
+        """Cancel every job still active (an earlier test's leftover) and wait until all are terminal."""
+        for gate in self.pace_dir.iterdir():
+            gate.unlink(missing_ok=True)
+        for job in self.client.jobs(limit=200)["items"]:
+            if job["status"] not in TERMINAL:
+                with contextlib.suppress(Exception):
+                    self.client.cancel(job["id"])
+                self.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=timeout)
 
     def final_bytes(self, job) -> dict:
         path = self.home / "adapters" / job["latest_checkpoint"]["resume_checkpoint"]
@@ -149,16 +201,3 @@ def celery_stack(home: Path, **kwargs):
         yield running
     finally:
         running.stop()
-
-
-def pytest_on_postgresql(paths: list[str], prefix: str) -> subprocess.CompletedProcess:
-    """Run the non-slow tests under PATHS in a second pytest process against a fresh database on the test
-    PostgreSQL (pytest-django binds one database per session); its test_<name> is dropped afterwards."""
-    import secrets
-    from urllib.parse import urlsplit, urlunsplit
-
-    url = urlunsplit(urlsplit(os.environ["KILN_TEST_DATABASE_URL"])._replace(path=f"/{prefix}_{secrets.token_hex(4)}"))
-    env = {key: value for key, value in os.environ.items() if key not in {"REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
-    env["DATABASE_URL"] = url
-    return subprocess.run([sys.executable, "-m", "pytest", *paths, "-q", "-m", "not slow", "-p", "no:cacheprovider",
-                           "--create-db"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -4,7 +4,6 @@ cooperatively (it publishes a checkpoint at the next step boundary), waits for i
 import json
 import signal
 import sqlite3
-import time
 
 import pytest
 
@@ -18,13 +17,13 @@ def test_ctrl_c_cancels_the_running_job_and_stops_cleanly(tmp_path):
     stack = Stack(tmp_path, redis_url=None)
     try:
         assert "embedded worker" in stack.web.output
+        stack.hold("interrupted", step=3)
         job_id = stack.client.submit_sft(body("interrupted", epochs=250))["id"]
-        stack.wait(job_id, lambda job: job["progress"]["committed_step"] >= 3, timeout=60)
-        stack.web.popen.send_signal(signal.SIGINT)
-        assert stack.web.popen.wait(60) == 0, stack.web.output[-3000:]
-        time.sleep(0.2)  # the output thread drains the pipe
+        stack.wait_held("interrupted", job_id)
+        stack.web.popen.send_signal(signal.SIGINT)  # a stopping worker is not held
+        assert stack.web.popen.wait(300) == 0, stack.web.output[-3000:]
+        stack.web.wait_for("Kiln stopped", 60)  # the output thread drains the pipe
         assert f"cancelling job {job_id}" in stack.web.output
-        assert "Kiln stopped" in stack.web.output
     finally:
         stack.stop()
     with sqlite3.connect(tmp_path / "kiln.sqlite3") as database:

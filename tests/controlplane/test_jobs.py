@@ -99,9 +99,9 @@ def test_a_job_is_claimed_exactly_once(fake_runner, api, adapter_name):
 @pytest.mark.django_db(transaction=True)
 def test_racing_workers_claim_once(fake_runner, ada, adapter_name):
     """Real concurrent transactions; SQLite's shared in-memory test database serialises them differently,
-    so the race itself runs on PostgreSQL (KILN_TEST_DATABASE_URL: see test_postgresql.py)."""
+    so the race itself runs in the PostgreSQL pass of `./dev test` (tests/run_suite.py)."""
     if connection.vendor != "postgresql":
-        pytest.skip("the concurrent claim race runs on PostgreSQL")
+        pytest.skip("the concurrent claim race runs on PostgreSQL (the PostgreSQL pass of ./dev test)")
     job_id = actions.do_submit_job(ada, {}, sft_body(adapter_name)).pk
     barrier, results = threading.Barrier(8), []
 

@@ -9,7 +9,6 @@ of the wrong training kind."""
 
 import json
 import shutil
-import time
 
 import pytest
 
@@ -52,15 +51,13 @@ def finish(stack, kind, body) -> dict:
 
 
 def cancel_midway(stack, kind, body) -> dict:
+    adapter = body["config"]["output_name"]
+    stack.hold(adapter, step=2)  # these runs take well under a second: held after step 2, then cancelled
     job = stack.client.submit(kind, body)
-    # the metrics are current; a status poll may show progress up to KILN_STATUS_CACHE_SECONDS late
-    # (kiln_web/core/fastpath.py), and these runs take well under a second
-    deadline = time.monotonic() + 120
-    while len(stack.client.metrics(job["id"])["items"]) < 2:
-        assert time.monotonic() < deadline, stack.worker.output[-3000:]
-        time.sleep(0.02)
+    stack.wait_held(adapter, job["id"])
     stack.client.cancel(job["id"])
     job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
+    stack.release(adapter)
     assert job["status"] == "cancelled", (job["error"], stack.worker.output[-3000:])
     checkpoint = job["latest_checkpoint"]
     assert checkpoint["complete"] is False and checkpoint["committed_step"] == job["progress"]["committed_step"]

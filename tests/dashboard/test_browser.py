@@ -128,6 +128,12 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
         sockets.append(route)
 
     page.route_web_socket(re.compile(r"/ws/jobs/"), forward)
+
+    def let_run(steps: int, past: int) -> None:
+        """The run may go STEPS past step PAST and is held there (Stack.hold), so it cannot end before Stop."""
+        stack.hold("dash-bot", step=past + steps)
+
+    let_run(8, 0)
     page.click("button:has-text('Submit job')")
     page.wait_for_url(re.compile(r"/jobs/[0-9a-f-]{36}/$"))
     job_url = page.url
@@ -137,6 +143,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     page.evaluate("window.__sameDocument = true")
     page.wait_for_function("Number(document.querySelector('[data-job-page]').dataset.committed) >= 3")
     first = committed(page)
+    let_run(6, first)
     page.wait_for_function(f"Number(document.querySelector('[data-job-page]').dataset.committed) >= {first + 4}")
     assert page.evaluate("window.__sameDocument") is True
     assert page.inner_text("[data-live-indicator]") == "live"
@@ -147,6 +154,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
 
     # a dropped socket: the page reconnects with backoff, re-reads what it missed, and its chart has no gap
     dropped_at = committed(page)
+    let_run(8, dropped_at)
     sockets[-1].close(code=1012, reason="test drops the connection")
     page.wait_for_function("document.querySelector('[data-live-indicator]').dataset.state === 'reconnecting'")
     page.wait_for_function("document.querySelector('[data-live-indicator]').dataset.state === 'live'")
@@ -167,6 +175,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     listing.goto(stack.url + "/")
     cell = f"tr[data-job='{job_id}'] [data-field=progress]"
     before = int(listing.inner_text(cell).split("/")[0])
+    let_run(4, before)
     listing.wait_for_function(f"parseInt(document.querySelector(\"{cell}\").textContent) > {before}")
     shot(listing, "05-jobs-list-live")
     listing.close()
@@ -183,6 +192,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     assert page.inner_text("[data-resume-kind]") == "Exact resume"
     assert f"Stopped and saved at step {stopped_at} of 200" in page.inner_text("[data-panel=stop]")
     shot(page, "06-stopped-and-saved")
+    stack.release("dash-bot")  # the resumed run goes to its end
 
     # prepare resume: prefilled, resume_checkpoint set, the inline data cleared
     page.click("[data-prepare-resume]")

@@ -104,13 +104,20 @@ def cluster(tmp_path_factory, database):
 @pytest.fixture(scope="module")
 def four_jobs(cluster) -> dict:
     """Four SFT jobs submitted together through the API, each run to its end: twins (same request and seed) and
-    two others."""
+    two others. The twins are held after their first step until both are running, so they run at the same time
+    on the two workers (a solo-pool worker takes no second task while it runs one)."""
     stack = cluster.stack
     requests = {"twin-a": sft_request("twin-a"), "twin-b": sft_request("twin-b"),
                 "other-c": sft_request("other-c", seed=31), "other-d": sft_request("other-d", seed=37, epochs=20)}
+    for twin in ("twin-a", "twin-b"):
+        stack.hold(twin, step=1)
     submitted = {name: stack.submit(body) for name, body in requests.items()}
     assert all(job["status"] == "queued" for job in submitted.values())
-    return {name: stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=180)
+    for twin in ("twin-a", "twin-b"):
+        stack.wait_held(twin, submitted[twin]["id"])
+    for twin in ("twin-a", "twin-b"):
+        stack.release(twin)
+    return {name: stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
             for name, job in submitted.items()}
 
 
@@ -163,14 +170,17 @@ def test_four_jobs_run_concurrently_across_both_workers_with_correct_results(clu
 def test_a_killed_worker_leaves_its_job_lost_and_the_other_resumes_it_byte_identically(cluster, four_jobs):
     stack = cluster.stack
     request = sft_request("killed")  # the request and seed of twin-a
+    stack.hold("killed", step=12)
     job = stack.submit(request)
-    job = stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 12, timeout=60)
+    stack.wait_held("killed", job["id"])
+    job = stack.wait(job["id"], lambda j: j["progress"]["committed_step"] == 12)  # a status poll may lag 1 s
     victim = cluster.worker_of(job)
     (survivor,) = set(WORKERS) - {victim}
     cluster.workers[victim].stop(signal.SIGKILL)
-    assert job["progress"]["committed_step"] < 100  # mid-run
+    assert job["progress"]["committed_step"] == 12  # mid-run, held
 
-    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=30)
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
+    stack.release("killed")
     assert job["status"] == "lost", job
     assert job["error"]["code"] == "worker_lost" and victim in job["error"]["message"]
     basename = job["latest_checkpoint"]["resume_checkpoint"]
@@ -182,7 +192,7 @@ def test_a_killed_worker_leaves_its_job_lost_and_the_other_resumes_it_byte_ident
     request["config"]["resume_checkpoint"] = basename
     resumed = stack.submit(request)
     assert resumed["resume_from"] == basename
-    resumed = stack.wait(resumed["id"], lambda j: j["status"] in TERMINAL, timeout=60)
+    resumed = stack.wait(resumed["id"], lambda j: j["status"] in TERMINAL)
     assert resumed["status"] == "succeeded", (resumed["error"], cluster.output())
     assert cluster.worker_of(resumed) == survivor
     assert resumed["progress"]["committed_step"] == 100

@@ -50,7 +50,7 @@ def test_a_gated_run_is_evaluated_and_promoted(kiln, tmp_path):
     out = kiln_cli(kiln, "train", "sft", "--file", str(data), "--adapter", "gated", "--epochs", "2", "--seed", "3",
                    "--auto-load", "--gate-suite", "held-out", "--gate-min-accuracy", "0", "--wait")
     job_id = next(line.split()[1] for line in out.splitlines() if line.startswith("job "))
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         status = kiln_cli(kiln, "train", "status", "--job-id", job_id)
         if "promotion  promoted" in status:

@@ -28,7 +28,7 @@ def test_a_worker_promotes_and_the_web_process_serves_it(stack):
             for w in ("kiln", "clay")]
     job = client.submit_sft({"data": data, "config": {"output_name": "celery-bot", "epochs": 2, "seed": 8},
                              "auto_load": True, "gate": {"suite": "held-out", "min_accuracy": 0.0}})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         job = client.job(job["id"])
         if job["promotion"]["outcome"] not in (None, "pending"):

@@ -11,7 +11,9 @@ import pytest
 
 from controlplane.services import sft_request
 
-from .harness import FaultStack, SmallVolume, ThrowawayPostgres, ThrowawayRedis, check_registry
+from private_services import PrivatePostgres, PrivateRedis
+
+from .harness import FaultStack, SmallVolume, check_registry
 
 EPOCHS = 40  # 160 steps of kiln-tiny, a checkpoint every 5: long enough to land a fault mid-run
 REGISTRY_BYTES = 192 << 20
@@ -30,12 +32,12 @@ def adapter() -> str:
 def services(tmp_path_factory):
     """(redis, postgres or None and why, volume or None and why)."""
     try:
-        redis = ThrowawayRedis(tmp_path_factory.mktemp("redis"))
+        redis = PrivateRedis(tmp_path_factory.mktemp("redis"))
     except RuntimeError as exc:
         pytest.skip(str(exc))
     postgres, postgres_missing = None, None
     try:
-        postgres = ThrowawayPostgres()
+        postgres = PrivatePostgres()
     except (RuntimeError, OSError) as exc:
         postgres_missing = str(exc)
     home = Path(tempfile.mkdtemp(prefix="kiln-faults-home-"))
@@ -56,8 +58,8 @@ def services(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stack(services):
-    env = {"DATABASE_URL": services["postgres"].url} if services["postgres"] is not None else {}
-    running = FaultStack(services["home"], redis_url=services["redis"].url, **env)
+    env = {"DATABASE_URL": services["postgres"].url()} if services["postgres"] is not None else {}
+    running = FaultStack(services["home"], redis_url=services["redis"].url(), **env)
     try:
         yield running
     finally:
@@ -78,7 +80,10 @@ def reference(stack) -> dict:
 
 @pytest.fixture(autouse=True)
 def healthy_stack(request, services):
-    """Each fault test starts with every service up and the registry intact, and leaves them so."""
+    """Each fault test starts with every service up, no earlier test's job active and the registry intact,
+    and leaves them so."""
+    if "stack" in request.fixturenames:
+        request.getfixturevalue("stack").settle()
     yield
     if "stack" not in request.fixturenames:
         return

@@ -1,126 +1,25 @@
 """Throwaway services for fault tests, and the checks every fault ends with.
 
-Each service is this test run's own: a redis-server on a free port (never the shared one), a PostgreSQL
-cluster made with initdb in a temporary folder and run with pg_ctl on a free port (as the postgres OS user
-when the tests run as root), and a size-limited tmpfs for the adapter registry. Each can be stopped and
-started again on the same port, which is what a restart fault is.
+Each service is this test run's own (tests/private_services.py): a redis-server on a free port, a PostgreSQL
+cluster made with initdb in a temporary folder and run with pg_ctl on a free port, and a size-limited tmpfs
+for the adapter registry. Each can be stopped and started again on the same port, which is what a restart
+fault is.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from controlplane.services import ROOT, STATE_FILES, TERMINAL, Process, Stack, free_port
+from controlplane.services import ROOT, STATE_FILES, TERMINAL, Process, Stack
 from kiln_web.client import ApiError
 from trainer.runs import checkpoint_dir
 from trainer.runs.sft import MANIFEST_FIELDS
-
-
-def _wait_port(port: int, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"{what} did not open port {port} within {timeout:g} s")
-
-
-class ThrowawayRedis:
-    """redis-server on a free loopback port, without persistence: a restart loses whatever it held."""
-
-    def __init__(self, directory: Path):
-        if shutil.which("redis-server") is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        self.directory, self.port = directory, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = None
-        self.start()
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        _wait_port(self.port, 10, "redis-server")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()  # a crash: nothing is saved
-            self.process.wait(10)
-
-    def restart(self, down_seconds: float = 0.0) -> None:
-        self.stop()
-        time.sleep(down_seconds)
-        self.start()
-
-
-class ThrowawayPostgres:
-    """A PostgreSQL cluster of its own (initdb) on a free loopback port, stopped and started with pg_ctl."""
-
-    def __init__(self):
-        binaries = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-        if not binaries:
-            raise RuntimeError("PostgreSQL's initdb is not installed (apt-get install postgresql)")
-        self.bin = Path(binaries[-1]).parent
-        self.as_user = None
-        if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-            try:
-                self.as_user = pwd.getpwnam("postgres")
-            except KeyError:
-                raise RuntimeError("running as root and there is no postgres OS user to run the cluster") from None
-        self.directory = Path(tempfile.mkdtemp(prefix="kiln-faults-pg-"))
-        if self.as_user is not None:
-            os.chown(self.directory, self.as_user.pw_uid, self.as_user.pw_gid)
-        self.data = self.directory / "data"
-        self.port = free_port()
-        self.url = f"postgres://postgres@127.0.0.1:{self.port}/postgres"
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        self.start()
-
-    def _run(self, program: str, *args: str, timeout: float = 60) -> None:
-        argv = [str(self.bin / program), *args]
-        if self.as_user is not None:
-            argv = ["runuser", "-u", "postgres", "--", *argv]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=self.directory)
-        if result.returncode != 0:
-            raise RuntimeError(f"{program} failed ({result.returncode}): {result.stderr[-2000:]}")
-
-    def _ctl(self, action: str, *extra: str) -> None:
-        options = (f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off")
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.directory / "log"), "-o", options, "-w", "-t", "30",
-                  *extra, action)
-
-    def start(self) -> None:
-        self._ctl("start")
-
-    def stop(self) -> None:
-        self._ctl("stop", "-m", "immediate")  # a crash: connections drop at once
-
-    def restart(self, down_seconds: float = 0.0) -> None:
-        self.stop()
-        time.sleep(down_seconds)
-        self.start()
-
-    def destroy(self) -> None:
-        try:
-            self.stop()
-        except RuntimeError:
-            pass
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class SmallVolume:
@@ -180,7 +79,7 @@ class FaultStack(Stack):
         except (ApiError, OSError):
             return None
 
-    def wait(self, job_id, until, timeout=120) -> dict:
+    def wait(self, job_id, until, timeout=300) -> dict:
         deadline = time.monotonic() + timeout
         job = None
         while time.monotonic() < deadline:
@@ -261,7 +160,7 @@ def assert_truthful(stack: FaultStack, job: dict) -> None:
             assert job["latest_checkpoint_error"] is None, job["latest_checkpoint_error"]
 
 
-def finish_by_resuming(stack: FaultStack, job: dict, request: dict, timeout: float = 120) -> dict:
+def finish_by_resuming(stack: FaultStack, job: dict, request: dict, timeout: float = 300) -> dict:
     """JOB if it succeeded; else the resume of its latest checkpoint (or a fresh run when it published none),
     run to success."""
     if job["status"] == "succeeded":
@@ -280,5 +179,5 @@ def final_bytes(stack: FaultStack, job: dict) -> dict:
     return {name: (path / name).read_bytes() for name in STATE_FILES}
 
 
-__all__ = ["ROOT", "FaultStack", "SmallVolume", "ThrowawayPostgres", "ThrowawayRedis", "assert_truthful",
+__all__ = ["ROOT", "FaultStack", "SmallVolume", "assert_truthful",
            "check_registry", "final_bytes", "finish_by_resuming", "healthy"]

@@ -27,7 +27,7 @@ def test_disk_fills_up_during_a_checkpoint_publication(stack, services, referenc
     body = request(adapter())
     volume.fill(leave=int(2.5 * one))
     job = stack.submit(body)
-    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=90)
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
     assert_truthful(stack, job)
     assert job["status"] == "failed" and job["error"]["code"] == "disk_full", job["error"]
     assert "No space left on device" in job["error"]["message"]

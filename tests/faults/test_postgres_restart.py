@@ -21,10 +21,12 @@ def postgres(services):
 
 def test_postgresql_restarted_during_a_run(stack, postgres, reference):
     body = request(adapter())
+    stack.hold(body["config"]["output_name"], step=10)
     job = stack.submit(body)
-    stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 10)
+    stack.wait_held(body["config"]["output_name"], job["id"])
     postgres.restart(down_seconds=1.0)
-    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=90)
+    stack.release(body["config"]["output_name"])
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
     assert job["status"] == "succeeded", job["error"]  # the worker waited for the database and went on
     assert_truthful(stack, job)
     check_registry(stack.registry)
@@ -33,10 +35,12 @@ def test_postgresql_restarted_during_a_run(stack, postgres, reference):
 
 def test_postgresql_down_longer_than_the_worker_waits(stack, postgres, reference):
     body = request(adapter())
+    stack.hold(body["config"]["output_name"], step=10)
     job = stack.submit(body)
-    stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 10)
+    stack.wait_held(body["config"]["output_name"], job["id"])
     postgres.restart(down_seconds=float(stack.env["KILN_LOST_AFTER_SECONDS"]) + 2)
-    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=60)
+    stack.release(body["config"]["output_name"])
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
     assert job["status"] in ("failed", "lost"), job
     assert job["error"]["code"] in ("database_unavailable", "worker_lost"), job["error"]
     assert_truthful(stack, job)

@@ -13,10 +13,12 @@ pytestmark = pytest.mark.slow
 
 def test_web_restarted_during_a_celery_run(stack, reference):
     body = request(adapter())
+    stack.hold(body["config"]["output_name"], step=10)
     job = stack.submit(body)
-    stack.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 10)
+    stack.wait_held(body["config"]["output_name"], job["id"])
     stack.restart_web()
-    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=90)
+    stack.release(body["config"]["output_name"])
+    job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
     assert job["status"] == "succeeded", job["error"]
     assert_truthful(stack, job)
     check_registry(stack.registry)
@@ -27,10 +29,12 @@ def test_web_restarted_during_an_embedded_run(tmp_path, reference):
     embedded = FaultStack(tmp_path, redis_url=None)
     try:
         body = request(adapter())
+        embedded.hold(body["config"]["output_name"], step=10)
         job = embedded.submit(body)
-        embedded.wait(job["id"], lambda j: j["progress"]["committed_step"] >= 10)
+        embedded.wait_held(body["config"]["output_name"], job["id"])
         embedded.restart_web()  # SIGKILL: the run in the embedded worker dies with the process
-        job = embedded.wait(job["id"], lambda j: j["status"] in TERMINAL, timeout=30)
+        embedded.release(body["config"]["output_name"])
+        job = embedded.wait(job["id"], lambda j: j["status"] in TERMINAL)
         assert job["status"] == "lost" and job["error"]["code"] == "worker_lost", job
         assert_truthful(embedded, job)
         check_registry(embedded.registry)

@@ -1,7 +1,8 @@
 """Runs one training job in its own process (for kill tests): python run_worker.py job.json
 
-job.json: {"kind": "sft" | "grpo" | "opd", "home": KILN_HOME, "request": {...}}. KILN_TEST_STEP_DELAY
-(seconds) slows each committed step so the parent can kill the process mid-run.
+job.json: {"kind": "sft" | "grpo" | "opd", "home": KILN_HOME, "request": {...}}. With KILN_TEST_HOLD_AFTER_STEP=N
+the run stops after step N is committed and its checkpoint (if due) published: before recording step N+1 it
+writes KILN_TEST_HELD_FILE and waits until it is killed, so the parent kills it mid-run by construction.
 """
 
 import json
@@ -17,12 +18,15 @@ RUNS = {"sft": (sft.admit_sft, sft.run_sft), "grpo": (grpo.admit_grpo, grpo.run_
         "opd": (opd.admit_opd, opd.run_opd)}
 
 
-class SlowHooks:
-    def __init__(self, delay):
-        self.delay = delay
+class HoldingHooks:
+    def __init__(self, hold_after: int | None, held_file: str | None):
+        self.hold_after, self.held_file = hold_after, held_file
 
     def on_step(self, metrics):
-        time.sleep(self.delay)
+        if self.hold_after is not None and metrics["step"] > self.hold_after:
+            Path(self.held_file).write_text(str(self.hold_after))
+            while True:  # until the parent's SIGKILL
+                time.sleep(1)
 
     def should_cancel(self):
         return False
@@ -40,8 +44,9 @@ def main():
     settings = RunSettings(home=home, registry=home / "adapters", bases_root=home,
                            data_roots=(home / "datasets",))
     admit, run = RUNS[spec["kind"]]
-    result = run(admit(spec["request"], settings), settings,
-                 SlowHooks(float(os.environ.get("KILN_TEST_STEP_DELAY", "0"))))
+    hold_after = os.environ.get("KILN_TEST_HOLD_AFTER_STEP")
+    hooks = HoldingHooks(int(hold_after) if hold_after else None, os.environ.get("KILN_TEST_HELD_FILE"))
+    result = run(admit(spec["request"], settings), settings, hooks)
     print(json.dumps({"status": result.status, "steps": result.steps_completed}))
 
 

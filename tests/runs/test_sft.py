@@ -121,15 +121,14 @@ def test_sigkill_then_resume_is_byte_identical(reference, tmp_path):
     req = request(write_dataset(tmp_path))
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"kind": "sft", "home": str(tmp_path), "request": req}))
-    env = {**os.environ, "KILN_TEST_STEP_DELAY": "0.3"}
+    held = tmp_path / "held"
+    env = {**os.environ, "KILN_TEST_HOLD_AFTER_STEP": "4", "KILN_TEST_HELD_FILE": str(held)}
     worker = subprocess.Popen([sys.executable, str(HERE / "run_worker.py"), str(spec)], env=env)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            latest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
-            if latest is not None and checkpoint_dir.parse_basename(latest.name)[1] >= 4:
-                break
-            assert worker.poll() is None, "the worker finished before it could be killed"
+        deadline = time.monotonic() + 600
+        while not held.exists():  # held after step 4, its checkpoint published
+            assert worker.poll() is None, "the worker ended before it was held"
+            assert time.monotonic() < deadline, "the worker was not held within 600 s"
             time.sleep(0.05)
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)

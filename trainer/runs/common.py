@@ -475,7 +475,8 @@ def publish(admission: Admission, settings: RunSettings, step: int, files: dict,
     timing = {"lock_wait_seconds": 0.0, "snapshot_seconds": snapshot_seconds}
     path = checkpoint_dir.publish_checkpoint(settings.registry, admission.adapter, step,
                                              checkpoint_type=admission.kind, files=files, manifest=manifest,
-                                             on_timing=timing.update)
+                                             on_timing=timing.update,
+                                             on_stage=getattr(hooks, "on_publish_stage", None))
     timing["publish_seconds"] = time.perf_counter() - started
     loaded = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS)
     summary = checkpoint_dir.checkpoint_summary(loaded)
@@ -520,6 +521,8 @@ def adapter_values(model, values: dict):
 
 
 class NullHooks:
+    """What a run calls back into (the control plane's JobHooks); `on_publish_stage(name)` is optional."""
+
     def on_step(self, metrics):
         pass
 

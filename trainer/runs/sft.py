@@ -344,7 +344,8 @@ def _publish(admission, settings, model, optimizer, loop, examples, hooks, compl
     timing = {"lock_wait_seconds": 0.0, "snapshot_seconds": snapshot_seconds}
     path = checkpoint_dir.publish_checkpoint(settings.registry, admission.adapter, loop.step,
                                              checkpoint_type="sft", files=files, manifest=manifest,
-                                             on_timing=timing.update)
+                                             on_timing=timing.update,
+                                             on_stage=getattr(hooks, "on_publish_stage", None))
     timing["publish_seconds"] = time.perf_counter() - started - snapshot_seconds
     loaded = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS)
     summary = checkpoint_dir.checkpoint_summary(loaded)
