@@ -1,14 +1,15 @@
 """The whole test suite as `./dev test` runs it: private services, two passes, one line per pass, a verdict.
 
-    python tests/run_suite.py [pytest options] [paths]
+    python tests/run_suite.py [--postgresql-paths P[,P...]] [pytest options] [paths]
 
 1. Starts a redis-server and a PostgreSQL cluster of this run's own on free loopback ports
    (tests/private_services.py); the machine's own services, their configuration and ports are never used.
 2. The main pass: pytest over ARGS (the whole suite by default) on SQLite, with the private Redis
    (KILN_TEST_REDIS_URL) and the private PostgreSQL server (KILN_TEST_DATABASE_URL) for the tests that
    need them as a server.
-3. The PostgreSQL pass, when no paths were named: the control-plane, serving and evaluation tests again,
-   slow end-to-end tests with the real trainer included, with PostgreSQL as Kiln's database.
+3. The PostgreSQL pass, when no paths were named (or on --postgresql-paths): the control-plane, serving and
+   evaluation tests again, slow end-to-end tests with the real trainer included, with PostgreSQL as Kiln's
+   database.
 4. One line per pass (database, Redis, Chromium, counts, wall time), the reasons of every skip, then a
    closing `total:` line. Exit 1 when a pass failed, when PostgreSQL is installed but its pass could not
    run, or when the PostgreSQL pass skipped any test.
@@ -91,7 +92,35 @@ def options_only(args: list[str]) -> list[str]:
     return [arg for arg in args if arg.startswith("-") or not (ROOT / arg.split("::")[0]).exists()]
 
 
-def main(args: list[str]) -> int:
+def judge(passes: list[Pass], problems: list[str]) -> list[str]:
+    """PROBLEMS plus every failed pass and every skip of the PostgreSQL pass: the reasons to exit 1."""
+    problems = list(problems)
+    for each in passes:
+        if each.failed:
+            problems.append(f"the {each.name} pass failed (pytest exit {each.report.get('exitstatus')})")
+    postgresql = next((each for each in passes if each.name == "postgresql"), None)
+    if postgresql is not None and postgresql.counts.get("skipped"):
+        problems.append(f"the PostgreSQL pass skipped {postgresql.counts['skipped']} tests it must run "
+                        "(reasons above)")
+    return problems
+
+
+def split_args(args: list[str]) -> tuple[list[str], list[str] | None]:
+    """(pytest args, the PostgreSQL pass's paths when --postgresql-paths names them)."""
+    rest, paths = [], None
+    iterator = iter(args)
+    for arg in iterator:
+        if arg == "--postgresql-paths":
+            paths = next(iterator, "").split(",")
+        elif arg.startswith("--postgresql-paths="):
+            paths = arg.split("=", 1)[1].split(",")
+        else:
+            rest.append(arg)
+    return rest, paths
+
+
+def main(argv: list[str]) -> int:
+    args, postgresql_paths = split_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="kiln-suite-"))
     redis = postgres = None
     problems: list[str] = []
@@ -119,8 +148,9 @@ def main(args: list[str]) -> int:
         if postgres is not None:
             services["KILN_TEST_DATABASE_URL"] = postgres.url("postgres")
         passes = [Pass("sqlite", "SQLite", args, services)]
-        if postgres is not None and not names_paths(args):
-            passes.append(Pass("postgresql", postgres_line, [*options_only(args), *POSTGRESQL_PATHS],
+        if postgres is not None and (postgresql_paths or not names_paths(args)):
+            paths = postgresql_paths or list(POSTGRESQL_PATHS)
+            passes.append(Pass("postgresql", postgres_line, [*options_only(args), *paths],
                                services | {"DATABASE_URL": postgres.url("kiln_suite")}))
             if redis is not None:
                 passes[-1].env["KILN_TEST_REDIS_URL"] = redis.url(2)
@@ -140,14 +170,9 @@ def main(args: list[str]) -> int:
         say(each.line(redis_line))
         for reason, count in sorted(each.report.get("skips", {}).items()):
             say(f"  skipped {count}: {reason}")
-        if each.failed:
-            problems.append(f"the {each.name} pass failed (pytest exit {each.report.get('exitstatus')})")
     if len(passes) == 1:
         say(postgres_line)
-    postgresql = next((each for each in passes if each.name == "postgresql"), None)
-    if postgresql is not None and postgresql.counts.get("skipped"):
-        problems.append(f"the PostgreSQL pass skipped {postgresql.counts['skipped']} tests it must run "
-                        "(reasons above)")
+    problems = judge(passes, problems)
     for problem in problems:
         say(f"FAILED: {problem}")
     total = {key: sum(each.counts.get(key, 0) for each in passes) for key in ("passed", "failed", "errors", "skipped")}

@@ -1,0 +1,84 @@
+"""`./dev test`'s runner (tests/run_suite.py): its PostgreSQL pass uses a private cluster, never the machine's,
+and it fails, naming the reason, when PostgreSQL is installed but its pass could not run or skipped tests."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import run_suite
+from private_services import PrivatePostgres, postgres_bindir
+
+pytestmark = pytest.mark.skipif(postgres_bindir() is None,
+                                reason="PostgreSQL's server is not installed (apt-get install postgresql)")
+
+
+@pytest.fixture(scope="module")
+def debian_like_cluster():
+    """A cluster configured as a stock Debian one is: scram-sha-256 on 127.0.0.1, no database `test`."""
+    cluster = PrivatePostgres(auth="scram-sha-256", password="the-machine-secret")
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.mark.slow
+def test_the_postgresql_pass_runs_every_test_whatever_the_machine_cluster_is(debian_like_cluster):
+    import psycopg
+
+    machine = debian_like_cluster
+    with pytest.raises(psycopg.OperationalError, match="password"):  # as Debian answers a passwordless login
+        psycopg.connect(f"postgres://kiln@127.0.0.1:{machine.port}/postgres", connect_timeout=5).close()
+    with psycopg.connect(machine.url("postgres"), connect_timeout=5) as connection:
+        assert connection.execute("SELECT 1 FROM pg_database WHERE datname = 'test'").fetchone() is None
+    # a user's environment that points every PostgreSQL client at the machine's cluster
+    env = {key: value for key, value in os.environ.items() if key not in run_suite.SERVICE_VARIABLES}
+    env |= {"PGHOST": "127.0.0.1", "PGPORT": str(machine.port), "PGUSER": "postgres", "PGDATABASE": "test",
+            "PGPASSWORD": "wrong", "DATABASE_URL": f"postgres://postgres@127.0.0.1:{machine.port}/test"}
+    result = subprocess.run(
+        [sys.executable, "tests/run_suite.py", "-q", "-p", "no:cacheprovider", "tests/web/test_health.py",
+         "--postgresql-paths", "tests/controlplane/test_jobs.py"],
+        cwd=run_suite.ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    line = next(line for line in result.stderr.splitlines() if line.startswith("dev: postgresql pass: PostgreSQL"))
+    assert "private cluster" in line and f":{machine.port})" not in line, line
+    assert " 0 failed, 0 skipped" in line, line  # the PostgreSQL-only claim race ran
+    assert result.stdout.splitlines()[-1].startswith("total: ")
+
+
+def fake_pass(name: str, exitstatus: int = 0, **counts) -> run_suite.Pass:
+    done = run_suite.Pass(name, name, [], {})
+    done.report = {"exitstatus": exitstatus, "counts": {"passed": 3, **counts}, "skips": {}}
+    return done
+
+
+def test_a_skip_in_the_postgresql_pass_fails_the_run_and_says_why():
+    assert run_suite.judge([fake_pass("sqlite", skipped=1), fake_pass("postgresql")], []) == []
+    problems = run_suite.judge([fake_pass("sqlite"), fake_pass("postgresql", skipped=2)], [])
+    assert problems == ["the PostgreSQL pass skipped 2 tests it must run (reasons above)"]
+    assert run_suite.judge([fake_pass("sqlite", exitstatus=1, failed=1)], []) == [
+        "the sqlite pass failed (pytest exit 1)"]
+
+
+def test_postgresql_installed_but_its_cluster_not_starting_fails_the_run(monkeypatch, capsys):
+    def refuse():
+        raise RuntimeError("initdb failed (1): no space left")
+
+    ran = []
+    monkeypatch.setattr(run_suite, "PrivatePostgres", refuse)
+    monkeypatch.setattr(run_suite.Pass, "run", lambda self, scratch: (ran.append(self.name),
+                                                                       setattr(self, "report", {"exitstatus": 0})))
+    assert run_suite.main(["-q"]) == 1
+    assert ran == ["sqlite"]
+    err = capsys.readouterr().err
+    assert "FAILED: PostgreSQL is installed" in err and "initdb failed (1): no space left" in err
+
+
+def test_named_paths_run_one_pass_unless_postgresql_paths_are_named():
+    assert run_suite.names_paths(["-q", "tests/web/test_health.py::test_x"])
+    assert not run_suite.names_paths(["-q", "-k", "not slow"])
+    assert run_suite.split_args(["-q", "--postgresql-paths", "tests/a,tests/b", "-x"]) == (
+        ["-q", "-x"], ["tests/a", "tests/b"])
+    assert run_suite.options_only(["-q", "tests/web", "-k", "health"]) == ["-q", "-k", "health"]
