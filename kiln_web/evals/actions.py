@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import re
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from kiln_web.core import dispatch
 from kiln_web.core.http import ActionRefused
 from kiln_web.evals import runtime, signals
 from kiln_web.evals.models import (BaselineKind, EvalExampleResult, EvalPurpose, EvalRun, EvalStatus, EvalSuite,
@@ -107,15 +107,8 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
 
 def enqueue_evaluation(run_id) -> None:
     """Hand a committed queued run to a worker; a broker that cannot be reached fails the run at once."""
-    if settings.KILN_EMBEDDED_WORKER:
-        from kiln_web.jobs.worker import wake_embedded_workers
-
-        wake_embedded_workers()
-        return
-    from kiln_web.evals.tasks import run_evaluation
-
     try:
-        run_evaluation.apply_async(args=[str(run_id)])
+        dispatch.send(dispatch.EVALUATION_TASK, run_id)
     except Exception as exc:  # noqa: BLE001 (any broker failure)
         logger.exception("could not send evaluation %s to the broker", run_id)
         do_fail_unclaimed(run_id, "broker_unavailable", f"could not reach the broker ({exc}); check REDIS_URL and "

@@ -16,10 +16,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from kiln_web.adapters.models import Adapter, CheckpointRecord
+from kiln_web.core import dispatch
 from kiln_web.core.http import ActionRefused
 from kiln_web.jobs import events, lineage, runtime, signals
 from kiln_web.jobs.models import (ACTIVE_STATUSES, RUNNING_STATUSES, EventLevel, JobEvent, JobKind, JobMetric,
                                   JobStatus, TrainingJob)
+from kiln_web.serving.promotion_request import split_promotion_fields
 from kiln_web.teachers import actions as teachers
 
 logger = logging.getLogger("kiln.jobs")
@@ -53,15 +55,8 @@ def _check_adapter_owner(name: str, user) -> None:
 
 def enqueue_job(job_id) -> None:
     """Hand a committed queued job to a worker: Celery with REDIS_URL, else wake the embedded worker."""
-    if settings.KILN_EMBEDDED_WORKER:
-        from kiln_web.jobs.worker import wake_embedded_workers
-
-        wake_embedded_workers()
-        return
-    from kiln_web.jobs.tasks import run_training_job
-
     try:
-        run_training_job.apply_async(args=[str(job_id)])
+        dispatch.send(dispatch.TRAINING_TASK, job_id)
     except Exception as exc:  # the row is committed and stays queued; say so instead of a bare 500
         logger.exception("could not send job %s to the broker", job_id)
         JobEvent.objects.create(job_id=job_id, level=EventLevel.ERROR,
@@ -101,8 +96,6 @@ def do_submit_job(user, body: dict, request: dict, kind: str = JobKind.SFT) -> T
         raise ActionRefused(400, "invalid_request", f"training kind {kind!r} is not one of {', '.join(JobKind.values)}")
     name = request["config"]["output_name"]
     _check_adapter_owner(name, user)
-    from kiln_web.serving.promotion import split_promotion_fields
-
     request = split_promotion_fields(user, request)  # auto_load and gate are decided after training, never admitted
     if kind == JobKind.OPD:
         request = {**request, "config": {**request["config"],
@@ -197,9 +190,15 @@ def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | N
         job.heartbeat_at = timezone.now()
         job.save(update_fields=["latest_checkpoint", "heartbeat_at"])
         if created:
-            lineage.record_checkpoint(job, summary, manifest_digest)
+            _lineage_warning(job, lineage.record_checkpoint(job, summary, manifest_digest))
         events.publish_after_commit(job.pk, job.owner_id, events.JOB_CHECKPOINT, {"checkpoint": summary})
     return True
+
+
+def _lineage_warning(job: TrainingJob, recorded: lineage.Recorded) -> None:
+    """A lineage entry that could not be written is reported on the job (the run itself is unaffected)."""
+    if recorded.warning is not None:
+        _event(job, EventLevel.WARNING, recorded.warning)
 
 
 def do_add_event(job_id, level: str, message: str) -> None:
@@ -244,7 +243,7 @@ def do_finish_job(job_id, worker_id: str, status: str, *, result: dict | None = 
                    + (f"; latest checkpoint {checkpoint}" if checkpoint else ""))
         _status_changed(job)
         if status == JobStatus.SUCCEEDED and (result or {}).get("final_adapter"):
-            lineage.record_final_adapter(job, result["final_adapter"])
+            _lineage_warning(job, lineage.record_final_adapter(job, result["final_adapter"]))
         if status == JobStatus.SUCCEEDED:  # promotion (kiln_web.serving) decides after the commit
             job_id = job.pk
             transaction.on_commit(lambda: signals.job_succeeded.send_robust(sender=TrainingJob, job_id=job_id))

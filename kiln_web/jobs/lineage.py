@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 from django.conf import settings
 
@@ -84,31 +85,31 @@ def record_admission(job) -> dict:
     return record
 
 
-def _record(adapter: str, stage: str, entry: dict, job_id=None) -> dict | None:
-    """One later-stage entry; a failure is logged (and reported on the job), never raised."""
+class Recorded(NamedTuple):
+    """A later-stage entry as written, or why it was not (the caller puts `warning` on the job's events)."""
+
+    entry: dict | None
+    warning: str | None
+
+
+def _record(adapter: str, stage: str, entry: dict, job_id=None) -> Recorded:
+    """One later-stage entry; a failure is logged and returned, never raised."""
     try:
-        return record_lineage(settings.KILN_ADAPTERS_DIR, adapter, stage, entry)
+        return Recorded(record_lineage(settings.KILN_ADAPTERS_DIR, adapter, stage, entry), None)
     except (OSError, LineageError, ValueError) as exc:
         logger.exception("could not record the %s lineage of adapter %s", stage, adapter)
-        if job_id is not None:
-            from kiln_web.jobs import actions
-
-            try:
-                actions.do_add_event(job_id, "warning", f"lineage: the {stage} entry of {adapter} was not "
-                                                        f"recorded ({exc}); kiln-replay verify cannot vouch for it")
-            except Exception:  # noqa: BLE001 (the log line above already says it)
-                pass
-        return None
+        return Recorded(None, f"lineage: the {stage} entry of {adapter} was not recorded ({exc}); "
+                              "kiln-replay verify cannot vouch for it")
 
 
-def record_checkpoint(job, summary: dict, manifest_digest: str = "") -> dict | None:
+def record_checkpoint(job, summary: dict, manifest_digest: str = "") -> Recorded:
     return _record(job.adapter.name, "checkpoint", {
         "job_id": str(job.pk), "resume_checkpoint": summary.get("resume_checkpoint"),
         "step": summary.get("step"), "checkpoint_id": summary.get("checkpoint_id"),
         "complete": summary.get("complete"), "manifest_digest": manifest_digest or None}, job.pk)
 
 
-def record_final_adapter(job, final_adapter: dict) -> dict | None:
+def record_final_adapter(job, final_adapter: dict) -> Recorded:
     """The PEFT snapshot a succeeded job published (RunResult.final_adapter)."""
     return _record(job.adapter.name, "final_adapter", {
         "job_id": str(job.pk), "snapshot": Path(str(final_adapter.get("path") or job.adapter.name)).name,
@@ -118,7 +119,7 @@ def record_final_adapter(job, final_adapter: dict) -> dict | None:
 
 def record_evaluation_lineage(adapter: str, evaluation_id, *, suite: str, summary: dict | None,
                               candidate_sha256: str = "", suite_digest: str = "", baseline: str = "",
-                              baseline_summary: dict | None = None, job_id=None) -> dict | None:
+                              baseline_summary: dict | None = None, job_id=None) -> Recorded:
     """An evaluation of ADAPTER's snapshot. Call it once the evaluation's result is committed; it never raises."""
     return _record(adapter, "evaluation", {
         "evaluation_id": str(evaluation_id), "suite": suite, "suite_digest": suite_digest or None,
@@ -128,7 +129,7 @@ def record_evaluation_lineage(adapter: str, evaluation_id, *, suite: str, summar
 
 def record_promotion_lineage(adapter: str, outcome: str, *, reason: str = "", decided_by: str = "",
                              adapter_sha256: str = "", job_id=None, evaluation_id=None,
-                             previous_active: str = "") -> dict | None:
+                             previous_active: str = "") -> Recorded:
     """A promotion decision about ADAPTER (promoted, or why not). Call it once the decision is committed
     (kiln_web.serving: after PromotionRecord is saved); it never raises."""
     return _record(adapter, "promotion", {

@@ -1,11 +1,11 @@
 """Celery tasks: thin shells around kiln_web.jobs.execution and kiln_web.jobs.actions."""
 
-import os
 import threading
 
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 
+from kiln_web.core.dispatch import TRAINING_TASK, celery_worker_id
 from kiln_web.jobs import actions
 from kiln_web.jobs.execution import execute_training_job
 
@@ -15,11 +15,7 @@ HARD_TIME_LIMIT = SOFT_TIME_LIMIT + 600
 _SHUTDOWN = threading.Event()  # set by a warm shutdown: a run in this process stops at its next boundary
 
 
-def celery_worker_id(hostname: str | None) -> str:
-    return f"celery:{hostname or 'unknown'}:{os.getpid()}"
-
-
-@shared_task(name="kiln.run_training_job", bind=True, ignore_result=True,
+@shared_task(name=TRAINING_TASK, bind=True, ignore_result=True,
              soft_time_limit=SOFT_TIME_LIMIT, time_limit=HARD_TIME_LIMIT)
 def run_training_job(self, job_id: str) -> str:
     return execute_training_job(job_id, celery_worker_id(self.request.hostname), stop=_SHUTDOWN)

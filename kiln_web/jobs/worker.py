@@ -18,22 +18,12 @@ import uuid
 from django.conf import settings
 from django.db import close_old_connections, connection
 
+from kiln_web.core import dispatch
 from kiln_web.jobs import actions
 from kiln_web.jobs.execution import execute_training_job
 from kiln_web.jobs.models import JobStatus, TrainingJob
 
 logger = logging.getLogger("kiln.jobs")
-
-_WAKE_LOCK = threading.Lock()
-_WAKE_EVENTS: list[threading.Event] = []  # the running embedded workers in this process
-
-
-def wake_embedded_workers() -> None:
-    """Called after a submission commits, so a worker in this process starts without waiting a poll."""
-    with _WAKE_LOCK:
-        for event in _WAKE_EVENTS:
-            event.set()
-
 
 class EmbeddedWorker:
     def __init__(self, poll_seconds: float | None = None, housekeeping_seconds: float | None = None):
@@ -54,8 +44,7 @@ class EmbeddedWorker:
         return self
 
     def run(self) -> None:
-        with _WAKE_LOCK:
-            _WAKE_EVENTS.append(self._wake)
+        dispatch.EMBEDDED_WORKERS.register(self._wake)  # a submission in this process wakes it at once
         logger.info("embedded worker %s started", self.worker_id)
         last_housekeeping = None
         try:
@@ -70,8 +59,7 @@ class EmbeddedWorker:
                 self._wake.wait(self.poll_seconds)
                 self._wake.clear()
         finally:
-            with _WAKE_LOCK:
-                _WAKE_EVENTS.remove(self._wake)
+            dispatch.EMBEDDED_WORKERS.unregister(self._wake)
             connection.close()
             logger.info("embedded worker %s stopped", self.worker_id)
 

@@ -199,7 +199,12 @@ def test_a_later_stage_that_cannot_be_written_is_reported_not_raised(fake_runner
     job_id = response.json()["id"]
     fake_runner.KILN_ADAPTERS_DIR = tmp_path / "a-file"
     fake_runner.KILN_ADAPTERS_DIR.write_text("not a directory")
-    assert lineage.record_promotion_lineage(adapter_name, "canary_failed", job_id=job_id) is None
+    recorded = lineage.record_promotion_lineage(adapter_name, "canary_failed", job_id=job_id)
+    assert recorded.entry is None and recorded.warning.startswith("lineage: the promotion entry")
+    job = TrainingJob.objects.get(pk=job_id)
+    actions.do_claim_job(job.pk, "w")
+    summary = {"resume_checkpoint": f"{adapter_name}-step-2.kiln-checkpoint", "step": 2, "checkpoint_id": "c"}
+    assert actions.do_record_checkpoint(job.pk, "w", summary)  # the checkpoint is recorded; its lineage is not
     events = api.get(f"/v1/train/jobs/{job_id}/events").json()["items"]
-    assert any("lineage: the promotion entry" in e["message"] for e in events)
+    assert any("lineage: the checkpoint entry" in e["message"] for e in events)
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -117,7 +117,7 @@ def test_gate_fails_and_the_previous_adapter_stays_active(publishing_runner, api
 
 def test_an_evaluation_that_cannot_be_queued_leaves_the_candidate_unpromoted(
         publishing_runner, api, settings, monkeypatch, previous, adapter_name, django_capture_on_commit_callbacks):
-    from kiln_web.evals import tasks
+    from kiln_web.celery import app as celery_app
 
     suite(api, "any", [{"prompt": PROMPT, "expected": ".*"}], metric="regex")
     with django_capture_on_commit_callbacks(execute=True):
@@ -129,7 +129,7 @@ def test_an_evaluation_that_cannot_be_queued_leaves_the_candidate_unpromoted(
         raise ConnectionError("Error 111 connecting to localhost:6379. Connection refused.")
 
     settings.KILN_EMBEDDED_WORKER = False  # the evaluation goes to Celery, whose broker is down
-    monkeypatch.setattr(tasks.run_evaluation, "apply_async", broker_down)
+    monkeypatch.setattr(celery_app, "send_task", broker_down)
     assert run_worker(django_capture_on_commit_callbacks)  # the training job, in a worker of its own
     job = api.get(f"/v1/train/jobs/{response.json()['id']}").json()
     assert job["status"] == "succeeded"
