@@ -1,0 +1,65 @@
+"""Canonical JSON bytes, the ones every manifest, identity and lineage digest is taken over, and one strict
+reader for JSON that comes from disk or a request (duplicate keys, NaN/Infinity, overflowing numbers and deep
+nesting refused). The I/O floor under both checkpoint formats; it imports nothing of the project."""
+
+from __future__ import annotations
+
+import json
+
+MAX_DEPTH = 64  # nesting; real documents nest a few levels, and json/deepcopy recurse per level
+MAX_INT = 2 ** 63 - 1  # integers must fit a signed 64-bit value
+MIN_INT = -(2 ** 63)
+
+
+def canonical_bytes(value, *, ascii_only: bool = True, allow_nan: bool = False) -> bytes:
+    """Sorted keys, compact separators; non-ASCII as \\u escapes (or, with ascii_only=False, as UTF-8).
+
+    Each caller's flags are part of the digests it has already written: change none of them."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=ascii_only,
+                      allow_nan=allow_nan).encode("ascii" if ascii_only else "utf-8")
+
+
+def _pairs(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _parse_int(text):
+    if len(text.lstrip("-")) > 19:
+        raise ValueError(f"integer {text[:24]}... does not fit 64 bits")
+    value = int(text)
+    if not MIN_INT <= value <= MAX_INT:
+        raise ValueError(f"integer {text} does not fit 64 bits")
+    return value
+
+
+def _parse_float(text):
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999 parses to inf
+        raise ValueError(f"number {text[:24]} overflows a double")
+    return value
+
+
+def _parse_constant(text):
+    raise ValueError(f"{text} is not JSON")
+
+
+def strict_loads(data: bytes, *, max_depth: int = MAX_DEPTH):
+    """Parse UTF-8 JSON strictly; ValueError says what is wrong (duplicate key, NaN, overflow, depth)."""
+    try:
+        value = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_int=_parse_int,
+                           parse_float=_parse_float, parse_constant=_parse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ValueError(str(error) or type(error).__name__) from None
+    pending = [(value, 1)]  # a depth the parser survives may still overflow json.dumps or deepcopy
+    while pending:
+        item, depth = pending.pop()
+        if depth > max_depth:
+            raise ValueError(f"nested deeper than {max_depth} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return value
