@@ -16,10 +16,14 @@ def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def _error(command: str, exc) -> int:
+def print_api_error(command: str, exc) -> int:
+    """Print a refusal from the API (code, message, field, differences) for `kiln COMMAND`; the exit status 1."""
     print(f"kiln {command}: {exc.code}: {exc.message}", file=sys.stderr)
     if exc.error.get("field"):
         print(f"  field: {exc.error['field']}", file=sys.stderr)
+    for difference in exc.error.get("differences") or []:
+        print(f"  {difference.get('field')}: checkpoint {difference.get('checkpoint')!r}, "
+              f"request {difference.get('request')!r}", file=sys.stderr)
     if exc.status == 401:
         print("  check KILN_TOKEN (create a token with: kiln token create --user NAME)", file=sys.stderr)
     return 1
@@ -141,7 +145,7 @@ def cmd_adapter(args: argparse.Namespace) -> int:
                   f"{'removed' if result['snapshot_removed'] else 'absent'}")
         return 0
     except ApiError as exc:
-        return _error(f"adapter {command}", exc)
+        return print_api_error(f"adapter {command}", exc)
 
 
 # -- kiln eval --
@@ -253,4 +257,4 @@ def cmd_eval(args: argparse.Namespace) -> int:
                       f"{_summary(run['candidate'])} vs {_summary(run['baseline'])}")
         return 0
     except ApiError as exc:
-        return _error(f"eval {command}", exc)
+        return print_api_error(f"eval {command}", exc)

@@ -1,0 +1,209 @@
+"""The commands that read or write local files only: `base` (the base model registry), `checkpoint` (verify,
+show, clean-orphans) and `qualify`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kiln_web.cli_server import setup_django
+
+
+def add_base(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="base_command", required=True, metavar="BASE_COMMAND")
+    imports = commands.add_parser("import", help="import a GGUF file or Hugging Face directory",
+                                  description="import a GGUF file (Llama architecture) or a Hugging "
+                                  "Face Llama directory into $KILN_HOME/bases/NAME")
+    imports.add_argument("path", metavar="PATH", help="a .gguf file or a directory with config.json")
+    imports.add_argument("--name", required=True, help="the name to register it under")
+    commands.add_parser("list", help="list the registered bases (and the built-in kiln-tiny)")
+    show = commands.add_parser("show", help="show one base: configuration, identity, shards, tokenizer")
+    show.add_argument("name", metavar="NAME")
+    show.add_argument("--json", action="store_true", help="print the full record as JSON")
+
+
+def _import_progress(done: int, total: int, name: str) -> None:
+    """One line rewritten in place on a terminal; only the final count otherwise (logs, pipes)."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\r  {done}/{total} tensors  {name:<48.48}", end=end, file=sys.stderr, flush=True)
+    elif done == total:
+        print(f"  {done}/{total} tensors", file=sys.stderr, flush=True)
+
+
+def _size(count: float, unit: str = "B") -> str:
+    for prefix in ("", "Ki", "Mi", "Gi"):
+        if count < 1024 or prefix == "Gi":
+            return f"{count:.0f} {prefix}{unit}" if prefix == "" else f"{count:.1f} {prefix}{unit}"
+        count /= 1024
+    return f"{count} {unit}"
+
+
+def cmd_base(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from trainer import bases
+
+    try:
+        if args.base_command == "import":
+            print(f"importing {args.path} as {args.name!r}", file=sys.stderr)
+            start = time.perf_counter()
+            info = bases.import_base(args.path, args.name, progress=_import_progress)
+            print(f"imported {info.name}: {info.parameter_count:,} parameters, "
+                  f"{len(info.shards)} shard(s), {_size(info.total_bytes)} in "
+                  f"{time.perf_counter() - start:.1f} s")
+            print(f"identity {info.identity}")
+            print(f"path     {info.path}")
+        elif args.base_command == "list":
+            rows = [(i.name, f"{i.parameter_count:,}", i.identity[:16],
+                     i.source.get("format", "?") + ("" if i.materialised else " (not yet written)"))
+                    for i in bases.list_bases()]
+            header = ("NAME", "PARAMETERS", "IDENTITY", "SOURCE")
+            widths = [max(len(r[c]) for r in rows + [header]) for c in range(3)]
+            for row in [header] + rows:
+                print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+        else:
+            info = bases.show_base(args.name)
+            if args.json:
+                print(json.dumps(info.to_dict(), indent=2, sort_keys=True))
+                return 0
+            print(f"name        {info.name}{' (built in)' if info.builtin else ''}")
+            print(f"identity    {info.identity}")
+            print(f"path        {info.path}{'' if info.materialised else ' (written on first use)'}")
+            print(f"parameters  {info.parameter_count:,} in {len(info.shards)} shard(s), "
+                  f"{_size(info.total_bytes)}")
+            print(f"source      {json.dumps(info.source, sort_keys=True)}")
+            for key, value in info.config.items():
+                print(f"  {key:<20}{value}")
+            for shard in info.shards:
+                print(f"  shard {shard['sha256'][:16]}  {shard['size']:>12,}  {shard['file']}")
+            special = info.tokenizer["special_tokens"]
+            print("tokenizer   " + ", ".join(f"{k}={v!r}" for k, v in special.items()))
+            print(f"            tokenizer.json sha256 {info.tokenizer['tokenizer_json_sha256']}")
+    except (ValueError, LookupError, OSError, ImportError) as exc:
+        print(f"kiln base {args.base_command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+
+# -- checkpoints, read locally --
+
+
+def add_checkpoint(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="checkpoint_command", required=True, metavar="CHECKPOINT_COMMAND")
+    verify = commands.add_parser("verify", help="fully validate a .kiln-checkpoint (every file's size and SHA-256)")
+    verify.add_argument("path", metavar="PATH")
+    show = commands.add_parser("show", help="show a checkpoint's summary and identities (bounded validation)")
+    show.add_argument("path", metavar="PATH")
+    show.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    clean = commands.add_parser("clean-orphans", help="remove hidden staging directories that interrupted "
+                                "publications left in the adapter registry")
+    clean.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                       help="only those untouched this long (default 3600; a live publication is younger)")
+    clean.add_argument("--registry", default=None, metavar="DIR",
+                       help="the adapter registry (default: KILN_HOME's, as the server uses)")
+
+
+def _manifest_fields(checkpoint_dir, path) -> set | None:
+    """The top-level manifest fields the run module of this checkpoint's kind writes (unknown ones are refused)."""
+    light = checkpoint_dir.load_checkpoint(path, full=False)
+    if light.checkpoint_type in ("sft", "grpo", "opd"):  # GRPO and OPD write SFT's manifest fields
+        from trainer.runs.sft import MANIFEST_FIELDS
+
+        return MANIFEST_FIELDS
+    return None
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from trainer.runs import checkpoint_dir
+
+    if args.checkpoint_command == "clean-orphans":
+        return _clean_orphans(checkpoint_dir, args)
+    path = Path(args.path).expanduser()
+    try:
+        fields = _manifest_fields(checkpoint_dir, path)
+        loaded = checkpoint_dir.load_checkpoint(path, full=args.checkpoint_command == "verify",
+                                                allowed_manifest_fields=fields)
+    except checkpoint_dir.CheckpointError as exc:
+        print(f"invalid: {path.name}: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"invalid: {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    summary = checkpoint_dir.checkpoint_summary(loaded)
+    if args.checkpoint_command == "verify":
+        size = sum(entry["size"] for entry in loaded.manifest["files"].values())
+        print(f"valid: {path.name} ({summary['training_kind']}, adapter {summary['adapter']}, step {summary['step']}, "
+              f"{len(loaded.manifest['files'])} files, {_size(size)}, checkpoint_id {loaded.checkpoint_id})")
+        return 0
+    if args.json:
+        print(json.dumps(loaded.manifest, indent=2, sort_keys=True))
+        return 0
+    for key in ("resume_checkpoint", "training_kind", "adapter", "step", "checkpoint_id", "data_source_kind",
+                "committed_step", "total_steps", "next_cursor", "complete"):
+        print(f"{key:<18}{summary.get(key)}")
+    print(f"{'manifest_digest':<18}{loaded.manifest_digest}")
+    for key in ("seed", "base", "planning"):
+        if key in loaded.manifest:
+            value = loaded.manifest[key]
+            print(f"{key:<18}{json.dumps(value, sort_keys=True) if isinstance(value, dict) else value}")
+    print("(metadata only; `kiln checkpoint verify` checks every file's SHA-256)")
+    return 0
+
+
+def _clean_orphans(checkpoint_dir, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.registry is None:
+        setup_django()
+        from django.conf import settings
+
+        registry = Path(settings.KILN_ADAPTERS_DIR)
+    else:
+        registry = Path(args.registry).expanduser()
+    if not args.older_than >= 0:
+        print("--older-than must be 0 or more seconds", file=sys.stderr)
+        return 2
+    try:
+        removed = checkpoint_dir.remove_staging_orphans(registry, args.older_than)
+    except OSError as exc:
+        print(f"cannot clean {registry}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    for path in removed:
+        print(f"removed {path.name}")
+    print(f"{len(removed)} staging orphan(s) removed from {registry}", file=sys.stderr)
+    return 0
+
+
+
+def add_qualify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
+                        help="the backend to qualify (default: cpu)")
+    parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json)")
+
+
+def cmd_qualify(args: argparse.Namespace) -> int:
+    """Fresh-repeat and cancel-then-resume equivalence for SFT, GRPO (inline, streamed) and OPD."""
+    import json
+
+    from trainer.qualify import qualify
+
+    from pathlib import Path
+
+    home = Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln")
+    output = Path(args.output) if args.output else home / "qualification" / f"latest-{args.backend}.json"
+    try:
+        receipt = qualify(backend=args.backend, output=output)
+    except RuntimeError as error:
+        print(f"kiln qualify: {error}", file=sys.stderr)
+        return 2
+    stamped = output.with_name(f"receipt-{args.backend}-{receipt['created'].replace(':', '')}.json")
+    stamped.write_text(json.dumps(receipt, indent=1, sort_keys=True) + "\n")
+    print(f"{'PASSED' if receipt['passed'] else 'FAILED'}: receipt written to {output}")
+    return 0 if receipt["passed"] else 1

@@ -1,0 +1,332 @@
+"""`kiln train` and `kiln teacher`: training jobs and teacher aliases through the HTTP API (KILN_URL, KILN_TOKEN)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kiln_web import cli_serving
+
+TERMINAL = {"succeeded", "cancelled", "failed", "lost"}
+
+
+def add_train(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="train_command", required=True, metavar="TRAIN_COMMAND")
+    sft = commands.add_parser("sft", help="submit a supervised fine-tuning run",
+                              description="submit an SFT run; a file inside a data root ($KILN_HOME/datasets, "
+                              "KILN_DATA_ROOTS) is sent as dataset_path, any other file is uploaded inline")
+    sft.add_argument("--file", required=True, help="JSONL: {messages: [...]} or {prompt, completion} per line")
+    sft.add_argument("--adapter", required=True, help="the output adapter name (config.output_name)")
+    sft.add_argument("--epochs", type=int)
+    sft.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints "
+                     "(default: the server's training.checkpoint_interval)")
+    sft.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
+    sft.add_argument("--base", dest="base_model", help="the base model (default: kiln-tiny)")
+    sft.add_argument("--seed", type=int)
+    sft.add_argument("--learning-rate", type=float)
+    sft.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"))
+    sft.add_argument("--warmup-steps", type=int)
+    sft.add_argument("--batch-size", type=int)
+    sft.add_argument("--gradient-accumulation-steps", type=int)
+    sft.add_argument("--max-grad-norm", type=float)
+    sft.add_argument("--lora-rank", type=int)
+    sft.add_argument("--lora-alpha", type=float)
+    sft.add_argument("--qlora", action="store_true", help="quantize the base to NF4 (QLoRA)")
+    sft.add_argument("--max-sequence-length", type=int)
+    sft.add_argument("--upload", action="store_true", help="send the records inline even from a data root")
+    sft.add_argument("--wait", action="store_true", help="follow the job until it ends")
+    sft.add_argument("--json", action="store_true", help="print the job as JSON")
+    cli_serving.add_promotion_arguments(sft)
+    grpo = commands.add_parser("grpo", help="submit a GRPO run over scored groups",
+                               description="submit a GRPO run; a file inside a data root is sent as dataset_path, "
+                               "any other file is uploaded inline as groups")
+    grpo.add_argument("--file", required=True, help="JSONL, one group per line: {prompt | messages, completions: "
+                      "[{text, reward | rewards}...], reward_weights?}")
+    grpo.add_argument("--adapter", required=True, help="the output adapter name (config.output_name)")
+    grpo.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints "
+                      "(default: the server's training.checkpoint_interval)")
+    grpo.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
+    grpo.add_argument("--streaming", action="store_true", help="the server reads the file lazily from a byte cursor "
+                      "(the file must lie in a data root)")
+    grpo.add_argument("--base", dest="base_model", help="the base model (default: kiln-tiny)")
+    grpo.add_argument("--seed", type=int)
+    grpo.add_argument("--learning-rate", type=float)
+    grpo.add_argument("--epochs", type=int)
+    grpo.add_argument("--groups-per-step", type=int)
+    grpo.add_argument("--loss-type", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    grpo.add_argument("--beta", type=float, help="KL coefficient (default 0: no KL term)")
+    grpo.add_argument("--num-iterations", type=int)
+    opd = commands.add_parser("opd", help="submit an on-policy distillation run from a teacher alias",
+                              description="submit an OPD run; --file is a request JSON ({prompts | dataset_path, "
+                              "config?}) or a prompts file (JSON list or JSONL: sent by path from a data root, else "
+                              "uploaded)")
+    opd.add_argument("--file", required=True, help="opd-request.json: {prompts: [...], config: {...}}")
+    opd.add_argument("--adapter", required=True, help="the output adapter name (config.output_name)")
+    opd.add_argument("--teacher", required=True, metavar="ALIAS", help="a teacher alias name@route "
+                     "(kiln teacher list)")
+    opd.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints (default: 25)")
+    opd.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
+    opd.add_argument("--base", dest="base_model", help="the student base model (default: kiln-tiny)")
+    opd.add_argument("--seed", type=int)
+    opd.add_argument("--steps", type=int)
+    opd.add_argument("--learning-rate", type=float)
+    for kind in (grpo, opd):
+        kind.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
+        kind.add_argument("--wait", action="store_true", help="follow the job until it ends")
+        kind.add_argument("--json", action="store_true", help="print the job as JSON")
+    status = commands.add_parser("status", help="show a job: status, progress, latest checkpoint")
+    status.add_argument("--job-id", required=True)
+    status.add_argument("--json", action="store_true", help="print the job as JSON")
+    cancel = commands.add_parser("cancel", help="cancel a job (a running one publishes a checkpoint first)")
+    cancel.add_argument("--job-id", required=True)
+    cancel.add_argument("--wait", action="store_true", help="wait until the job has ended")
+    jobs = commands.add_parser("list", help="list your jobs, newest first")
+    jobs.add_argument("--status")
+    jobs.add_argument("--limit", type=int, default=20)
+
+
+SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_checkpoint", "learning_rate",
+               "batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_sequence_length")
+GRPO_OPTIONS = ("base_model", "seed", "learning_rate", "epochs", "groups_per_step", "loss_type", "beta",
+                "num_iterations", "checkpoint_interval", "resume_checkpoint")
+OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint")
+
+
+def _sft_body(args: argparse.Namespace) -> dict:
+    from kiln_web.client import read_jsonl, within_data_root
+
+    config = {"output_name": args.adapter, **_given(args, SFT_OPTIONS)}
+    if args.lr_schedule is not None or args.warmup_steps is not None:
+        config["lr_schedule"] = {"type": args.lr_schedule or "constant", "warmup_steps": args.warmup_steps or 0}
+    lora = {key: value for key, value in (("rank", args.lora_rank), ("alpha", args.lora_alpha)) if value is not None}
+    if lora:
+        config["lora"] = lora
+    if args.qlora:
+        config["quantization"] = {"type": "nf4"}
+    path = _input_file(args.file)
+    if not args.upload and within_data_root(path):
+        return {"dataset_path": str(path.resolve()), "config": config}
+    return {"data": read_jsonl(path), "config": config}
+
+
+def _given(args: argparse.Namespace, options: tuple) -> dict:
+    """{config key: value} of the OPTIONS (argparse dests, which are the config keys) given on the command line."""
+    return {name: getattr(args, name) for name in options if getattr(args, name) is not None}
+
+
+def _input_file(text: str):
+    from pathlib import Path
+
+    from kiln_web.client import ApiError
+
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ApiError(None, {"code": "invalid_file", "message": f"{text} is not a file"})
+    return path
+
+
+def _grpo_body(args: argparse.Namespace) -> dict:
+    from kiln_web.client import ApiError, read_jsonl, within_data_root
+
+    config = {"output_name": args.adapter, **_given(args, GRPO_OPTIONS)}
+    if args.streaming:
+        config["streaming"] = True
+    path = _input_file(args.file)
+    if not args.upload and within_data_root(path):
+        return {"dataset_path": str(path.resolve()), "config": config}
+    if args.streaming:
+        raise ApiError(None, {"code": "invalid_file", "message": f"--streaming makes the server read {args.file} "
+                              "itself: put it in a data root ($KILN_HOME/datasets or KILN_DATA_ROOTS), without "
+                              "--upload"})
+    return {"groups": read_jsonl(path), "config": config}
+
+
+def _opd_body(args: argparse.Namespace) -> dict:
+    import json
+
+    from kiln_web.client import ApiError, read_jsonl, within_data_root
+
+    path = _input_file(args.file)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        document = None  # not one JSON value: JSONL prompts
+    if isinstance(document, dict):  # a request: {prompts | dataset_path, config?}
+        unknown = sorted(set(document) - {"prompts", "dataset_path", "config"})
+        if unknown or not isinstance(document.get("config", {}), dict):
+            raise ApiError(None, {"code": "invalid_file", "message": f"{args.file} must hold {{prompts | dataset_path, "
+                                  f"config}}; it has {', '.join(unknown) or 'a config that is not an object'}"})
+        body = {key: value for key, value in document.items() if key != "config"}
+        config = dict(document.get("config") or {})
+    elif not args.upload and within_data_root(path):
+        body, config = {"dataset_path": str(path.resolve())}, {}
+    else:
+        body, config = {"prompts": document if isinstance(document, list) else read_jsonl(path)}, {}
+    config.update(output_name=args.adapter, teacher=args.teacher, **_given(args, OPD_OPTIONS))
+    return {**body, "config": config}
+
+
+BODIES = {"sft": cli_serving.with_promotion(_sft_body), "grpo": _grpo_body, "opd": _opd_body}
+
+
+def _print_job(job: dict) -> None:
+    progress = job["progress"]
+    total = progress.get("total_steps")
+    source = "inline data" if job.get("data_source_kind") == "inline" else job.get("dataset_path") or "file"
+    print(f"job        {job['id']}")
+    print(f"status     {job['status']}")
+    print(f"adapter    {job['adapter']} ({job['kind']}, {source})")
+    print(f"progress   {progress['committed_step']}/{total if total is not None else '?'} steps")
+    print(f"seed       {job.get('effective_seed')}")
+    if job.get("resume_from"):
+        print(f"resumed    from {job['resume_from']}")
+    teacher = job.get("teacher")
+    if teacher:
+        print(f"teacher    {teacher['alias']} (identity {teacher['identity_revision'][:16]}, "
+              f"content {(teacher.get('content_revision') or '?')[:16]})")
+    checkpoint = job.get("latest_checkpoint")
+    if checkpoint:
+        cursor = checkpoint.get("next_cursor") or {}
+        where = ", ".join(f"{key} {value}" for key, value in cursor.items()) if isinstance(cursor, dict) else cursor
+        print(f"checkpoint step {checkpoint.get('committed_step')} of {checkpoint.get('total_steps')}"
+              f"{' (complete)' if checkpoint.get('complete') else ''}, next {where}")
+        print(f"resume_checkpoint {checkpoint['resume_checkpoint']}")
+    elif job.get("latest_checkpoint_error"):
+        problem = job["latest_checkpoint_error"]
+        print(f"checkpoint unavailable: {problem['code']}: {problem['message']}")
+    if job.get("error"):
+        print(f"error      {job['error']['code']}: {job['error']['message']}")
+    cli_serving.print_promotion(job)
+
+
+def _follow(client, job_id: str) -> dict:
+    """Poll until the job ends, showing its progress on stderr."""
+    import time
+
+    shown = None
+    while True:
+        job = client.job(job_id)
+        line = f"{job['status']} {job['progress']['committed_step']}/{job['progress'].get('total_steps')}"
+        if line != shown:
+            print(f"  {line}", file=sys.stderr, flush=True)
+            shown = line
+        if job["status"] in TERMINAL:
+            return job
+        time.sleep(1.0)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import json
+
+    from kiln_web.client import ApiError, Client
+
+    try:
+        client = Client()
+        if args.train_command in BODIES:
+            job = client.submit(args.train_command, BODIES[args.train_command](args))
+            if args.json and not args.wait:
+                print(json.dumps(job, indent=2))
+                return 0
+            print(f"job {job['id']} {job['status']} ({job['adapter']}, {job['progress']['total_steps']} steps, "
+                  f"seed {job['effective_seed']})", flush=True)
+            if not args.wait:
+                print(f"follow it with: kiln train status --job-id {job['id']}")
+                return 0
+            job = _follow(client, job["id"])
+            if args.json:
+                print(json.dumps(job, indent=2))
+            else:
+                _print_job(job)
+            return 0 if job["status"] in ("succeeded", "cancelled") else 1
+        if args.train_command == "status":
+            job = client.job(args.job_id)
+            if args.json:
+                print(json.dumps(job, indent=2))
+            else:
+                _print_job(job)
+            return 0
+        if args.train_command == "cancel":
+            job = client.cancel(args.job_id)
+            print(f"job {job['id']} {job['status']}", flush=True)
+            if args.wait:
+                job = _follow(client, job["id"])
+                _print_job(job)
+            return 0
+        listing = client.jobs(status=args.status, limit=args.limit)
+        for job in listing["items"]:
+            progress = job["progress"]
+            print(f"{job['id']}  {job['status']:<10}  {job['kind']:<4}  {job['adapter']:<24}  "
+                  f"{progress['committed_step']}/{progress.get('total_steps')}  {job.get('latest_checkpoint') or ''}")
+        return 0
+    except ApiError as exc:
+        return cli_serving.print_api_error(f"train {args.train_command}", exc)
+
+
+# -- teacher aliases, through the HTTP API --
+
+
+def add_teacher(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="teacher_command", required=True, metavar="TEACHER_COMMAND")
+    add = commands.add_parser("add", help="register a teacher alias (or change it with --replace)",
+                              description="register NAME@native (a registered base, optionally with a PEFT "
+                              "adapter) or NAME@openai (an OpenAI-compatible endpoint and model)")
+    add.add_argument("name", metavar="NAME@ROUTE", help="e.g. tutor@native or qwen@openai")
+    add.add_argument("--base", help="native: a registered base (kiln base list)")
+    add.add_argument("--adapter", metavar="PATH", help="native: a PEFT adapter directory in the adapter registry "
+                     "or a data root")
+    add.add_argument("--endpoint", metavar="URL", help="openai: the server root, e.g. http://gpu-1:8000")
+    add.add_argument("--model", help="openai: the served model id")
+    add.add_argument("--replace", action="store_true", help="change an existing alias (its identity revision "
+                     "changes, so its OPD checkpoints no longer resume)")
+    commands.add_parser("list", help="list the teacher aliases")
+    show = commands.add_parser("show", help="show one alias: configuration and revisions")
+    show.add_argument("name", metavar="NAME@ROUTE")
+    show.add_argument("--json", action="store_true", help="print the alias as JSON")
+    delete = commands.add_parser("delete", help="delete an alias you own")
+    delete.add_argument("name", metavar="NAME@ROUTE")
+
+
+def _print_teacher(alias: dict) -> None:
+    target = (f"{alias['base']}" + (f" + adapter {alias['adapter']}" if alias.get("adapter") else "")
+              if alias["route"] == "native" else f"{alias['model']} at {alias['endpoint']}")
+    print(f"name      {alias['name']}")
+    print(f"teacher   {target}")
+    print(f"owner     {alias['owner']}")
+    print(f"identity  {alias['identity_revision']}")
+    print(f"content   {alias.get('content_revision') or 'not yet reconstructed (every OPD admission does)'}")
+
+
+def cmd_teacher(args: argparse.Namespace) -> int:
+    import json
+
+    from kiln_web.client import ApiError, Client
+
+    try:
+        client = Client()
+        if args.teacher_command == "add":
+            config = {key: getattr(args, key) for key in ("base", "adapter", "endpoint", "model")
+                      if getattr(args, key) is not None}
+            if "adapter" in config:
+                config["adapter"] = os.path.abspath(os.path.expanduser(config["adapter"]))
+            alias = (client.update_teacher(args.name, config) if args.replace
+                     else client.create_teacher({"name": args.name, **config}))
+            _print_teacher(alias)
+        elif args.teacher_command == "list":
+            for alias in client.teachers()["items"]:
+                target = alias["base"] if alias["route"] == "native" else alias["endpoint"]
+                print(f"{alias['name']:<32}  {alias['identity_revision'][:12]}  {alias['owner']:<12}  {target}"
+                      + (f" + {alias['adapter']}" if alias.get("adapter") else ""))
+        elif args.teacher_command == "show":
+            alias = client.teacher(args.name)
+            if args.json:
+                print(json.dumps(alias, indent=2))
+            else:
+                _print_teacher(alias)
+        else:
+            client.delete_teacher(args.name)
+            print(f"deleted {args.name}")
+        return 0
+    except ApiError as exc:
+        return cli_serving.print_api_error(f"teacher {args.teacher_command}", exc)
+

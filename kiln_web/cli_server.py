@@ -1,0 +1,207 @@
+"""The commands that run Kiln on this machine: `up` (server and embedded worker), `worker`, `doctor`,
+`version` and `token`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from urllib.parse import urlsplit, urlunsplit
+
+
+def setup_django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kiln_web.settings")
+    import django
+
+    django.setup()
+
+
+def hide_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+
+def add_up(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+
+
+def add_worker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--poll-seconds", type=float, default=None,
+                        help="how often to look for queued jobs (default: KILN_WORKER_POLL_SECONDS, 2)")
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_worker(worker) -> None:
+    """Stop a worker cleanly: a running job is cancelled and publishes a checkpoint at its next safe boundary."""
+    job_id = worker.running_job
+    if job_id is not None:
+        print(f"cancelling job {job_id}: waiting for it to publish a checkpoint at its next step boundary "
+              "(Ctrl-C again to quit at once; the job is then marked lost later)", flush=True)
+    worker.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    setup_django()
+    import uvicorn
+    from django.conf import settings
+    from django.core.management import call_command
+
+    from kiln_web.accounts.actions import do_ensure_token
+    from kiln_web.asgi import application
+    from kiln_web.core.actions import ADMIN_USERNAME, do_ensure_admin, first_superuser
+    from kiln_web.jobs.worker import EmbeddedWorker, Housekeeper
+
+    call_command("migrate", interactive=False, verbosity=0)
+    password = do_ensure_admin()
+    if password is not None:
+        print(f"Created the admin user {ADMIN_USERNAME!r} with password: {password}")
+        print("  (shown once; change it in the admin)")
+    admin = first_superuser()
+    token = do_ensure_token(admin, "created by kiln up") if admin is not None else None
+    if token is not None:
+        print(f"API token for {admin.get_username()!r}: {token}")
+        print(f"  (shown once, stored hashed; for the CLI: export KILN_URL=http://{args.host}:{args.port} "
+              f"KILN_TOKEN={token})")
+    housekeeper = Housekeeper().start()  # the lost-job check, whichever workers run the jobs
+    worker = None
+    if settings.KILN_EMBEDDED_WORKER:
+        worker = EmbeddedWorker().start()
+        print("Training jobs run in this process (embedded worker; set REDIS_URL for Celery workers)")
+    else:
+        print("Training jobs go to Celery: run `celery -A kiln_web worker -Q training` beside this")
+    print(f"Kiln is serving at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `docker stop` stops as cleanly as Ctrl-C
+    try:
+        # lifespan off: the Channels router does not speak the ASGI lifespan protocol.
+        # no per-message deflate: job events are a few hundred bytes of JSON, and compressing each one once
+        # per open dashboard costs the web process more CPU than the bytes it saves on a local network
+        uvicorn.run(application, host=args.host, port=args.port, lifespan="off", log_level="info",
+                    ws_per_message_deflate=False)
+    except KeyboardInterrupt:
+        pass  # uvicorn has shut down the server and re-raised the signal
+    if worker is not None:
+        _stop_worker(worker)
+    housekeeper.stop()
+    print("Kiln stopped", flush=True)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import signal
+
+    setup_django()
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    from kiln_web.jobs.worker import EmbeddedWorker
+
+    executor = MigrationExecutor(connection)
+    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        print("kiln worker: the database has unapplied migrations; run `kiln up` or "
+              "`python manage.py migrate` first", file=sys.stderr)
+        return 2
+    worker = EmbeddedWorker(poll_seconds=args.poll_seconds)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    worker.start()
+    print(f"worker {worker.worker_id} is polling for queued jobs every {worker.poll_seconds:g} s "
+          "(Ctrl-C stops)", flush=True)
+    try:
+        while worker.is_alive():
+            worker.join(0.5)
+    except KeyboardInterrupt:
+        _stop_worker(worker)
+    print("worker stopped", flush=True)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    ok = True
+
+    def line(label: str, value: str) -> None:
+        print(f"{label:<11}{value}")
+
+    import kiln_web
+
+    line("kiln", kiln_web.__version__)
+    line("python", f"{platform.python_version()} ({sys.executable})")
+
+    import numpy
+    from threadpoolctl import threadpool_info
+
+    line("numpy", f"{numpy.__version__} ({os.path.dirname(numpy.__file__)})")
+    blas = [pool for pool in threadpool_info() if pool.get("user_api") == "blas"]
+    for pool in blas:
+        line("blas", f"{pool['internal_api']} {pool.get('version')} "
+             f"{pool.get('threading_layer', '')} threads={pool['num_threads']} ({pool['filepath']})")
+    if not blas:
+        line("blas", "none found by threadpoolctl")
+
+    try:
+        from native_ext import _kernels
+    except ImportError as exc:
+        ok = False
+        line("native_ext", f"_kernels does not import ({exc}); build it with: pip install -e .")
+    else:
+        line("native_ext", f"_kernels imports ({_kernels.__file__})")
+
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        setup_django()
+    except ImproperlyConfigured as exc:
+        line("settings", f"error: {exc}")
+        return 1
+    from django.conf import settings
+
+    line("KILN_HOME", str(settings.KILN_HOME))
+    database = settings.DATABASES["default"]
+    if database["ENGINE"].endswith("sqlite3"):
+        line("database", f"sqlite {database['NAME']}")
+    else:
+        line("database", f"postgresql {database['NAME']} on {database.get('HOST') or 'local socket'}"
+             f":{database.get('PORT') or 5432} as {database.get('USER') or '(default user)'}")
+    if settings.KILN_EMBEDDED_WORKER:
+        line("broker", "memory:// (embedded; set REDIS_URL for separate workers)")
+    else:
+        line("broker", hide_password(settings.CELERY_BROKER_URL))
+    line("channels", settings.CHANNEL_LAYERS["default"]["BACKEND"].rsplit(".", 1)[-1])
+    return 0 if ok else 1
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    import kiln_web
+
+    print(f"kiln {kiln_web.__version__}")
+    return 0
+
+
+
+def add_token(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="token_command", required=True, metavar="TOKEN_COMMAND")
+    create = commands.add_parser("create", help="create an API token (printed once) for a user, creating the user "
+                                 "if needed")
+    create.add_argument("--user", required=True, help="the username")
+    create.add_argument("--name", default="created by kiln token create", help="what the token is for")
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    setup_django()
+    from kiln_web.accounts.actions import do_create_token_for_username
+
+    row, token, created = do_create_token_for_username(args.user, args.name)
+    if created:
+        print(f"created user {args.user!r} (no password; set one in the admin to sign in)", file=sys.stderr)
+    print(f"token {row.prefix}... for {args.user!r}; shown once, stored hashed:", file=sys.stderr)
+    print(token)
+    return 0
