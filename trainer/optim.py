@@ -11,12 +11,15 @@ import math
 import numpy as np
 
 from native_ext import kernels
+from trainer.lifetime import Closeable
 from trainer.parameters import ParameterList
 
 STORAGES = ("contiguous", "paged")
 
 
-class Adam:
+class Adam(Closeable):
+    closed_message = "the optimizer has been closed"
+
     def __init__(self, parameters, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
                  weight_decay=0.0, state_storage="contiguous", page_size=1 << 20):
         if not isinstance(parameters, ParameterList):
@@ -82,20 +85,12 @@ class Adam:
                 position += length
         return segments
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-        return False
-
     def close(self):
-        self._closed = True
+        super().close()
         self._pages = []
 
     def _check_open(self):
-        if self._closed:
-            raise RuntimeError("the optimizer has been closed")
+        super()._check_open()
         self.model._check_open()
 
     @property

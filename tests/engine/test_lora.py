@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import trainer.model as model_module
-from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
+from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig, quantization
 from trainer.parameters import ParameterList
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -144,7 +144,7 @@ def test_qlora_never_materialises_a_whole_weight(monkeypatch):
     model.attach_lora(LoraConfig(rank=2, alpha=2))
     largest = max(p.numel for p in model.packed_state().values())
     seen = []
-    real = model_module.dequantize_rows
+    real = quantization.dequantize_rows
 
     def spy(nf4, start, end, out):
         seen.append((end - start) * nf4.shape[1])
@@ -153,8 +153,9 @@ def test_qlora_never_materialises_a_whole_weight(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a whole weight was dequantized during training")
 
-    monkeypatch.setattr(model_module, "dequantize_rows", spy)
-    monkeypatch.setattr(model_module, "dequantize_nf4", forbidden)
+    monkeypatch.setattr(quantization, "dequantize_rows", spy)  # trainer.blocks calls through here
+    for module in (quantization, model_module):
+        monkeypatch.setattr(module, "dequantize_nf4", forbidden)
     tokens = np.random.default_rng(0).integers(0, 64, (1, 16))
     model.forward_backward(tokens, tokens)
     assert seen and max(seen) <= largest // 2

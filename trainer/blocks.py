@@ -1,0 +1,323 @@
+"""One decoder block: its weights and the forward/backward pair of its math (RMSNorm, projections, rotary, attention, SwiGLU MLP, residuals).
+
+Dimension letters: B batch, T time, N = B*T rows, C model width, H query heads, KV
+key/value heads, g = H/KV, D head size, G = B*KV head groups, P positions of the rotary
+table, F feed-forward width, r LoRA rank.
+The q/k/v projections of a block share one fused [(H+2KV)*D, C] matrix and gate/up share
+one [2F, C] matrix; the named parameters are row views into them, so one matrix product
+serves three (or two) projections. Backward accumulates into the gradient buffers and
+marks them pending; a frozen (quantized or LoRA-wrapped) base gets no weight gradients.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from native_ext import blas, kernels
+from trainer import attention, quantization
+from trainer.parameters import Parameter
+
+NF4_SCRATCH_ELEMENTS = 1 << 17  # at most 512 KiB of dequantized rows at a time
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def accumulate_weight_grad(grad, dy, x, accumulate):
+    """grad [M,K] (=|+=) dy.T [M,N] @ x [N,K], in place through numpy's BLAS when accumulating."""
+    if accumulate:
+        blas.accumulate_at_b(grad, dy, x)
+    else:
+        np.matmul(dy.T, x, out=grad)
+
+
+def rope_tables(config):
+    """cos and sin [P, D/2] float32 of the rotary angles, computed in float64."""
+    D = config.head_dimension
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    angles = np.outer(np.arange(config.maximum_context, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)  # [P, D/2]
+
+
+class Block:
+    """The arrays of one decoder block; the named Parameters are views into them."""
+
+    def __init__(self, index, config):
+        C, F, D = config.model_width, config.feed_forward_width, config.head_dimension
+        H, KV = config.head_count, config.kv_heads
+        prefix = f"model.layers.{index}."
+        self.qkv = np.zeros(((H + 2 * KV) * D, C), dtype=np.float32)  # [(H+2KV)D, C]
+        self.gate_up = np.zeros((2 * F, C), dtype=np.float32)  # [2F, C]
+        self.o = Parameter(prefix + "self_attn.o_proj.weight", np.zeros((C, H * D), np.float32), None)
+        self.down = Parameter(prefix + "mlp.down_proj.weight", np.zeros((C, F), np.float32), None)
+        self.ln1 = Parameter(prefix + "input_layernorm.weight", np.ones(C, np.float32), None)
+        self.ln2 = Parameter(prefix + "post_attention_layernorm.weight", np.ones(C, np.float32), None)
+        q_rows, kv_rows = H * D, KV * D
+        self.q = Parameter(prefix + "self_attn.q_proj.weight", self.qkv[:q_rows], None)
+        self.k = Parameter(prefix + "self_attn.k_proj.weight", self.qkv[q_rows:q_rows + kv_rows], None)
+        self.v = Parameter(prefix + "self_attn.v_proj.weight", self.qkv[q_rows + kv_rows:], None)
+        self.gate = Parameter(prefix + "mlp.gate_proj.weight", self.gate_up[:F], None)
+        self.up = Parameter(prefix + "mlp.up_proj.weight", self.gate_up[F:], None)
+        self.qkv_grad = None
+        self.gate_up_grad = None
+        # projection -> (fused output it writes, output columns); the input is the
+        # fused product's input
+        self.layout = {
+            "q_proj": ("qkv", slice(0, q_rows)),
+            "k_proj": ("qkv", slice(q_rows, q_rows + kv_rows)),
+            "v_proj": ("qkv", slice(q_rows + kv_rows, q_rows + 2 * kv_rows)),
+            "o_proj": ("o", slice(0, C)),
+            "gate_proj": ("gate_up", slice(0, F)),
+            "up_proj": ("gate_up", slice(F, 2 * F)),
+            "down_proj": ("down", slice(0, C)),
+        }
+        self.lora = {}  # projection name -> LoraAdapter
+
+    def projection(self, name):
+        return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
+                "gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}[name]
+
+    def dense_weight(self, group):
+        """The FP32 matrix behind `group`, or None once the block is quantized."""
+        return {"qkv": self.qkv, "o": self.o.value, "gate_up": self.gate_up,
+                "down": self.down.value}[group]
+
+    def _tiles(self, group):
+        """(projection offset in the group's output, NF4 weight, row tile) per projection."""
+        for name in GROUPS[group]:
+            weight = self.projection(name).quantized
+            rows, cols = weight.shape
+            # bounded scratch, and never a whole weight's rows at once
+            tile = max(1, min(NF4_SCRATCH_ELEMENTS // cols, (rows + 1) // 2))
+            yield self.layout[name][1].start, weight, tile
+
+    def base_forward(self, group, x):
+        """x [N,in] @ W.T for the projections writing `group`: one fused product, or NF4 tiles."""
+        weight = self.dense_weight(group)
+        if weight is not None:
+            return np.matmul(x, weight.T)
+        total = sum(self.projection(name).shape[0] for name in GROUPS[group])
+        y = np.empty((x.shape[0], total), np.float32)  # [N,out]
+        for offset, nf4, tile in self._tiles(group):
+            rows, cols = nf4.shape
+            scratch = np.empty((tile, cols), np.float32)
+            for start in range(0, rows, tile):
+                end = min(start + tile, rows)
+                quantization.dequantize_rows(nf4, start, end, scratch[:end - start])
+                y[:, offset + start:offset + end] = np.matmul(x, scratch[:end - start].T)
+        return y
+
+    def base_input_grad(self, group, dy):
+        """dy [N,out] @ W: the input gradient through the frozen (or trainable) base."""
+        weight = self.dense_weight(group)
+        if weight is not None:
+            return np.matmul(dy, weight)
+        dx = None
+        for offset, nf4, tile in self._tiles(group):
+            rows, cols = nf4.shape
+            if dx is None:
+                dx = np.zeros((dy.shape[0], cols), np.float32)  # [N,in]
+            scratch = np.empty((tile, cols), np.float32)
+            for start in range(0, rows, tile):
+                end = min(start + tile, rows)
+                quantization.dequantize_rows(nf4, start, end, scratch[:end - start])
+                dx += np.matmul(dy[:, offset + start:offset + end], scratch[:end - start])
+        return dx
+
+    def quantize(self, block_size, double_quantization):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            p = self.projection(name)
+            p.quantized = quantization.quantize_nf4(np.ascontiguousarray(p.value), block_size=block_size,
+                                                    double_quantization=double_quantization)
+            p.value = None
+            p.grad = None
+        self.qkv = self.gate_up = None
+
+    def lora_forward(self, group, x, y):
+        """Add the adapters of the projections writing `group` to y; returns x @ A.T per adapter."""
+        saved = {}
+        for name, adapter in self.lora.items():
+            target, columns = self.layout[name]
+            if target != group:
+                continue
+            u = np.matmul(x, adapter.A.value.T)  # [N,r]
+            delta = np.matmul(u, adapter.B.value.T)  # [N,out]
+            delta *= adapter.scaling
+            y[:, columns] += delta
+            saved[name] = u
+        return saved
+
+    def lora_backward(self, group, x, dy, dx, saved):
+        """Adapter gradients of `group` from dy [N,out_total]; adds their input gradient to dx."""
+        for name, u in saved.items():
+            adapter = self.lora[name]
+            _, columns = self.layout[name]
+            dy_scaled = dy[:, columns] * adapter.scaling  # [N,out]
+            accumulate_weight_grad(adapter.B.grad, dy_scaled, u, adapter.B.pending)  # [out,r]
+            adapter.B.pending = True
+            du = np.matmul(dy_scaled, adapter.B.value)  # [N,r]
+            accumulate_weight_grad(adapter.A.grad, du, x, adapter.A.pending)  # [r,in]
+            adapter.A.pending = True
+            dx += np.matmul(du, adapter.A.value)
+
+    def parameters(self):
+        # Hugging Face Llama order within a block
+        return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.ln1, self.ln2]
+
+    def allocate_grads(self):
+        H = self.q.value.shape[0]
+        KVD = self.k.value.shape[0]
+        F = self.gate.value.shape[0]
+        self.qkv_grad = np.zeros_like(self.qkv)
+        self.gate_up_grad = np.zeros_like(self.gate_up)
+        self.q.grad = self.qkv_grad[:H]
+        self.k.grad = self.qkv_grad[H:H + KVD]
+        self.v.grad = self.qkv_grad[H + KVD:]
+        self.gate.grad = self.gate_up_grad[:F]
+        self.up.grad = self.gate_up_grad[F:]
+        for p in (self.o, self.down, self.ln1, self.ln2):
+            p.grad = np.zeros_like(p.value)
+
+
+@dataclass
+class BlockActivations:
+    """What block_forward saves for block_backward (one block, one batch)."""
+
+    batch: int  # B
+    time: int  # T
+    x: np.ndarray  # [N,C] block input
+    h1: np.ndarray  # [N,C] input_layernorm output
+    rstd1: np.ndarray  # [N] its reciprocal RMS
+    q: np.ndarray  # [G,T*g,D] rotated queries
+    k: np.ndarray  # [G,S,D] rotated keys (S = T, or the cached prefix and T)
+    v: np.ndarray  # [G,S,D] values
+    att: np.ndarray  # [G,T*g,D] attention output per head group
+    saved: np.ndarray  # dense: probabilities [G,T*g,S]; tiled: logsumexp [G,T*g]
+    attn: np.ndarray  # [N,H*D] attention output in projection layout
+    x_mid: np.ndarray  # [N,C] residual after attention
+    h2: np.ndarray  # [N,C] post_attention_layernorm output
+    rstd2: np.ndarray  # [N] its reciprocal RMS
+    gate_up: np.ndarray  # [N,2F] gate and up projections
+    act: np.ndarray  # [N,F] SwiGLU output
+    lora_qkv: dict  # projection name -> x @ A.T [N,r], per adapter of the group
+    lora_o: dict
+    lora_gate_up: dict
+    lora_down: dict
+
+
+def block_forward(block, x, config, rope, B, T, kv=None):
+    """One block on x [N,C] -> (output [N,C], BlockActivations).
+
+    rope is (cos, sin) from rope_tables. With kv (keys [G,P,D], values [G,P,D], past) the
+    new keys and values are written at positions past.. and attention reads the whole prefix.
+    """
+    past = 0 if kv is None else kv[2]
+    H, KV, D = config.head_count, config.kv_heads, config.head_dimension
+    g, N = H // KV, B * T
+    assert x.shape == (N, config.model_width), f"block input {x.shape} is not [B*T, C] = [{N}, {config.model_width}]"
+    cos, sin = rope
+    h1 = np.empty_like(x)  # [N,C]
+    rstd1 = np.empty(N, np.float32)
+    kernels.rmsnorm_forward(x, block.ln1.value, config.norm_epsilon, h1, rstd1)
+    qkv = block.base_forward("qkv", h1)  # [N,(H+2KV)D]
+    lora_qkv = block.lora_forward("qkv", h1, qkv)
+    qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
+    q = np.empty((B, KV, T, g, D), np.float32)
+    k = np.empty((B, KV, T, 1, D), np.float32)
+    kernels.rope_forward(qkv4[:, :, :H], cos, sin, past, q)
+    kernels.rope_forward(qkv4[:, :, H:H + KV], cos, sin, past, k)
+    v = np.ascontiguousarray(qkv4[:, :, H + KV:].transpose(0, 2, 1, 3))  # [B,KV,T,D]
+    q3, k3, v3 = q.reshape(B * KV, T * g, D), k.reshape(B * KV, T, D), v.reshape(B * KV, T, D)
+    if kv is not None:
+        keys, values, _ = kv  # [G,P,D] caches
+        keys[:, past:past + T] = k3
+        values[:, past:past + T] = v3
+        k3, v3 = keys[:, :past + T], values[:, :past + T]
+    scale = 1.0 / np.sqrt(D)
+    if config.attention_algorithm == "dense":
+        att, saved = attention.dense_forward(q3, k3, v3, scale, g, past)
+    else:
+        att, saved = attention.tiled_forward(q3, k3, v3, scale, g, config.attention_block_size, past)
+    attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
+    x_mid = block.base_forward("o", attn)  # [N,C]
+    lora_o = block.lora_forward("o", attn, x_mid)
+    x_mid += x
+    h2 = np.empty_like(x)
+    rstd2 = np.empty(N, np.float32)
+    kernels.rmsnorm_forward(x_mid, block.ln2.value, config.norm_epsilon, h2, rstd2)
+    gate_up = block.base_forward("gate_up", h2)  # [N,2F]
+    lora_gate_up = block.lora_forward("gate_up", h2, gate_up)
+    act = np.empty((N, config.feed_forward_width), np.float32)
+    kernels.swiglu_forward(gate_up, act)
+    x_out = block.base_forward("down", act)  # [N,C]
+    lora_down = block.lora_forward("down", act, x_out)
+    x_out += x_mid
+    saved_activations = BlockActivations(
+        batch=B, time=T, x=x, h1=h1, rstd1=rstd1, q=q3, k=k3, v=v3, att=att, saved=saved,
+        attn=attn, x_mid=x_mid, h2=h2, rstd2=rstd2, gate_up=gate_up, act=act,
+        lora_qkv=lora_qkv, lora_o=lora_o, lora_gate_up=lora_gate_up, lora_down=lora_down)
+    return x_out, saved_activations
+
+
+def rmsnorm_backward(dout, x, weight, rstd, dx, trainable):
+    """dx [N,C] += the input gradient of RMSNorm; weight.grad [C] accumulates when trainable."""
+    if trainable:
+        if not weight.pending:
+            weight.grad.fill(0.0)
+        kernels.rmsnorm_backward(dout, x, weight.value, rstd, dx, weight.grad)
+        weight.pending = True
+    else:
+        scratch = np.zeros_like(weight.value)
+        kernels.rmsnorm_backward(dout, x, weight.value, rstd, dx, scratch)
+
+
+def _weight_grad(params, grad, dy, x, trainable):
+    """The fused grad [out,in] of params (=|+=) dy.T @ x when trainable; marks them pending."""
+    if trainable:
+        accumulate_weight_grad(grad, dy, x, params[0].pending)
+        for p in params:
+            p.pending = True
+
+
+def block_backward(block, acts, d, config, rope, trainable):
+    """d [N,C]: gradient at the block output, turned in place into the input gradient.
+
+    Weight gradients of a trainable base and of the block's adapters accumulate into
+    their buffers; `acts` is what block_forward saved for this block and batch.
+    """
+    assert isinstance(acts, BlockActivations), "forward before backward: no saved activations"
+    B, T = acts.batch, acts.time
+    H, KV, D = config.head_count, config.kv_heads, config.head_dimension
+    g, N = H // KV, B * T
+    assert d.shape == acts.x.shape, f"output gradient {d.shape} does not match the block input {acts.x.shape}"
+    cos, sin = rope
+    # MLP
+    dact = block.base_input_grad("down", d)  # [N,F]
+    _weight_grad([block.down], block.down.grad, d, acts.act, trainable)
+    block.lora_backward("down", acts.act, d, dact, acts.lora_down)
+    dgate_up = np.empty_like(acts.gate_up)  # [N,2F]
+    kernels.swiglu_backward(dact, acts.gate_up, dgate_up)
+    _weight_grad([block.gate, block.up], block.gate_up_grad, dgate_up, acts.h2, trainable)
+    dh2 = block.base_input_grad("gate_up", dgate_up)  # [N,C]
+    block.lora_backward("gate_up", acts.h2, dgate_up, dh2, acts.lora_gate_up)
+    rmsnorm_backward(dh2, acts.x_mid, block.ln2, acts.rstd2, d, trainable)
+    # attention
+    dattn = block.base_input_grad("o", d)  # [N,HD]
+    _weight_grad([block.o], block.o.grad, d, acts.attn, trainable)
+    block.lora_backward("o", acts.attn, d, dattn, acts.lora_o)
+    datt = np.ascontiguousarray(
+        dattn.reshape(B, T, KV, g, D).transpose(0, 2, 1, 3, 4)).reshape(B * KV, T * g, D)  # [G,T*g,D]
+    scale = 1.0 / np.sqrt(D)
+    if config.attention_algorithm == "dense":
+        dq, dk, dv = attention.dense_backward(datt, acts.q, acts.k, acts.v, acts.saved, scale)
+    else:
+        dq, dk, dv = attention.tiled_backward(datt, acts.q, acts.k, acts.v, acts.att, acts.saved,
+                                              scale, g, config.attention_block_size)
+    dqkv = np.empty((N, (H + 2 * KV) * D), np.float32)  # [N,(H+2KV)D]
+    dqkv4 = dqkv.reshape(B, T, H + 2 * KV, D)
+    kernels.rope_backward(dq.reshape(B, KV, T, g, D), cos, sin, 0, dqkv4[:, :, :H])
+    kernels.rope_backward(dk.reshape(B, KV, T, 1, D), cos, sin, 0, dqkv4[:, :, H:H + KV])
+    dqkv4[:, :, H + KV:] = dv.reshape(B, KV, T, D).transpose(0, 2, 1, 3)
+    _weight_grad([block.q, block.k, block.v], block.qkv_grad, dqkv, acts.h1, trainable)
+    dh1 = block.base_input_grad("qkv", dqkv)  # [N,C]
+    block.lora_backward("qkv", acts.h1, dqkv, dh1, acts.lora_qkv)
+    rmsnorm_backward(dh1, acts.x, block.ln1, acts.rstd1, d, trainable)
