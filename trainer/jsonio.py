@@ -48,13 +48,8 @@ def _parse_constant(text):
     raise ValueError(f"{text} is not JSON")
 
 
-def strict_loads(data: bytes, *, max_depth: int = MAX_DEPTH):
-    """Parse UTF-8 JSON strictly; ValueError says what is wrong (duplicate key, NaN, overflow, depth)."""
-    try:
-        value = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_int=_parse_int,
-                           parse_float=_parse_float, parse_constant=_parse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise ValueError(str(error) or type(error).__name__) from None
+def check_depth(value, max_depth: int = MAX_DEPTH) -> None:
+    """ValueError when `value` nests dicts and lists deeper than `max_depth` levels (no recursion)."""
     pending = [(value, 1)]  # a depth the parser survives may still overflow json.dumps or deepcopy
     while pending:
         item, depth = pending.pop()
@@ -62,4 +57,17 @@ def strict_loads(data: bytes, *, max_depth: int = MAX_DEPTH):
             raise ValueError(f"nested deeper than {max_depth} levels")
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def strict_loads(data: bytes, *, max_depth: int = MAX_DEPTH, bounded_ints: bool = True):
+    """Parse UTF-8 JSON strictly; ValueError says what is wrong (duplicate key, NaN, overflow, depth).
+
+    bounded_ints=False accepts integers of any size (a format whose free-form fields always did)."""
+    try:
+        value = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs,
+                           parse_int=_parse_int if bounded_ints else int,
+                           parse_float=_parse_float, parse_constant=_parse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ValueError(str(error) or type(error).__name__) from None
+    check_depth(value, max_depth)
     return value

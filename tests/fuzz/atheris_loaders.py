@@ -24,8 +24,14 @@ import zipfile
 
 import atheris
 
-with atheris.instrument_imports(include=["trainer.checkpoints", "trainer.runs.checkpoint_dir"]):
+LOADERS = ["trainer.jsonio", "trainer.fsio", "trainer.checkpoints", "trainer.checkpoint_format",
+           "trainer.checkpoint_manifest", "trainer.checkpoint_archive", "trainer.runs.checkpoint_dir",
+           "trainer.runs.checkpoint_dir_names", "trainer.runs.checkpoint_dir_manifest",
+           "trainer.runs.checkpoint_dir_load", "trainer.runs.checkpoint_dir_publish",
+           "trainer.runs.checkpoint_dir_registry"]
+with atheris.instrument_imports(include=LOADERS):
     from trainer import checkpoints
+    from trainer.jsonio import canonical_bytes
     from trainer.runs import checkpoint_dir
 
 KILN_CHECKPOINT = "bot-checkpoint-step-00000003.kiln-checkpoint"
@@ -63,7 +69,7 @@ def riftckpt_manifest(scratch):
         arrays = [(name, base.read(name)) for name in base.namelist() if name != checkpoints.MANIFEST]
 
     def one(data: bytes):
-        manifest = with_content_id(data, checkpoints._canonical_json) or data
+        manifest = with_content_id(data, canonical_bytes) or data
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w") as archive:
             archive.writestr(checkpoints.MANIFEST, manifest)
@@ -83,7 +89,7 @@ def kiln(scratch):
     manifest = f"{path}/{checkpoint_dir.MANIFEST}"
 
     def one(data: bytes):
-        for content in (data, with_content_id(data, checkpoint_dir._canonical)):
+        for content in (data, with_content_id(data, canonical_bytes)):
             if content is None:
                 continue
             with open(manifest, "wb") as handle:

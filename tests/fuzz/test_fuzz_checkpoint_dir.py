@@ -19,6 +19,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from trainer.jsonio import canonical_bytes
 from trainer.runs import checkpoint_dir as cd
 
 ADAPTER, STEP = "bot", 3
@@ -87,8 +88,8 @@ def rewrite(path, change, recompute=True):
     manifest = json.loads((path / cd.MANIFEST).read_bytes())
     change(manifest)
     if recompute:
-        manifest["checkpoint_id"] = cd._checkpoint_id(manifest)
-    (path / cd.MANIFEST).write_bytes(cd._canonical(manifest) + b"\n")
+        manifest["checkpoint_id"] = cd.content_id(manifest)
+    (path / cd.MANIFEST).write_bytes(canonical_bytes(manifest) + b"\n")
 
 
 def put(tree, keys, value):
@@ -453,11 +454,11 @@ def _raw_value(path, keys, value):
     manifest = json.loads((path / cd.MANIFEST).read_bytes())
     if isinstance(value, int):
         put(manifest, keys, value)
-        manifest["checkpoint_id"] = cd._checkpoint_id(manifest)
-        (path / cd.MANIFEST).write_bytes(cd._canonical(manifest) + b"\n")
+        manifest["checkpoint_id"] = cd.content_id(manifest)
+        (path / cd.MANIFEST).write_bytes(canonical_bytes(manifest) + b"\n")
         return
     put(manifest, keys, SENTINEL)
-    raw = cd._canonical(manifest).replace(json.dumps(SENTINEL).encode(), value.encode())
+    raw = canonical_bytes(manifest).replace(json.dumps(SENTINEL).encode(), value.encode())
     (path / cd.MANIFEST).write_bytes(raw + b"\n")
 
 

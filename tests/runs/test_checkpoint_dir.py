@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trainer import fsio
+from trainer.jsonio import canonical_bytes
 from trainer.runs import checkpoint_dir as cd
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.common import tensors_bytes, tensors_from
@@ -47,8 +49,8 @@ def rewrite_manifest(path: Path, change, keep_id=False):
     manifest = json.loads((path / cd.MANIFEST).read_bytes())
     change(manifest)
     if not keep_id:
-        manifest["checkpoint_id"] = cd._checkpoint_id(manifest)
-    (path / cd.MANIFEST).write_bytes(cd._canonical(manifest) + b"\n")
+        manifest["checkpoint_id"] = cd.content_id(manifest)
+    (path / cd.MANIFEST).write_bytes(canonical_bytes(manifest) + b"\n")
 
 
 def tree(root: Path) -> dict:
@@ -116,7 +118,7 @@ def test_publication_is_deterministic_and_complete(tmp_path):
     assert (m["schema"], m["checkpoint_type"], m["adapter"], m["step"]) == (cd.SCHEMA, "sft", "bot", 7)
     assert m["files"]["state.json"] == {"size": len(files["state.json"]),
                                         "sha256": hashlib.sha256(files["state.json"]).hexdigest()}
-    assert m["checkpoint_id"] == hashlib.sha256(cd._canonical(
+    assert m["checkpoint_id"] == hashlib.sha256(canonical_bytes(
         {k: v for k, v in m.items() if k != "checkpoint_id"})).hexdigest()
     assert raw == json.dumps(m, sort_keys=True, separators=(",", ":")).encode() + b"\n"
     assert set(timings[0]) >= {"hash_seconds", "write_seconds", "fsync_seconds", "rename_seconds", "bytes"}
@@ -156,7 +158,7 @@ def test_name_created_during_publication_is_not_replaced(registry):
     for path in probe:
         path.mkdir()
     try:
-        cd._rename_noreplace(*probe)
+        fsio.rename_noreplace(*probe)
     except FileExistsError:  # RENAME_NOREPLACE works here, so not even an empty directory is replaced
         target2 = registry / cd.checkpoint_basename("bot", 5)
         refused("name_exists", publish, registry, step=5,
@@ -388,7 +390,7 @@ def test_large_file_read_paths_refuse_drift(registry, monkeypatch):
     assert len(big) > cd.PIPELINE_MIN
     path = cd.publish_checkpoint(registry, "bot", 1, checkpoint_type="sft", files={"big.bin": big}, manifest={})
     assert cd.load_checkpoint(path).files["big.bin"] == big
-    monkeypatch.setattr(cd, "PIPELINE_MIN", len(big) + 1)  # the plain read-then-hash path agrees
+    monkeypatch.setattr(fsio, "PIPELINE_MIN", len(big) + 1)  # the plain read-then-hash path agrees
     assert cd.load_checkpoint(path).files["big.bin"] == big
     monkeypatch.undo()
     real_readv = os.readv
@@ -397,9 +399,9 @@ def test_large_file_read_paths_refuse_drift(registry, monkeypatch):
     def shrinking(fd, buffers):  # the file is truncated by someone else after the first chunk
         calls.append(fd)
         return real_readv(fd, buffers) if len(calls) == 1 else 0
-    monkeypatch.setattr(cd.os, "readv", shrinking)
+    monkeypatch.setattr(os, "readv", shrinking)
     assert "changed size while being read" in refused("size_mismatch", cd.load_checkpoint, path)
-    monkeypatch.setattr(cd.os, "readv", lambda fd, buffers: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    monkeypatch.setattr(os, "readv", lambda fd, buffers: (_ for _ in ()).throw(OSError(5, "I/O error")))
     with pytest.raises(OSError, match="I/O error"):
         cd.load_checkpoint(path)
     monkeypatch.undo()
@@ -488,10 +490,10 @@ def test_light_load_does_not_read_large_files(registry, monkeypatch):
     path = cd.publish_checkpoint(registry, "bot", 1, checkpoint_type="sft",
                                  files={"optimizer.safetensors": big, "state.json": b"{}"}, manifest={})
     artifacts, read = [], []
-    real_read_hashed, real_read, real_readv = cd._read_hashed, os.read, os.readv
-    monkeypatch.setattr(cd, "_read_hashed", lambda fd, size: artifacts.append(size) or real_read_hashed(fd, size))
-    monkeypatch.setattr(cd.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
-    monkeypatch.setattr(cd.os, "readv", lambda fd, buffers: read.append(len(buffers[0])) or real_readv(fd, buffers))
+    real_read_hashed, real_read, real_readv = fsio.read_hashed, os.read, os.readv
+    monkeypatch.setattr(fsio, "read_hashed", lambda fd, size: artifacts.append(size) or real_read_hashed(fd, size))
+    monkeypatch.setattr(os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
+    monkeypatch.setattr(os, "readv", lambda fd, buffers: read.append(len(buffers[0])) or real_readv(fd, buffers))
     started = time.perf_counter()
     light = cd.load_checkpoint(path, full=False)
     elapsed = time.perf_counter() - started
@@ -652,3 +654,26 @@ def test_kill_at_random_moments(tmp_path):
             shutil.rmtree(orphan)
         first = count + 2
     assert interrupted >= 5, interrupted  # here 13-20 of 30 kills land inside a publication
+
+
+def test_thread_pools_are_started_afresh_in_a_forked_child():
+    """A child forked while the parent's pools run (and their lock may be held) gets working pools of its own."""
+    pools = fsio.ThreadPools("test")
+    parent_pool = pools.get("hash", 2)
+    assert parent_pool.submit(lambda: 1).result() == 1
+    assert pools.get("hash", 2) is parent_pool  # kept, not restarted
+    pools._lock.acquire()  # as if another thread held it at the fork
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its pools are new, its lock free, and the pool runs work
+            try:
+                child_pool = pools.get("hash", 2)
+                ok = child_pool is not parent_pool and child_pool.submit(lambda: 41 + 1).result(timeout=10) == 42
+            except BaseException:
+                ok = False
+            os._exit(0 if ok else 1)
+    finally:
+        pools._lock.release()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pools.get("hash", 2) is parent_pool  # the parent keeps its own
