@@ -6,7 +6,7 @@ trainer.blocks and the chunked loss in trainer.crossentropy; this module runs th
 order: embedding, the blocks, the final RMSNorm, the output projection and the loss.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,8 +22,6 @@ from trainer.parameters import Parameter, ParameterList
 from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # noqa: F401
 from trainer.runtime import tune_allocator
 
-__all__ = ["DecoderOnlyTransformer", "IGNORE_INDEX"]
-
 
 @dataclass
 class ForwardState:
@@ -31,11 +29,11 @@ class ForwardState:
 
     batch: int  # B
     time: int  # T
-    block_inputs: list  # [N,C] input of each block (recomputed from under checkpointing)
-    activations: list  # BlockActivations per block, dropped as backward passes it
+    block_inputs: list  # [N,C] input of each block; "blocks" checkpointing recomputes from it
+    activations: list  # BlockActivations per block ("none" checkpointing), dropped as backward passes
     last: np.ndarray  # [N,C] output of the last block, input of the final norm
     final_rstd: np.ndarray  # [N] reciprocal RMS of the final norm
-    consumed: bool = field(default=False)  # backward ran; the state may not be reused
+    consumed: bool = False  # backward ran; the state may not be reused
 
 
 class DecoderOnlyTransformer(Closeable):
