@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
-from trainer import checkpoints
+from trainer import checkpoint_archive, checkpoint_format
 from trainer.checkpoints import (
     CheckpointError,
     IndeterminateStateError,
@@ -280,8 +280,8 @@ def test_wrong_member_size_is_refused_before_reading(saved, tmp_path, target, mo
         content = archive.read(member)
     rezip(path, tmp_path / "short.riftckpt", replace={member: content[:-4]})
     reads = []
-    real_read = checkpoints._read_array
-    monkeypatch.setattr(checkpoints, "_read_array", lambda *a: reads.append(a) or real_read(*a))
+    real_read = checkpoint_archive._read_array
+    monkeypatch.setattr(checkpoint_archive, "_read_array", lambda *a: reads.append(a) or real_read(*a))
     refused_load(tmp_path / "short.riftckpt",
                  f"member '{member}' has {len(content) - 4} bytes, the manifest says {len(content)}",
                  target)
@@ -309,7 +309,7 @@ def test_extra_missing_and_unsafe_members_are_refused(saved, tmp_path, target):
 
 def test_manifest_size_is_bounded_before_reading(saved, monkeypatch, target):
     path, _ = saved
-    monkeypatch.setattr(checkpoints, "MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(checkpoint_archive, "MAX_MANIFEST_BYTES", 100)
     refused_load(path, r"manifest.json is \d+ bytes, more than the 100 allowed", target)
 
 
@@ -404,13 +404,13 @@ def test_negative_second_moment_is_refused(saved, tmp_path, target):
 
 
 def test_beta_powers_are_checked_within_rounding_beyond_the_exact_limit(monkeypatch):
-    monkeypatch.setattr(checkpoints, "EXACT_POWER_STEPS", 10)
+    monkeypatch.setattr(checkpoint_format, "EXACT_POWER_STEPS", 10)
     power = 1.0
     for _ in range(1000):
         power *= 0.999
-    checkpoints._check_beta_power(power, 0.999, 1000, "p")
+    checkpoint_format._check_beta_power(power, 0.999, 1000, "p")
     with pytest.raises(CheckpointError, match="give about"):
-        checkpoints._check_beta_power(power * (1 + 1e-9), 0.999, 1000, "p")
+        checkpoint_format._check_beta_power(power * (1 + 1e-9), 0.999, 1000, "p")
 
 
 # -- 3. refusals at restore: validation finishes before anything changes -------------------------
