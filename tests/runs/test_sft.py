@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainer.runs import checkpoint_dir
-from trainer.runs import sft
+from trainer.runs import admission, sft
 from trainer.runs.sft import AdmissionError, RequestError, RunSettings, admit_sft, revalidate_sft, run_sft
 
 HERE = Path(__file__).parent
@@ -191,8 +191,8 @@ def test_inline_data_route_drift_is_refused(cancelled):
 
 def test_execution_drift_is_refused(cancelled, monkeypatch):
     settings, req, basename = cancelled
-    real = sft.execution_identity
-    monkeypatch.setattr(sft, "execution_identity", lambda backend: {**real(backend), "threads": 99})
+    real = admission.execution_identity
+    monkeypatch.setattr(admission, "execution_identity", lambda backend: {**real(backend), "threads": 99})
     with pytest.raises(AdmissionError) as info:
         admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
     assert "execution.threads" in {d["field"] for d in info.value.differences}

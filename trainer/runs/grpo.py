@@ -15,10 +15,7 @@ identities (compared at resume) or in the checkpoint (restored): adapter, optimi
 reference tensors and cadence, pending old/reference log-probabilities, audit accumulators.
 """
 
-import hashlib
-import json
 import math
-import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -26,18 +23,22 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.common import (check_request, find_base, publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
-                                 AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
-                                 adapter_values, canonical, check_planning_schema, check_shared, clip_and_step,
-                                 comparable_config, confined, difference, execution_identity, int_field, load_resume,
-                                 lora_config, merge_config, number_field, optimizer_files, planning_identity, publish,
-                                 refuse_drift, reopen_resume, restore_optimizer, resume_record, revalidate,
-                                 select_loss_route, sha256_hex, state_bytes, tensors_bytes, tensors_from)
+from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
+                                    RequestError, RunSettings, admit_resume, check_planning_schema, check_request,
+                                    check_shared, difference, find_base, int_field, load_resume, lora_config,
+                                    merge_config, number_field, planning_identity, reopen_resume, require_loss_route,
+                                    revalidate, run_identities, select_loss_route, settle_seed)
+from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
+                                    parse_group, read_groups, scan_stream, verify_stream_prefix)
+from trainer.runs.kind import RunKind
+from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
+                                publish_final, restore_optimizer, state_bytes, tensors_bytes, tensors_from)
+from trainer.runs.step import NullHooks, adapter_values, clip_and_step, should_publish
+from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "grpo"
 REFERENCE_FILE = "reference.safetensors"  # EMA reference adapter values
 ROLLOUT_FILE = "rollout.safetensors"  # old / reference log-probabilities of a batch still being iterated
-CHAIN_START = hashlib.sha256(b"kiln.grpo.consumed-lines.v1").hexdigest()
 
 GRPO_DEFAULTS = {
     "output_name": None,
@@ -110,55 +111,6 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
     return c
 
 
-def _finite(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def parse_group(record, where: str) -> dict:
-    """The group unchanged after checking its shape; RequestError naming `where` otherwise."""
-    if not isinstance(record, dict):
-        raise RequestError(where, "must be an object with prompt or messages, and completions")
-    if ("prompt" in record) == ("messages" in record):
-        raise RequestError(where, "needs exactly one of prompt (text) or messages (chat)")
-    if "prompt" in record and not isinstance(record["prompt"], str):
-        raise RequestError(where, "prompt must be a string")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise RequestError(where, "messages must be a non-empty list of {role, content}")
-    completions = record.get("completions")
-    if not isinstance(completions, list) or len(completions) < 2:
-        raise RequestError(where, "completions must be a list of at least two scored completions")
-    for index, completion in enumerate(completions):
-        here = f"{where}.completions[{index}]"
-        if not isinstance(completion, dict) or not isinstance(completion.get("text"), str):
-            raise RequestError(here, "must be an object with a text string")
-        if ("reward" in completion) == ("rewards" in completion):
-            raise RequestError(here, "needs exactly one of reward (a number) or rewards ({name: number})")
-        if "reward" in completion and not _finite(completion["reward"]):
-            raise RequestError(here, f"reward must be a finite number, got {completion['reward']!r}")
-        if "rewards" in completion:
-            rewards = completion["rewards"]
-            if not isinstance(rewards, dict) or not rewards or not all(
-                    v is None or _finite(v) for v in rewards.values()):
-                raise RequestError(here, "rewards must map names to finite numbers (or null)")
-    weights = record.get("reward_weights", {})
-    if not isinstance(weights, dict) or not all(_finite(v) for v in weights.values()):
-        raise RequestError(where, "reward_weights must map reward names to finite numbers")
-    try:
-        canonical(record)
-    except ValueError:
-        raise RequestError(where, "holds a non-finite number") from None
-    return record
-
-
-def group_sha256(record) -> str:
-    """A group's identity: SHA-256 of its canonical JSON."""
-    return sha256_hex(canonical(record))
-
-
 def tokenize_group(record, tokenizer, config: dict, maximum_context: int, where: str):
     """(prompt ids, [completion ids]) with completions truncated to max_completion_length and the context."""
     if "messages" in record:
@@ -197,211 +149,6 @@ def group_batch(prompt_ids, completions, pad: int):
     return inputs, targets, targets != IGNORE_INDEX
 
 
-# -- sources ----------------------------------------------------------------------------------
-
-
-def _chain(chain: str, line_sha: str) -> str:
-    return hashlib.sha256(bytes.fromhex(chain) + bytes.fromhex(line_sha)).hexdigest()
-
-
-def _blank(raw: bytes) -> bool:
-    return raw.strip() == b""
-
-
-def _parse_line(raw: bytes, number: int, source: str):
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise RequestError(source, f"line {number + 1} is not UTF-8 JSON: {error}") from None
-
-
-def scan_stream(path, on_group=None) -> dict:
-    """Read a JSONL file once, lazily: its identity (sha256, bytes, lines, groups, line chain)."""
-    digest, chain = hashlib.sha256(), CHAIN_START
-    lines = groups = size = 0
-    with open(path, "rb") as handle:
-        for raw in handle:
-            digest.update(raw)
-            size += len(raw)
-            chain = _chain(chain, sha256_hex(raw))
-            if not _blank(raw):
-                record = parse_group(_parse_line(raw, lines, "dataset_path"), f"dataset_path line {lines + 1}")
-                if on_group is not None:
-                    on_group(record, f"dataset_path line {lines + 1}")
-                groups += 1
-            lines += 1
-    return {"route": "streamed_jsonl", "sha256": digest.hexdigest(), "bytes": size, "lines": lines,
-            "groups": groups, "line_chain_sha256": chain, "order": "source"}
-
-
-@dataclass
-class GRPOLoop:
-    epoch: int = 0
-    group: int = 0  # next group index within the epoch
-    step: int = 0  # committed optimizer steps
-    iteration: int = 0  # iterations done on the pending batch (0: none pending)
-    line: int = 0  # streamed: next physical line (0-based) and its byte offset
-    byte: int = 0
-    chain: str = CHAIN_START  # streamed: chain hash of the lines consumed this epoch
-    chain_lines: int = 0
-    losses: list = field(default_factory=list)
-    audits: list = field(default_factory=list)
-    plans: list = field(default_factory=list)
-    totals: dict = field(default_factory=lambda: {
-        "steps": 0, "tokens": 0, "completions": 0, "clipped_low": 0, "clipped_high": 0,
-        "ratio_sum": 0.0, "kl_sum": 0.0, "reward_sum": 0.0})
-    refreshes: list = field(default_factory=list)  # steps after which the EMA reference was refreshed
-    pending: list | None = None  # group refs of the batch still being iterated
-
-    def cursor(self) -> dict:
-        return {"epoch": self.epoch, "group": self.group, "line": self.line, "byte": self.byte,
-                "chain": self.chain, "chain_lines": self.chain_lines}
-
-
-class MemorySource:
-    """Inline groups or a JSONL file read whole."""
-
-    def __init__(self, records):
-        self.records = records
-        self.hashes = [group_sha256(r) for r in records]
-
-    @property
-    def count(self):
-        return len(self.records)
-
-    def read(self, loop: GRPOLoop, count: int):
-        out = []
-        while len(out) < count and loop.group < self.count:
-            i = loop.group
-            out.append(({"index": i, "sha256": self.hashes[i]}, self.records[i]))
-            loop.group += 1
-        if loop.group >= self.count:
-            loop.epoch += 1
-            loop.group = 0
-        return out
-
-    def reread(self, ref):
-        record = self.records[ref["index"]]
-        if self.hashes[ref["index"]] != ref["sha256"]:
-            raise AdmissionError("source_changed", f"group {ref['index']} is not the group the checkpoint "
-                                 "was iterating", [difference(f"dataset.group[{ref['index']}]", ref["sha256"],
-                                                              self.hashes[ref["index"]])])
-        return record
-
-    def peek(self, loop: GRPOLoop):
-        return self.hashes[loop.group] if loop.group < self.count else None
-
-    def close(self):
-        pass
-
-
-class StreamSource:
-    """A JSONL file read lazily from a byte cursor; each consumed line's hash enters a chain."""
-
-    def __init__(self, path, identity: dict):
-        self.path = path
-        self.identity = identity
-        self.handle = open(path, "rb")
-
-    def _consume(self, loop: GRPOLoop):
-        """The next physical line at the cursor, or None at the end of the file."""
-        self.handle.seek(loop.byte)
-        raw = self.handle.readline()
-        if not raw:
-            return None
-        offset, number = loop.byte, loop.line
-        line_sha = sha256_hex(raw)
-        loop.byte += len(raw)
-        loop.line += 1
-        loop.chain = _chain(loop.chain, line_sha)
-        loop.chain_lines += 1
-        return number, offset, raw, line_sha
-
-    def _record(self, raw, number):
-        try:
-            return parse_group(_parse_line(raw, number, "dataset_path"), f"dataset_path line {number + 1}")
-        except RequestError as error:
-            raise RunFailed("source_changed", f"{self.path} changed while streaming: {error}") from None
-
-    def read(self, loop: GRPOLoop, count: int):
-        out = []
-        while len(out) < count and loop.group < self.identity["groups"]:
-            consumed = self._consume(loop)
-            if consumed is None:
-                raise RunFailed("source_changed", f"{self.path} ended before group {loop.group}; it changed "
-                                                  "while streaming")
-            number, offset, raw, line_sha = consumed
-            if _blank(raw):
-                continue
-            record = self._record(raw, number)
-            out.append(({"index": loop.group, "sha256": group_sha256(record), "line": number, "offset": offset,
-                         "length": len(raw), "line_sha256": line_sha}, record))
-            loop.group += 1
-        if loop.group >= self.identity["groups"]:
-            while self._consume(loop) is not None:  # trailing blank lines belong to this epoch
-                pass
-            if loop.chain != self.identity["line_chain_sha256"] or loop.chain_lines != self.identity["lines"]:
-                raise RunFailed("source_changed", f"{self.path} changed while streaming: the lines read in "
-                                                  f"epoch {loop.epoch} do not hash to the admitted file")
-            loop.epoch += 1
-            loop.group = loop.line = loop.byte = loop.chain_lines = 0
-            loop.chain = CHAIN_START
-        return out
-
-    def reread(self, ref):
-        self.handle.seek(ref["offset"])
-        raw = self.handle.read(ref["length"])
-        if sha256_hex(raw) != ref["line_sha256"]:
-            raise AdmissionError("source_changed", f"line {ref['line'] + 1} of {self.path} changed since the "
-                                 "checkpoint", [difference(f"dataset.line[{ref['line'] + 1}]", ref["line_sha256"],
-                                                           sha256_hex(raw))])
-        return self._record(raw, ref["line"])
-
-    def peek(self, loop: GRPOLoop):
-        probe = GRPOLoop(byte=loop.byte, line=loop.line)
-        while (consumed := self._consume(probe)) is not None:
-            if not _blank(consumed[2]):
-                return group_sha256(self._record(consumed[2], consumed[0]))
-        return None
-
-    def close(self):
-        self.handle.close()
-
-
-def verify_stream_prefix(path, cursor: dict, plans=()) -> None:
-    """Re-read the lines before the byte cursor; AdmissionError("source_changed") unless they hash the same."""
-    chain, lines, position = CHAIN_START, 0, 0
-    seen = {}
-    with open(path, "rb") as handle:
-        while position < cursor["byte"]:
-            raw = handle.readline()
-            if not raw:
-                break
-            line_sha = sha256_hex(raw)
-            seen[lines] = line_sha
-            chain = _chain(chain, line_sha)
-            position += len(raw)
-            lines += 1
-    if (chain, lines, position) == (cursor["chain"], cursor["chain_lines"], cursor["byte"]):
-        return
-    differences = [difference("dataset.consumed_lines", {"lines": cursor["chain_lines"], "byte": cursor["byte"],
-                                                         "chain_sha256": cursor["chain"]},
-                              {"lines": lines, "byte": position, "chain_sha256": chain})]
-    for plan in plans:
-        if plan["epoch"] != cursor["epoch"]:
-            continue
-        for ref in plan["groups"]:
-            if seen.get(ref["line"]) != ref["line_sha256"]:
-                differences.append(difference(f"dataset.line[{ref['line'] + 1}]", ref["line_sha256"],
-                                              seen.get(ref["line"])))
-                break
-        if len(differences) > 1:
-            break
-    raise AdmissionError("source_changed", f"{path} changed: the {cursor['chain_lines']} line(s) the checkpoint "
-                         "consumed this epoch no longer hash the same; restore the original file or start a "
-                         "new run", differences)
-
-
 # -- admission ------------------------------------------------------------------------------
 
 
@@ -417,62 +164,20 @@ def _prepare(request: dict, settings: RunSettings):
     return config, base
 
 
-def _dataset_path(request, settings):
-    roots = (settings.home / "datasets",) + tuple(settings.data_roots)
-    return confined(request["dataset_path"], roots)
-
-
-def read_groups(request: dict, config: dict, settings: RunSettings, check=None):
-    """(kind, dataset identity, records or None, path or None); `check(record, where)` validates each group."""
-    if config["streaming"]:
-        path = _dataset_path(request, settings)
-        return "streamed_jsonl", scan_stream(path, check), None, path
-    if request.get("dataset_path") is not None:
-        path = _dataset_path(request, settings)
-        raw = path.read_bytes()
-        records = []
-        for number, line in enumerate(raw.split(b"\n")):
-            if not _blank(line):
-                records.append(parse_group(_parse_line(line, number, "dataset_path"),
-                                           f"dataset_path line {number + 1}"))
-        kind = "file"
-    else:
-        groups = request["groups"]
-        if not isinstance(groups, list):
-            raise RequestError("groups", "must be a list of groups")
-        records = [parse_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
-        raw = b"".join(canonical(r) + b"\n" for r in records)
-        kind, path = "inline", None
-    if check is not None:
-        for index, record in enumerate(records):
-            check(record, f"groups[{index}]")
-    identity = {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "groups": len(records),
-                "order": "source"}
-    return kind, identity, records, path
-
-
 def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
-    from trainer.bases import load_base
     config, base = _prepare(request, settings)
     loss_route = select_loss_route(settings.backend)
-    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=loss_route)
-    context = model.config.maximum_context
-    model.close()
+    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
+    context = base.config["maximum_context"]
     kind, dataset, _, path = read_groups(
         request, config, settings, lambda r, where: tokenize_group(r, tokenizer, config, context, where))
     if dataset["groups"] == 0:
         raise RequestError("groups", "the dataset has no groups")
     steps_per_epoch = math.ceil(dataset["groups"] / config["groups_per_step"])
     total_steps = steps_per_epoch * config["epochs"] * config["num_iterations"]
-    identities = {
-        "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
-        "tokenizer": tokenizer.identity(),
-        "dataset": dataset,
-        "execution": execution_identity(settings.backend),
-        "planning": planning_identity(KIND, config, loss_route),
-    }
-    resume, seed = None, config["seed"]
+    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route))
+    resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)
         manifest = loaded.manifest
@@ -489,15 +194,9 @@ def admit_grpo(request: dict, settings: RunSettings) -> Admission:
             if changed:
                 raise AdmissionError("source_changed", f"{path} changed after the lines the checkpoint consumed; "
                                      "restore the original file or start a new run", changed)
-        request_view = {"training": {"kind": KIND, "adapter": config["output_name"], "data_source_kind": kind},
-                        "config": comparable_config(config), **{k: identities[k] for k in (
-                            "base", "tokenizer", "dataset", "execution", "planning")}}
-        refuse_drift(manifest, request_view, seed)
-        resume = resume_record(loaded)
-        seed = manifest["seed"]
-    if seed is None:
-        seed = secrets.randbelow(2**31)
-    config["seed"] = seed
+        resume = admit_resume(loaded, {"kind": KIND, "adapter": config["output_name"], "data_source_kind": kind},
+                              config, identities)
+    seed = settle_seed(config, resume)
     return Admission(kind=KIND, adapter=config["output_name"], request=request, effective_config=config,
                      effective_seed=seed, data_source_kind=kind, total_steps=total_steps,
                      steps_per_epoch=steps_per_epoch, identities=identities, resume=resume)
@@ -544,8 +243,7 @@ def _restore(loaded, model, optimizer, loop: GRPOLoop, config: dict):
     loop.plans = list(document["plans"])
     loop.pending = document["pending"]
     loop.refreshes = list(document["reference"]["refreshes"])
-    if loop.step != optimizer.step_count or loop.step != loaded.manifest["progress"]["committed_step"]:
-        raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
+    check_restored_step(loop.step, optimizer, loaded)
     reference = tensors_from(loaded.read(REFERENCE_FILE)) if config["reference"]["type"] == "ema" else None
     rollout = tensors_from(loaded.read(ROLLOUT_FILE)) if loop.pending is not None else {}
     return reference, rollout
@@ -567,9 +265,7 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
-    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
-        raise AdmissionError("loss_route_unavailable", f"loss route {route!r} is not available on backend "
-                                                       f"{settings.backend!r}")
+    require_loss_route(route, settings)
     _, base = _prepare(admission.request, settings)
     if base.identity != admission.identities["base"]["identity"]:
         raise AdmissionError("base_changed", "the base model changed after admission")
@@ -709,7 +405,7 @@ def _train(admission, settings, model, tokenizer, optimizer, adapters, source, l
                        "elapsed_seconds": time.perf_counter() - started, **audit})
         done = loop.step >= admission.total_steps
         cancel = not done and hooks.should_cancel()
-        if interval and (loop.step % interval == 0 or done or cancel):
+        if should_publish(interval, loop.step, done, cancel):
             latest = _publish(admission, settings, model, optimizer, loop, source, reference, rollout, hooks, done)
         if cancel:
             hooks.on_event("info", f"cancelled after step {loop.step}")
@@ -775,3 +471,7 @@ def _publish(admission, settings, model, optimizer, loop, source, reference, rol
     progress = {"next_cursor": cursor, "complete": complete,
                 "reference": {"type": config["reference"]["type"], "refreshes": len(loop.refreshes)}}
     return publish(admission, settings, loop.step, files, progress, hooks, snapshot_seconds)
+
+
+RUN_KIND = RunKind(name=KIND, admit=admit_grpo, revalidate=revalidate_grpo, run=run_grpo,
+                   admission_from_json=Admission.from_json, defaults=GRPO_DEFAULTS, manifest_fields=MANIFEST_FIELDS)

@@ -16,7 +16,6 @@ then reconstruct and verify its content revision.
 
 import hashlib
 import json
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,17 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.common import (check_request, find_base, publish_final, BACKEND_LOSS_ROUTES, LORA_DEFAULT, SCHEDULE_DEFAULT, STATE_FILE, Admission,
-                                 AdmissionError, NullHooks, RequestError, RunFailed, RunResult, RunSettings,
-                                 canonical, check_planning_schema, check_shared, clip_and_step,
-                                 comparable_config, confined, difference, execution_identity, file_sha256,
-                                 int_field, load_resume, lora_config, merge_config, number_field, optimizer_files,
-                                 planning_identity, publish, refuse_drift, reopen_resume, restore_optimizer,
-                                 resume_record, revalidate, select_loss_route, sha256_hex, state_bytes)
+from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission,  # noqa: F401
+                                    AdmissionError, RequestError, RunFailed, RunSettings, admit_resume, canonical,
+                                    check_planning_schema, check_request, check_shared, dataset_file, difference,
+                                    file_sha256, find_base, int_field, load_resume, lora_config, merge_config,
+                                    number_field, planning_identity, reopen_resume, require_loss_route, revalidate,
+                                    run_identities, select_loss_route, settle_seed, sha256_hex)
+from trainer.runs.kind import RunKind
+from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
+                                publish_final, restore_optimizer, state_bytes)
+from trainer.runs.step import NullHooks, clip_and_step, should_publish
+from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "opd"
 DEFAULT_CHECKPOINT_INTERVAL = 25  # OPD's request default (the spec's)
@@ -160,7 +163,7 @@ def read_prompts(request: dict, settings: RunSettings):
     if has_path == has_prompts:
         raise RequestError("dataset_path", "give exactly one of dataset_path or prompts")
     if has_path:
-        path = confined(request["dataset_path"], (settings.home / "datasets",) + tuple(settings.data_roots))
+        path = dataset_file(request, settings)
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -251,12 +254,11 @@ def _prepare(request: dict, settings: RunSettings):
 
 def admit_opd(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
-    from trainer.bases import load_base, show_base
+    from trainer.bases import show_base
     config, records, raw, kind, base = _prepare(request, settings)
     loss_route = select_loss_route(settings.backend)
-    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=loss_route)
-    context = model.config.maximum_context
-    model.close()
+    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
+    context = base.config["maximum_context"]
     for index, record in enumerate(records):
         prompt_ids(record, tokenizer, context, f"prompts[{index}]")
     teacher = teacher_identity(config, settings)
@@ -266,31 +268,18 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
             raise AdmissionError("teacher_tokenizer_mismatch", f"teacher {teacher['alias']} uses another tokenizer "
                                  "than the student; distillation scores the student's own tokens",
                                  [difference("teacher.tokenizer", teacher_base.tokenizer, tokenizer.identity())])
-    identities = {
-        "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
-        "tokenizer": tokenizer.identity(),
-        "dataset": {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "prompts": len(records),
-                    "order": "source"},
-        "execution": execution_identity(settings.backend),
-        "planning": planning_identity(KIND, config, loss_route),
-        "teacher": teacher,
-        "base_adapter": base_adapter_identity(config),
-    }
-    resume, seed = None, config["seed"]
+    dataset = {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "prompts": len(records),
+               "order": "source"}
+    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route))
+    identities.update(teacher=teacher, base_adapter=base_adapter_identity(config))
+    resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)
         manifest = loaded.manifest
         check_planning_schema(manifest)
         check_teacher((manifest.get("training") or {}).get("teacher"), teacher)
-        request_view = {"training": _training_view(config["output_name"], kind, identities),
-                        "config": comparable_config(config), **{k: identities[k] for k in (
-                            "base", "tokenizer", "dataset", "execution", "planning")}}
-        refuse_drift(manifest, request_view, seed)
-        resume = resume_record(loaded)
-        seed = manifest["seed"]
-    if seed is None:
-        seed = secrets.randbelow(2**31)
-    config["seed"] = seed
+        resume = admit_resume(loaded, _training_view(config["output_name"], kind, identities), config, identities)
+    seed = settle_seed(config, resume)
     return Admission(kind=KIND, adapter=config["output_name"], request=request, effective_config=config,
                      effective_seed=seed, data_source_kind=kind, total_steps=config["steps"],
                      identities=identities, resume=resume)
@@ -374,9 +363,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
-    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
-        raise AdmissionError("loss_route_unavailable", f"loss route {route!r} is not available on backend "
-                                                       f"{settings.backend!r}")
+    require_loss_route(route, settings)
     _, records, raw, _, base = _prepare(admission.request, settings)
     if sha256_hex(raw) != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the prompts changed after admission")
@@ -419,8 +406,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                 loop.losses, loop.metrics = list(document["loss_history"]), list(document["metric_history"])
                 loop.candidates, loop.window = list(document["candidates"]), list(document["guardrails"]["window"])
                 rng = SamplingRNG.from_state(document["rng"]["rollout"])
-                if loop.step != optimizer.step_count or loop.step != loaded.manifest["progress"]["committed_step"]:
-                    raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
+                check_restored_step(loop.step, optimizer, loaded)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}, candidate "
                                        f"{loop.candidate}")
@@ -524,7 +510,7 @@ def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, 
                        "elapsed_seconds": time.perf_counter() - started})
         done = loop.step >= admission.total_steps
         cancel = not done and hooks.should_cancel()
-        if interval and (loop.step % interval == 0 or done or cancel):
+        if should_publish(interval, loop.step, done, cancel):
             loop.rollout = rng.state()
             latest = _publish(admission, settings, model, optimizer, loop, records, done, hooks)
         if cancel:
@@ -560,3 +546,7 @@ def _publish(admission, settings, model, optimizer, loop: OPDLoop, records, comp
                             "content_revision": admission.identities["teacher"]["content_revision"]}}
     extra = {"teacher": admission.identities["teacher"], "base_adapter": admission.identities["base_adapter"]}
     return publish(admission, settings, loop.step, files, progress, hooks, snapshot_seconds, extra)
+
+
+RUN_KIND = RunKind(name=KIND, admit=admit_opd, revalidate=revalidate_opd, run=run_opd,
+                   admission_from_json=Admission.from_json, defaults=OPD_DEFAULTS, manifest_fields=MANIFEST_FIELDS)

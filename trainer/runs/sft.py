@@ -14,22 +14,24 @@ so a resumed run ends with the same bytes as an uninterrupted one.
 import hashlib
 import json
 import math
-import secrets
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from safetensors.numpy import save as safetensors_save
 
-from trainer import Adam, LoraConfig
+from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.common import (check_request, find_base, ADAPTER_FILE, BACKEND_LOSS_ROUTES, LORA_DEFAULT, MANIFEST_FIELDS,
-                                 OPTIMIZER_FILE, SCHEDULE_DEFAULT, STATE_FILE, Admission, AdmissionError,
-                                 NullHooks, RequestError, RunFailed, RunResult, RunSettings, check_shared,
-                                 comparable_config, confined, difference, execution_identity, int_field,
-                                 learning_rate_at, load_resume, merge_config, publish_final, refuse_drift,
-                                 restore_optimizer, resume_record, select_loss_route)
+from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission,  # noqa: F401
+                                    AdmissionError, RequestError, RunSettings, admit_resume, check_planning_schema,
+                                    check_request, check_shared, dataset_file, execution_identity,
+                                    find_base, int_field, load_resume, lora_config, merge_config, reopen_resume,
+                                    require_loss_route, revalidate, run_identities, select_loss_route, settle_seed)
+from trainer.runs.kind import RunKind
+from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
+                                publish_final, restore_optimizer, state_bytes)
+from trainer.runs.step import NullHooks, clip_and_step, should_publish
+from trainer.runs.tokenizers import load_tokenizer
 
 PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
 SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
@@ -98,8 +100,7 @@ def read_dataset(request: dict, settings: RunSettings):
     if has_path == has_data:
         raise RequestError("dataset_path", "give exactly one of dataset_path or data")
     if has_path:
-        roots = (settings.home / "datasets",) + tuple(settings.data_roots)
-        path = confined(request["dataset_path"], roots)
+        path = dataset_file(request, settings)
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -179,10 +180,6 @@ def _steps_per_epoch(examples: int, config: dict) -> int:
     return math.ceil(micro / config["gradient_accumulation_steps"])
 
 
-def _load_resume(reference: str, adapter: str, settings: RunSettings):
-    return load_resume(reference, adapter, "sft", settings)
-
-
 def _prepare(request: dict, settings: RunSettings):
     """Everything admission and the worker both derive from a request."""
     check_request(request, "data")
@@ -194,44 +191,22 @@ def _prepare(request: dict, settings: RunSettings):
 
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
-    from trainer.bases import load_base
     config, records, raw, kind, base = _prepare(request, settings)
     loss_route = select_loss_route(settings.backend)
-    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
-                                 loss_route=loss_route)
-    model.close()
+    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
     steps_per_epoch = _steps_per_epoch(len(examples), config)
-    identities = {
-        "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
-        "tokenizer": tokenizer.identity(),
-        "dataset": {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
-                    "records": len(records), "order": "source"},
-        "execution": execution_identity(settings.backend),
-        "planning": planning_identity(config, loss_route),
-    }
+    dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
+               "order": "source"}
+    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(config, loss_route))
     resume = None
-    seed = config["seed"]
     if config["resume_checkpoint"] is not None:
-        loaded = _load_resume(config["resume_checkpoint"], config["output_name"], settings)
-        manifest = loaded.manifest
-        request_view = {"training": {"kind": "sft", "adapter": config["output_name"],
-                                     "data_source_kind": kind},
-                        "config": comparable_config(config), "base": identities["base"],
-                        "tokenizer": identities["tokenizer"], "dataset": identities["dataset"],
-                        "execution": identities["execution"], "planning": identities["planning"]}
-        if manifest.get("planning", {}).get("schema") != PLANNING_SCHEMA_SFT:
-            raise AdmissionError(
-                "planning_schema", f"checkpoint planning identity {manifest.get('planning', {}).get('schema')!r} "
-                f"cannot resume under {PLANNING_SCHEMA_SFT}: it does not prove which loss route "
-                "admission budgeted and execution used; start a new run or use base_adapter",
-                [difference("planning.schema", manifest.get("planning", {}).get("schema"), PLANNING_SCHEMA_SFT)])
-        refuse_drift(manifest, request_view, seed)
-        seed = manifest["seed"]
-        resume = resume_record(loaded)
-    if seed is None:
-        seed = secrets.randbelow(2**31)
-    config["seed"] = seed
+        loaded = load_resume(config["resume_checkpoint"], config["output_name"], "sft", settings)
+        check_planning_schema(loaded.manifest, PLANNING_SCHEMA_SFT, "it does not prove which loss route "
+                              "admission budgeted and execution used")
+        resume = admit_resume(loaded, {"kind": "sft", "adapter": config["output_name"], "data_source_kind": kind},
+                              config, identities)
+    seed = settle_seed(config, resume)
     return SFTAdmission(kind="sft", adapter=config["output_name"], request=request,
                         effective_config=config, effective_seed=seed, data_source_kind=kind,
                         total_steps=steps_per_epoch * config["epochs"], steps_per_epoch=steps_per_epoch,
@@ -240,19 +215,7 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
 
 def revalidate_sft(admission: SFTAdmission, settings: RunSettings) -> None:
     """Dequeue-time proof: the checkpoint is still the one admission validated."""
-    if admission.resume is None:
-        return
-    loaded = _load_resume(admission.resume["checkpoint"], admission.adapter, settings)
-    checks = (("checkpoint_id", loaded.checkpoint_id), ("manifest_digest", loaded.manifest_digest),
-              ("seed", loaded.manifest.get("seed")))
-    differences = [difference(name, value, admission.resume[name])
-                   for name, value in checks if value != admission.resume[name]]
-    if differences:
-        raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission; "
-                             "checkpoints must stay immutable", differences)
-    if admission.identities["planning"]["sft_loss_route"] not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
-        raise AdmissionError("loss_route_unavailable", "this worker cannot run the admitted loss route "
-                             f"{admission.identities['planning']['sft_loss_route']!r}")
+    revalidate(admission, settings, route_field="sft_loss_route")
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -285,28 +248,14 @@ def _batch(examples, indices, pad_token):
     return inputs, targets
 
 
-def _lora_config(config, seed):
-    lora = config["lora"]
-    return LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
-                      use_rslora=lora["use_rslora"], initializer_seed=seed)
-
-
-def _serialise_state(model, optimizer, loop: LoopState):
-    adapter = safetensors_save(model.adapter_state_dict())
-    state = optimizer.state_dict()
-    moments = {f"first_moment/{k}": v for k, v in state["first_moment"].items()}
-    moments.update({f"second_moment/{k}": v for k, v in state["second_moment"].items()})
-    optimizer_bytes = safetensors_save(moments)
-    document = {
-        "optimizer": {"step": state["step"], "beta1_power": state["beta1_power"],
-                      "beta2_power": state["beta2_power"], "hyperparameters": state["hyperparameters"]},
+def _state_document(loop: LoopState, scalars: dict) -> dict:
+    return {
+        "optimizer": scalars,
         "loop": {"epoch": loop.epoch, "position": loop.position, "step": loop.step},
         "scheduler": {"step": loop.step},
         "loss_history": loop.losses,
         "diagnostics": loop.diagnostics,
     }
-    state_bytes = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-    return {ADAPTER_FILE: adapter, OPTIMIZER_FILE: optimizer_bytes, STATE_FILE: state_bytes}
 
 
 def _restore_state(loaded, model, optimizer, loop: LoopState):
@@ -317,49 +266,15 @@ def _restore_state(loaded, model, optimizer, loop: LoopState):
     loop.step = document["loop"]["step"]
     loop.losses = list(document["loss_history"])
     loop.diagnostics = list(document["diagnostics"])
-    if loop.step != optimizer.step_count or loop.step != loaded.manifest["progress"]["committed_step"]:
-        raise AdmissionError("checkpoint_invalid", "checkpoint loop, optimizer and progress steps disagree")
+    check_restored_step(loop.step, optimizer, loaded)
 
 
-def _publish(admission, settings, model, optimizer, loop, examples, hooks, complete):
+def _publish(admission, settings, model, optimizer, loop, hooks, complete):
     started = time.perf_counter()
-    files = _serialise_state(model, optimizer, loop)
-    snapshot_seconds = time.perf_counter() - started
-    epoch, position = loop.epoch, loop.position
-    manifest = {
-        "training": {"kind": "sft", "adapter": admission.adapter,
-                     "data_source_kind": admission.data_source_kind},
-        "config": comparable_config(admission.effective_config),
-        "seed": admission.effective_seed,
-        "base": admission.identities["base"],
-        "tokenizer": admission.identities["tokenizer"],
-        "dataset": admission.identities["dataset"],
-        "execution": admission.identities["execution"],
-        "planning": admission.identities["planning"],
-        "progress": {"data_source_kind": admission.data_source_kind, "committed_step": loop.step,
-                     "total_steps": admission.total_steps,
-                     "next_cursor": {"epoch": epoch, "example": position},
-                     "complete": complete},
-    }
-    timing = {"lock_wait_seconds": 0.0, "snapshot_seconds": snapshot_seconds}
-    path = checkpoint_dir.publish_checkpoint(settings.registry, admission.adapter, loop.step,
-                                             checkpoint_type="sft", files=files, manifest=manifest,
-                                             on_timing=timing.update,
-                                             on_stage=getattr(hooks, "on_publish_stage", None))
-    timing["publish_seconds"] = time.perf_counter() - started - snapshot_seconds
-    loaded = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS)
-    summary = checkpoint_dir.checkpoint_summary(loaded)
-    hooks.on_checkpoint(summary, timing)
-    hooks.on_event("info", f"published {path.name} (snapshot {snapshot_seconds:.3f}s, "
-                           f"publish {timing['publish_seconds']:.3f}s, lock wait 0.000s)")
-    return summary
-
-
-def _adapter_grad_norm(parameters) -> float:
-    total = 0.0
-    for p in parameters:
-        total += float(np.dot(p.grad.reshape(-1).astype(np.float64), p.grad.reshape(-1)))
-    return math.sqrt(total)
+    files, scalars = optimizer_files(model, optimizer)
+    files[STATE_FILE] = state_bytes(_state_document(loop, scalars))
+    progress = {"next_cursor": {"epoch": loop.epoch, "example": loop.position}, "complete": complete}
+    return publish(admission, settings, loop.step, files, progress, hooks, time.perf_counter() - started)
 
 
 def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunResult:
@@ -369,9 +284,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
     config = admission.effective_config
     seed = admission.effective_seed
     loss_route = admission.identities["planning"]["sft_loss_route"]
-    if loss_route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
-        raise AdmissionError("loss_route_unavailable", f"loss route {loss_route!r} is not available "
-                             f"on backend {settings.backend!r}")
+    require_loss_route(loss_route, settings)
     config_now, records, raw, kind, base = _prepare(admission.request, settings)
     if hashlib.sha256(raw).hexdigest() != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the dataset changed after admission")
@@ -385,21 +298,18 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
         if config["quantization"]:
             model.quantize(block_size=config["quantization"]["block_size"],
                            double_quantization=config["quantization"]["double_quantization"])
-        model.attach_lora(_lora_config(config, seed))
+        model.attach_lora(lora_config(config, seed))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         with model.adapter_parameters() as adapters, \
                 Adam(adapters, learning_rate=config["learning_rate"]) as optimizer:
             loop = LoopState()
             latest = None
             if admission.resume is not None:
-                loaded = _load_resume(admission.resume["checkpoint"], admission.adapter, settings)
-                if loaded.checkpoint_id != admission.resume["checkpoint_id"]:
-                    raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission")
+                loaded = reopen_resume(admission, settings)
                 _restore_state(loaded, model, optimizer, loop)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
-                            latest, hooks)
+            result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         model.close()
@@ -428,24 +338,14 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
             for p in adapters:
                 p.grad *= np.float32(1.0 / micro)
         loss = float(np.mean(losses))
-        grad_norm = _adapter_grad_norm(adapters)
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            raise RunFailed("non_finite", f"step {loop.step + 1}: loss {loss} / gradient norm "
-                                          f"{grad_norm} is not finite; lower the learning rate or "
-                                          "check the data")
-        clipped = config["max_grad_norm"] is not None and grad_norm > config["max_grad_norm"]
-        if clipped:
-            factor = np.float32(config["max_grad_norm"] / (grad_norm + 1e-6))
-            for p in adapters:
-                p.grad *= factor
+        grad_norm, clipped, learning_rate = clip_and_step(config, optimizer, adapters, loop.step,
+                                                          admission.total_steps, loss)
         recent = loop.losses[-SPIKE_WINDOW:]
         spike = len(recent) >= 5 and loss > SPIKE_FACTOR * (sum(recent) / len(recent))
-        optimizer.learning_rate = learning_rate_at(loop.step, config, admission.total_steps)
-        optimizer.step()
         loop.step += 1
         loop.losses.append(loss)
         loop.diagnostics.append({"grad_norm": grad_norm, "clipped": clipped, "loss_spike": spike})
-        hooks.on_step({"step": loop.step, "loss": loss, "learning_rate": optimizer.learning_rate,
+        hooks.on_step({"step": loop.step, "loss": loss, "learning_rate": learning_rate,
                        "grad_norm": grad_norm, "clipped": clipped, "loss_spike": spike,
                        "tokens": tokens, "epoch": loop.epoch,
                        "elapsed_seconds": time.perf_counter() - started})
@@ -454,9 +354,14 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
                                       f"{SPIKE_FACTOR}x the recent mean")
         done = loop.step >= admission.total_steps
         cancel = not done and hooks.should_cancel()
-        if interval and (loop.step % interval == 0 or done or cancel):
-            latest = _publish(admission, settings, model, optimizer, loop, examples, hooks, done)
+        if should_publish(interval, loop.step, done, cancel):
+            latest = _publish(admission, settings, model, optimizer, loop, hooks, done)
         if cancel:
             hooks.on_event("info", f"cancelled after step {loop.step}")
             return RunResult("cancelled", loop.step, latest, list(loop.losses))
     return RunResult("succeeded", loop.step, latest, list(loop.losses))
+
+
+RUN_KIND = RunKind(name="sft", admit=admit_sft, revalidate=revalidate_sft, run=run_sft,
+                   admission_from_json=SFTAdmission.from_json, defaults=CONFIG_DEFAULTS,
+                   manifest_fields=MANIFEST_FIELDS)

@@ -1,0 +1,422 @@
+"""What every training kind's admission shares: the errors, RunSettings, request and configuration
+checks, the identities a checkpoint binds, drift refusal, the admission record and the resume proof
+repeated at dequeue.
+
+One set of exceptions for every kind, so the control plane maps them once.
+"""
+
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+import trainer
+from trainer import LoraConfig
+from trainer.lora import PROJECTIONS
+from trainer.runs import checkpoint_dir
+from trainer.runs.checkpoint_dir import CheckpointError
+
+PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
+LORA_DEFAULT = {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False}
+SCHEDULE_DEFAULT = {"type": "constant", "warmup_steps": 0}
+NULLABLE = ("seed", "checkpoint_interval", "resume_checkpoint", "max_grad_norm")
+KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
+MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "dataset", "config",
+                   "seed", "progress"}
+IDENTITY_FIELDS = ("base", "tokenizer", "dataset", "execution", "planning")  # compared at resume
+# capability-derived loss routes of each backend, in order of preference
+BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits")}
+
+
+class RequestError(ValueError):
+    """The request itself is malformed; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class AdmissionError(Exception):
+    """The request is well formed but cannot run (drift, an invalid checkpoint, ...)."""
+
+    def __init__(self, code: str, message: str, differences=None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.differences = list(differences or [])
+
+
+class RunFailed(Exception):
+    """Training stopped on a condition a person must look at (non-finite loss, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    home: Path
+    registry: Path  # the adapter registry: checkpoints are its direct children
+    bases_root: Path  # the data root that holds bases/ (trainer.bases' `root`)
+    data_roots: tuple = ()
+    default_checkpoint_interval: int | None = None  # server-level training.checkpoint_interval
+    backend: str = "cpu"
+
+
+# -- fields ----------------------------------------------------------------------------------
+
+
+def int_field(value, name, minimum=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise RequestError(name, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def number_field(value, name, minimum_exclusive=None, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(name, f"must be a finite number, got {value!r}")
+    if minimum_exclusive is not None and not value > minimum_exclusive:
+        raise RequestError(name, f"must be greater than {minimum_exclusive}, got {value}")
+    return float(value)
+
+
+def confined(path_text, roots) -> Path:
+    if not isinstance(path_text, str) or not path_text or "\x00" in path_text:
+        raise RequestError("dataset_path", "must be a path")
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise RequestError("dataset_path", "must be an absolute path inside a data root")
+    resolved = path.resolve()
+    for root in roots:
+        root = Path(root).resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            if not resolved.is_file():
+                raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
+            return resolved
+    raise AdmissionError("dataset_outside_roots",
+                         f"{path_text} is outside the configured data roots "
+                         f"({', '.join(str(r) for r in roots) or 'none'})")
+
+
+def dataset_file(request: dict, settings: RunSettings) -> Path:
+    """The request's dataset_path, confined to the datasets folder and the data roots."""
+    return confined(request["dataset_path"], (settings.home / "datasets",) + tuple(settings.data_roots))
+
+
+# -- digests -----------------------------------------------------------------------------------
+
+
+def canonical(obj) -> bytes:
+    """Sorted-key, compact, ASCII JSON: the bytes every identity digest is taken over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def merge_config(config: dict, defaults: dict, kind: str) -> dict:
+    """defaults updated by the request's fields; unknown fields refused."""
+    if not isinstance(config, dict):
+        raise RequestError("config", "must be an object")
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise RequestError(f"config.{unknown[0]}", f"is not a known {kind.upper()} configuration field")
+    merged = copy.deepcopy(defaults)
+    merged.update({k: copy.deepcopy(v) for k, v in config.items() if v is not None or k in NULLABLE})
+    return merged
+
+
+def check_shared(c: dict, settings: RunSettings) -> dict:
+    """Validate the fields every training kind has; fills in the server checkpoint interval."""
+    name = c["output_name"]
+    if not isinstance(name, str) or not name:
+        raise RequestError("config.output_name", "is required: the adapter name to train")
+    try:
+        checkpoint_dir.check_adapter_name(name)
+    except CheckpointError as error:
+        raise RequestError("config.output_name", str(error)) from None
+    if not isinstance(c["base_model"], str) or not c["base_model"]:
+        raise RequestError("config.base_model", "must name a registered base")
+    c["learning_rate"] = number_field(c["learning_rate"], "config.learning_rate", 0.0)
+    schedule = c["lr_schedule"]
+    if not isinstance(schedule, dict) or set(schedule) - {"type", "warmup_steps"}:
+        raise RequestError("config.lr_schedule", "must be {type, warmup_steps}")
+    schedule = {"type": schedule.get("type", "constant"), "warmup_steps": schedule.get("warmup_steps", 0)}
+    if schedule["type"] not in ("constant", "linear", "cosine"):
+        raise RequestError("config.lr_schedule.type", "must be constant, linear or cosine")
+    schedule["warmup_steps"] = int_field(schedule["warmup_steps"], "config.lr_schedule.warmup_steps", 0)
+    c["lr_schedule"] = schedule
+    c["max_grad_norm"] = number_field(c["max_grad_norm"], "config.max_grad_norm", 0.0, allow_none=True)
+    c["lora"] = check_lora(c["lora"])
+    c["seed"] = int_field(c["seed"], "config.seed", 0, allow_none=True)
+    interval = c["checkpoint_interval"]
+    if interval is None:
+        interval = settings.default_checkpoint_interval
+    c["checkpoint_interval"] = int_field(interval, "config.checkpoint_interval", 1, allow_none=True)
+    if c["resume_checkpoint"] is not None and not isinstance(c["resume_checkpoint"], str):
+        raise RequestError("config.resume_checkpoint", "must be a checkpoint basename")
+    if c["activation_checkpointing"] not in ("none", "blocks"):
+        raise RequestError("config.activation_checkpointing", "must be none or blocks")
+    return c
+
+
+def check_request(request, inline_field: str) -> None:
+    """A request is an object with config and either dataset_path or its inline field."""
+    if not isinstance(request, dict):
+        raise RequestError("request", "must be an object")
+    unknown = sorted(set(request) - {"dataset_path", inline_field, "config"})
+    if unknown:
+        raise RequestError(unknown[0], "is not a known request field")
+
+
+def find_base(config: dict, settings: RunSettings):
+    """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found."""
+    from trainer.bases import show_base
+    try:
+        return show_base(config["base_model"], settings.bases_root)
+    except (LookupError, ValueError) as error:
+        raise AdmissionError("base_not_found", str(error)) from None
+
+
+def check_lora(lora) -> dict:
+    if not isinstance(lora, dict) or set(lora) - {"rank", "alpha", "targets", "use_rslora"}:
+        raise RequestError("config.lora", "must be {rank, alpha, targets, use_rslora}")
+    lora = {**LORA_DEFAULT, **lora}
+    try:
+        shaped = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                            use_rslora=lora["use_rslora"])
+    except (ValueError, TypeError) as error:
+        raise RequestError("config.lora", str(error)) from None
+    return shaped.shape_identity()
+
+
+def lora_config(config: dict, seed: int) -> LoraConfig:
+    lora = config["lora"]
+    return LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                      use_rslora=lora["use_rslora"], initializer_seed=seed)
+
+
+def comparable_config(config: dict) -> dict:
+    """The effective configuration as bound into a checkpoint (no resume pointer, no seed)."""
+    return {k: v for k, v in config.items() if k not in ("resume_checkpoint", "seed")}
+
+
+# -- identities ------------------------------------------------------------------------------
+
+
+def select_loss_route(backend: str) -> str:
+    routes = BACKEND_LOSS_ROUTES.get(backend)
+    if not routes:
+        raise AdmissionError("backend_unavailable", f"backend {backend!r} has no loss route here")
+    return routes[0]
+
+
+def require_loss_route(route: str, settings: RunSettings) -> None:
+    """AdmissionError unless this worker's backend can run the admitted loss route."""
+    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+        raise AdmissionError("loss_route_unavailable", f"loss route {route!r} is not available on backend "
+                                                       f"{settings.backend!r}")
+
+
+def planning_identity(objective: str, config: dict, loss_route: str) -> dict:
+    """The v3 planning identity GRPO and OPD bind (all planned boundaries retained)."""
+    return {
+        "schema": PLANNING_SCHEMA_V3,
+        "objective": objective,
+        "loss_route": loss_route,
+        "policy_gradient": "weighted_cross_entropy",
+        "checkpoint_boundary_replay": {"policy": "retain_all"},
+        "activation_checkpointing": config["activation_checkpointing"],
+        "streaming_prefill": "none",
+    }
+
+
+def execution_identity(backend: str) -> dict:
+    """What must be the same for bit-for-bit continuation on this backend."""
+    from threadpoolctl import threadpool_info
+
+    import native_ext
+    from native_ext import blas as engine_blas
+    native = Path(native_ext.__file__).parent
+    builds = {p.name: file_sha256(p) for p in sorted(native.glob("_*.so"))}
+    # only the BLAS the engine computes with (numpy's): other libraries loaded in the same
+    # process (torch's, scipy's) do not touch training arithmetic
+    blas = sorted((i.get("internal_api"), str(i.get("version")), str(i.get("architecture")),
+                   i.get("num_threads")) for i in threadpool_info()
+                  if i.get("user_api") == "blas" and str(engine_blas.LIBRARY_PATH) == i.get("filepath"))
+    return {
+        "backend": backend,
+        "device": platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": [list(b) for b in blas],
+        "native_builds": builds,
+        "kiln": trainer.__version__ if hasattr(trainer, "__version__") else "0",
+        "precision": "float32",
+        "kernel_contract": KERNEL_CONTRACT,
+        "threads": os.cpu_count(),
+    }
+
+
+def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSettings, planning: dict) -> dict:
+    """The identities every kind binds into its checkpoints (kinds may add their own)."""
+    return {
+        "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
+        "tokenizer": tokenizer.identity(),
+        "dataset": dataset,
+        "execution": execution_identity(settings.backend),
+        "planning": planning,
+    }
+
+
+# -- drift -----------------------------------------------------------------------------------
+
+
+def difference(field_name, checkpoint_value, request_value):
+    return {"field": field_name, "checkpoint": checkpoint_value, "request": request_value}
+
+
+def compare(prefix, checkpoint_value, request_value, out):
+    """Field-by-field differences between two JSON values."""
+    if isinstance(checkpoint_value, dict) and isinstance(request_value, dict):
+        for key in sorted(set(checkpoint_value) | set(request_value)):
+            compare(f"{prefix}.{key}" if prefix else key, checkpoint_value.get(key),
+                    request_value.get(key), out)
+    elif checkpoint_value != request_value:
+        out.append(difference(prefix, checkpoint_value, request_value))
+
+
+# -- admission record ----------------------------------------------------------------------
+
+
+@dataclass
+class Admission:
+    """What admission resolved; stored on the job row as JSON and handed to the run."""
+
+    kind: str
+    adapter: str
+    request: dict
+    effective_config: dict
+    effective_seed: int
+    data_source_kind: str
+    total_steps: int
+    identities: dict
+    resume: dict | None = None
+    steps_per_epoch: int | None = None
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Admission":
+        return cls(**data)
+
+
+def load_resume(reference: str, adapter: str, kind: str, settings: RunSettings):
+    try:
+        path = checkpoint_dir.resolve_checkpoint(settings.registry, reference)
+        return checkpoint_dir.load_checkpoint(path, full=True, expected_type=kind, expected_adapter=adapter,
+                                              allowed_manifest_fields=MANIFEST_FIELDS)
+    except CheckpointError as error:
+        raise AdmissionError(error.code, str(error)) from None
+
+
+def check_planning_schema(manifest: dict, expected: str = PLANNING_SCHEMA_V3,
+                          reason: str = "any change to the planning identity fails closed"):
+    schema = (manifest.get("planning") or {}).get("schema")
+    if schema != expected:
+        raise AdmissionError(
+            "planning_schema", f"checkpoint planning identity {schema!r} cannot resume under "
+            f"{expected}: {reason}; start a new run or use base_adapter",
+            [difference("planning.schema", schema, expected)])
+
+
+def refuse_drift(manifest: dict, request_view: dict, seed):
+    """AdmissionError("resume_drift") listing every field where the request differs."""
+    checkpoint_view = {key: manifest.get(key) for key in request_view}
+    differences = []
+    compare("", checkpoint_view, request_view, differences)
+    if seed is not None and seed != manifest["seed"]:
+        differences.append(difference("seed", manifest["seed"], seed))
+    if differences:
+        raise AdmissionError("resume_drift", "the request differs from the checkpoint in "
+                             f"{len(differences)} field(s); exact resume continues the same run, "
+                             "so restore the original request or start a new run", differences)
+
+
+def resume_record(loaded) -> dict:
+    manifest = loaded.manifest
+    return {"checkpoint": loaded.path.name, "checkpoint_id": loaded.checkpoint_id,
+            "manifest_digest": loaded.manifest_digest, "seed": manifest["seed"],
+            "step": manifest["progress"]["committed_step"]}
+
+
+def admit_resume(loaded, training: dict, config: dict, identities: dict) -> dict:
+    """Refuse any drift between the request and the checkpoint; the resume record of the job row."""
+    view = {"training": training, "config": comparable_config(config),
+            **{key: identities[key] for key in IDENTITY_FIELDS}}
+    refuse_drift(loaded.manifest, view, config["seed"])
+    return resume_record(loaded)
+
+
+def settle_seed(config: dict, resume: dict | None) -> int:
+    """The effective seed: the checkpoint's on resume, else the request's, else a fresh one."""
+    seed = resume["seed"] if resume is not None else config["seed"]
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    config["seed"] = seed
+    return seed
+
+
+def revalidate(admission: Admission, settings: RunSettings, route_field: str = "loss_route") -> None:
+    """Dequeue-time proof: the checkpoint is still the one admission validated."""
+    if admission.resume is None:
+        return
+    loaded = load_resume(admission.resume["checkpoint"], admission.adapter, admission.kind, settings)
+    checks = (("checkpoint_id", loaded.checkpoint_id), ("manifest_digest", loaded.manifest_digest),
+              ("seed", loaded.manifest.get("seed")))
+    differences = [difference(name, value, admission.resume[name])
+                   for name, value in checks if value != admission.resume[name]]
+    if differences:
+        raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission; "
+                             "checkpoints must stay immutable", differences)
+    route = admission.identities["planning"][route_field]
+    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+        raise AdmissionError("loss_route_unavailable", f"this worker cannot run the admitted loss route {route!r}")
+
+
+def reopen_resume(admission: Admission, settings: RunSettings):
+    """The admitted resume checkpoint, loaded again by the worker and checked to be the same."""
+    loaded = load_resume(admission.resume["checkpoint"], admission.adapter, admission.kind, settings)
+    if loaded.checkpoint_id != admission.resume["checkpoint_id"]:
+        raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission")
+    return loaded
