@@ -2,7 +2,8 @@
 error mapping.
 
 Each training kind's run module (`trainer.runs.sft`, `.grpo`, `.opd`, named by the settings
-KILN_SFT_RUNNER, KILN_GRPO_RUNNER, KILN_OPD_RUNNER), `trainer.runs.checkpoint_dir`
+KILN_SFT_RUNNER, KILN_GRPO_RUNNER, KILN_OPD_RUNNER; its RunKind comes from the registry
+`trainer.runs.run_kind`), `trainer.runs.checkpoint_dir`
 (settings.KILN_CHECKPOINT_MODULE), `trainer.teachers` and `trainer.bases` are imported here and
 nowhere else in kiln_web, so tests can swap in a fake runner by overriding those settings.
 """
@@ -28,43 +29,46 @@ def _module(dotted: str, purpose: str) -> ModuleType:
                                 "reinstall Kiln with: pip install -e .") from exc
 
 
-# training kind: (the Django setting naming its run module, the admission class in that module)
-RUNNERS = {
-    "sft": ("KILN_SFT_RUNNER", "SFTAdmission"),
-    "grpo": ("KILN_GRPO_RUNNER", "Admission"),
-    "opd": ("KILN_OPD_RUNNER", "Admission"),
-}
+# training kind -> the Django setting naming its run module
+RUNNER_SETTINGS = {"sft": "KILN_SFT_RUNNER", "grpo": "KILN_GRPO_RUNNER", "opd": "KILN_OPD_RUNNER"}
 
 
 @dataclass(frozen=True)
 class Runner:
-    """One training kind's run module: admit_<kind>, revalidate_<kind>, run_<kind>, the same for every kind."""
+    """One training kind: its run module (RunSettings and error classes) and its RunKind (admit,
+    revalidate, run, admission_from_json), the same protocol for every kind."""
 
     kind: str
     module: ModuleType
+    run_kind: object  # trainer.runs.kind.RunKind
 
     def admit(self, request: dict, run_settings):
-        return getattr(self.module, f"admit_{self.kind}")(request, run_settings)
+        return self.run_kind.admit(request, run_settings)
 
     def revalidate(self, admission, run_settings) -> None:
-        getattr(self.module, f"revalidate_{self.kind}")(admission, run_settings)
+        self.run_kind.revalidate(admission, run_settings)
 
     def run(self, admission, run_settings, hooks):
-        return getattr(self.module, f"run_{self.kind}")(admission, run_settings, hooks)
+        return self.run_kind.run(admission, run_settings, hooks)
 
     def admission_from_json(self, data: dict):
-        return getattr(self.module, RUNNERS[self.kind][1]).from_json(data)
+        return self.run_kind.admission_from_json(data)
 
 
 def runner(kind: str) -> Runner:
-    """The run module of training KIND (sft, grpo, opd)."""
-    if kind not in RUNNERS:
-        raise RunnerUnavailable(f"no run module for training kind {kind!r}; kinds are {', '.join(RUNNERS)}")
-    return Runner(kind, _module(getattr(settings, RUNNERS[kind][0]), f"the {kind.upper()} run"))
+    """Training KIND's (sft, grpo, opd) RunKind, from the run module its setting names."""
+    if kind not in RUNNER_SETTINGS:
+        raise RunnerUnavailable(f"no run module for training kind {kind!r}; kinds are {', '.join(RUNNER_SETTINGS)}")
+    module = _module(getattr(settings, RUNNER_SETTINGS[kind]), f"the {kind.upper()} run")
+    registry = _module("trainer.runs", "the run registry")
+    try:
+        return Runner(kind, module, registry.run_kind(kind, module))
+    except LookupError as exc:
+        raise RunnerUnavailable(f"the {kind.upper()} run module {module.__name__!r} is not a run kind: {exc}") from exc
 
 
 def sft_runner() -> ModuleType:
-    """The module with RunSettings, admit_sft, revalidate_sft, run_sft, RequestError, AdmissionError."""
+    """The module with RunSettings, RequestError, AdmissionError and the SFT RunKind."""
     return runner("sft").module
 
 
@@ -150,7 +154,7 @@ CONFLICT_CODES = {"resume_drift"}
 def _error_classes(name: str, kind: str | None) -> tuple:
     """The exception class NAME of KIND's run module, or of every run module that imports."""
     classes = []
-    for each in ([kind] if kind else RUNNERS):
+    for each in ([kind] if kind else RUNNER_SETTINGS):
         try:
             found = getattr(runner(each).module, name, None)
         except RunnerUnavailable:

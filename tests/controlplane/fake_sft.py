@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
+from trainer.runs.kind import RunKind
 
 MANIFEST_FIELDS = {"training", "config", "seed", "progress"}
 
@@ -183,3 +184,10 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks) -> RunResult:
         if cancel:
             return RunResult("cancelled", step, latest, losses)
     return RunResult("succeeded", step, latest, losses)
+
+
+# late-bound, so a test that monkeypatches admit_sft / revalidate_sft / run_sft here is heard
+RUN_KIND = RunKind(name="sft", admit=lambda request, settings: admit_sft(request, settings),
+                   revalidate=lambda admission, settings: revalidate_sft(admission, settings),
+                   run=lambda admission, settings, hooks: run_sft(admission, settings, hooks),
+                   admission_from_json=SFTAdmission.from_json, manifest_fields=MANIFEST_FIELDS)
