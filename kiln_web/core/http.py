@@ -1,7 +1,18 @@
-"""The API's one error shape: {"error": {"code", "message", "field"?, "differences"?, ...}}, and the
-refusal every action raises to produce it."""
+"""The API's one error shape ({"error": {"code", "message", "field"?, "differences"?, ...}}), its schema, the one
+table of HTTP statuses for coded failures, and `refusal_for`, which every API module and dashboard view uses to
+turn a failure into a refusal."""
+
+from typing import Any
 
 from django.http import JsonResponse
+from ninja import Schema
+from pydantic import ConfigDict, Field
+
+try:
+    from ninja import Status
+except ImportError:  # django-ninja before 1.6 returned (status, body) tuples
+    def Status(status_code: int, body):  # noqa: N802
+        return status_code, body
 
 
 class ActionRefused(Exception):
@@ -15,9 +26,63 @@ class ActionRefused(Exception):
         return {"code": self.code, "message": self.message} | self.extra
 
 
+# The status for each code a failure carries on its way out of an action (an exception with a `code`
+# attribute that is not an ActionRefused); a code not listed here is not a refusal, and propagates.
+STATUS = {
+    "job_not_active": 409,  # InvalidTransition: the job has already ended
+    "runner_unavailable": 503,  # the configured run module does not import
+    "adapter_not_found": 404,
+    "model_not_found": 404,  # the OpenAI-compatible endpoints: no loaded adapter or base by that name
+    "base_not_found": 400,  # loading an adapter over a base that is not registered
+    "model_required": 400,
+    "adapter_not_loaded": 409,
+    "adapter_incompatible": 409,
+    "adapter_unavailable": 503,
+    "adapter_changed": 503,
+}
+
+
+def refusal_for(exc: BaseException) -> ActionRefused | None:
+    """The refusal EXC means (itself when it is one; a coded failure with its status from STATUS), or None for
+    anything else, which the caller re-raises. Trainer refusals arrive here already mapped by the actions."""
+    if isinstance(exc, ActionRefused):
+        return exc
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code in STATUS:
+        return ActionRefused(STATUS[code], code, str(getattr(exc, "message", None) or exc))
+    return None
+
+
 def error_response(status: int, code: str, message: str, **extra) -> JsonResponse:
     error = {"code": code, "message": message} | {key: value for key, value in extra.items() if value is not None}
     response = JsonResponse({"error": error}, status=status)
     if status == 401:
         response["WWW-Authenticate"] = 'Bearer realm="kiln"'
     return response
+
+
+def refused(exc: Exception) -> JsonResponse:
+    """The API's answer to a failed action: the refusal EXC means, else EXC itself is re-raised."""
+    refusal = refusal_for(exc)
+    if refusal is None:
+        raise exc
+    return error_response(refusal.status, refusal.code, refusal.message, **refusal.extra)
+
+
+class ErrorBody(Schema):
+    code: str = Field(description="machine-readable, e.g. invalid_request, resume_drift, unauthorized")
+    message: str = Field(description="a sentence a person can act on")
+    field: str | None = Field(None, description="the request field at fault, dotted: config.checkpoint_interval")
+    differences: list[dict[str, Any]] | None = Field(
+        None, description="resume drift: [{field, checkpoint, request}, ...]")
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorOut(Schema):
+    error: ErrorBody
+
+
+def refusals(*statuses: int) -> dict:
+    """The `response=` entries of an operation's refusals: 400, 401, 403, 404 and 409, and STATUSES."""
+    return {status: ErrorOut for status in (400, 401, 403, 404, 409, *statuses)}

@@ -371,9 +371,10 @@ class JobForm(forms.Form):
         else:
             self.add_error(name, message)
 
-    def add_refusal(self, status: int, error: dict) -> None:
-        """Show an admission refusal ({code, message, field?, differences?}) where it belongs."""
-        self.refusal = {"status": status, **error}
+    def add_refusal(self, refusal) -> None:
+        """Show an admission refusal (an ActionRefused: code, message, field?, differences?) where it belongs."""
+        error = refusal.as_error()
+        self.refusal = {"status": refusal.status, **error}
         if error.get("differences"):
             return  # the template shows the drift table
         where = error.get("field")

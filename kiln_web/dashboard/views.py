@@ -13,10 +13,10 @@ from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from kiln_web.core.http import ActionRefused
+from kiln_web.core.http import ActionRefused, refusal_for
 from kiln_web.dashboard import readers
 from kiln_web.dashboard.forms import JOB_FORMS, TeacherForm
-from kiln_web.jobs import actions, runtime
+from kiln_web.jobs import actions
 from kiln_web.jobs.models import InvalidTransition, JobKind, JobStatus, TrainingJob
 
 # The parts of job detail the page swaps in from the snapshot view: [data-panel=NAME] <- template.
@@ -132,25 +132,15 @@ def stop_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
 # -- submitting --
 
 
-def _refusal(exc: Exception, kind: str) -> tuple[int, dict] | None:
-    """(status, error) for a refusal a person can act on, as the API answers it; None for anything else."""
-    if isinstance(exc, ActionRefused):
-        return exc.status, exc.as_error()
-    if isinstance(exc, runtime.RunnerUnavailable):
-        return 503, {"code": exc.code, "message": str(exc)}
-    refusal = runtime.refusal_for(exc, kind)
-    return (refusal.status, refusal.as_error()) if refusal is not None else None
-
-
 def _submit(request: HttpRequest, form) -> TrainingJob | None:
     """do_submit_job with the form's request; a refusal lands on the form and None is returned."""
     try:
         return actions.do_submit_job(request.user, form.body, form.payload, kind=form.kind)
     except Exception as exc:  # noqa: BLE001 (a refusal is shown; anything else propagates)
-        refusal = _refusal(exc, form.kind)
+        refusal = refusal_for(exc)
         if refusal is None:
             raise
-        form.add_refusal(*refusal)
+        form.add_refusal(refusal)
         return None
 
 

@@ -10,24 +10,13 @@ from django.http import Http404, HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import ActionRefused, error_response
+from kiln_web.core.http import ActionRefused, Status, refusals, refused
 from kiln_web.evals import actions
 from kiln_web.evals.models import EvalStatus
 from kiln_web.evals.schemas import RunIn, RunListOut, RunOut, SuiteIn, SuiteListOut, SuiteOut
-from kiln_web.serving.schemas import ErrorShape
-
-try:
-    from ninja import Status
-except ImportError:  # django-ninja before 1.6 returned (status, body) tuples
-    def Status(status_code: int, body):  # noqa: N802
-        return status_code, body
 
 router = Router(tags=["evaluation"])
-REFUSALS = {400: ErrorShape, 401: ErrorShape, 403: ErrorShape, 404: ErrorShape, 409: ErrorShape}
-
-
-def _refused(exc: ActionRefused):
-    return error_response(exc.status, exc.code, exc.message, **exc.extra)
+REFUSALS = refusals()
 
 
 @router.post("/suites", response={201: SuiteOut, **REFUSALS}, summary="Create an evaluation suite",
@@ -38,7 +27,7 @@ def create_suite(request: HttpRequest, payload: SuiteIn):
     try:
         suite = actions.do_create_suite(request.auth, payload.name, payload.content, payload.default_metric)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
     return Status(201, suite.to_dict())
 
 
@@ -54,7 +43,7 @@ def get_suite(request: HttpRequest, name: str):
     try:
         return actions.suite_for(request.auth, name).to_dict(content=True)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
 
 
 @router.post("/runs", response={201: RunOut, **REFUSALS}, summary="Evaluate an adapter against the active one",
@@ -66,7 +55,7 @@ def create_run(request: HttpRequest, payload: RunIn):
         run = actions.do_enqueue_evaluation(request.auth, payload.adapter, payload.suite, base=payload.base,
                                             max_new_tokens=payload.max_new_tokens)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
     return Status(201, run.to_dict())
 
 

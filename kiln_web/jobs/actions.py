@@ -89,9 +89,20 @@ def do_submit_job(user, body: dict, request: dict, kind: str = JobKind.SFT) -> T
     """Admit REQUEST (the validated body), then create the queued job; nothing exists if admission refuses.
 
     BODY is kept as submitted. Admission (which hashes the base, the data and any resume
-    checkpoint) runs before the transaction; trainer refusals propagate for the view to map.
-    OPD names its teacher by alias (config.teacher); admission gets the alias's resolved spec.
+    checkpoint) runs before the transaction; a trainer refusal is raised as the ActionRefused it
+    means (runtime.refusal_for). OPD names its teacher by alias (config.teacher); admission gets
+    the alias's resolved spec.
     """
+    try:
+        return _submit_job(user, body, request, kind)
+    except Exception as exc:
+        refusal = None if isinstance(exc, ActionRefused) else runtime.refusal_for(exc, kind)
+        if refusal is None:
+            raise
+        raise ActionRefused(refusal.status, **refusal.as_error()) from exc
+
+
+def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
     if kind not in JobKind.values:
         raise ActionRefused(400, "invalid_request", f"training kind {kind!r} is not one of {', '.join(JobKind.values)}")
     name = request["config"]["output_name"]

@@ -12,23 +12,17 @@ from django.http import Http404, HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import error_response
+from kiln_web.core.http import Status, refusals, refused
 from kiln_web.jobs import actions, runtime
 from kiln_web.serving.promotion import job_evaluation_ids, job_promotion
-from kiln_web.jobs.models import InvalidTransition, JobKind, JobMetric, JobStatus, TrainingJob
-from kiln_web.jobs.schemas import (CheckpointListOut, ErrorOut, EventListOut, GRPORequest, JobListOut, JobOut,
-                                   MetricListOut, OPDRequest, SFTRequest)
-
-try:
-    from ninja import Status
-except ImportError:  # django-ninja before 1.6 returned (status, body) tuples
-    def Status(status_code: int, body):  # noqa: N802
-        return status_code, body
+from kiln_web.jobs.models import JobKind, JobMetric, JobStatus, TrainingJob
+from kiln_web.jobs.schemas import (CheckpointListOut, EventListOut, GRPORequest, JobListOut, JobOut, MetricListOut,
+                                   OPDRequest, SFTRequest)
 
 router = Router(tags=["training"])
 
-REFUSALS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut}
-SUBMIT_REFUSALS = {**REFUSALS, 413: ErrorOut, 503: ErrorOut}
+REFUSALS = refusals()
+SUBMIT_REFUSALS = refusals(413, 503)
 
 
 def _visible_jobs(request: HttpRequest):
@@ -58,25 +52,12 @@ def _detail(job: TrainingJob) -> dict:
     return out
 
 
-def _refused(exc: Exception, kind: str | None = None):
-    if isinstance(exc, actions.ActionRefused):
-        return error_response(exc.status, exc.code, exc.message, **exc.extra)
-    if isinstance(exc, InvalidTransition):
-        return error_response(409, exc.code, exc.message)
-    if isinstance(exc, runtime.RunnerUnavailable):
-        return error_response(503, exc.code, str(exc))
-    refusal = runtime.refusal_for(exc, kind)
-    if refusal is None:
-        raise exc
-    return error_response(refusal.status, **refusal.as_error())
-
-
 def _submit(request: HttpRequest, payload, kind: str):
     body = json.loads(request.body)  # kept as submitted
     try:
         job = actions.do_submit_job(request.auth, body, payload.model_dump(exclude_unset=True), kind=kind)
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by _refused)
-        return _refused(exc, kind)
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
+        return refused(exc)
     return Status(201, _detail(job))
 
 
@@ -142,8 +123,8 @@ def cancel_job(request: HttpRequest, job_id: UUID):
     job = _job(request, job_id)
     try:
         job = actions.do_cancel_job(job.pk, reason=f"cancelled by {request.auth.get_username()}")
-    except Exception as exc:  # noqa: BLE001
-        return _refused(exc)
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
+        return refused(exc)
     return _detail(job)
 
 

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from kiln_web.adapters.models import Adapter
-from kiln_web.core.http import ActionRefused
+from kiln_web.core.http import STATUS, ActionRefused
 from kiln_web.serving import runtime
 from kiln_web.serving.models import PromotionOutcome, PromotionRecord, ServedAdapter
 from kiln_web.serving.runtime import ServingError
@@ -23,13 +23,12 @@ from kiln_web.serving.runtime import ServingError
 logger = logging.getLogger("kiln.serving")
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
-ERROR_STATUS = {"adapter_not_found": 404, "model_not_found": 400, "adapter_incompatible": 409,
-                "adapter_not_loaded": 409}
 
 
 def _refusal(error: ServingError) -> ActionRefused:
+    """A pool's refusal to load: its model_not_found names the base here, so it is base_not_found (400)."""
     code = "base_not_found" if error.code == "model_not_found" else error.code
-    return ActionRefused(ERROR_STATUS.get(error.code, 400), code, error.message)
+    return ActionRefused(STATUS.get(code, 400), code, error.message)
 
 
 def adapter_for(user, name: str) -> Adapter:

@@ -8,20 +8,16 @@ from django.http import HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import ActionRefused, error_response
+from kiln_web.core.http import ActionRefused, refusals, refused
 from kiln_web.serving import actions
 from kiln_web.serving.models import PromotionRecord, ServedAdapter
-from kiln_web.serving.schemas import (AdapterListOut, AdapterOut, DeleteOut, ErrorShape, LoadIn, PromotionListOut,
-                                     PromotionOut, ServedOut, UnloadOut)
+from kiln_web.serving.schemas import (AdapterListOut, AdapterOut, DeleteOut, LoadIn, PromotionListOut, PromotionOut,
+                                     ServedOut, UnloadOut)
 
 router = Router(tags=["adapters"])
 promotions_router = Router(tags=["adapters"])
 
-REFUSALS = {400: ErrorShape, 401: ErrorShape, 403: ErrorShape, 404: ErrorShape, 409: ErrorShape}
-
-
-def _refused(exc: ActionRefused):
-    return error_response(exc.status, exc.code, exc.message, **exc.extra)
+REFUSALS = refusals()
 
 
 def _rows() -> dict:
@@ -42,7 +38,7 @@ def get_adapter(request: HttpRequest, name: str):
     try:
         adapter = actions.adapter_for(request.auth, name)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
     return actions.adapter_view(adapter, _rows())
 
 
@@ -54,7 +50,7 @@ def load_adapter(request: HttpRequest, name: str, payload: LoadIn = None):
     try:
         row = actions.do_load_adapter(request.auth, name, base=payload.base if payload else None)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
     return row.to_dict()
 
 
@@ -65,7 +61,7 @@ def unload_adapter(request: HttpRequest, name: str):
     try:
         was_active = actions.do_unload_adapter(request.auth, name)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
     return {"adapter": name, "was_active": was_active}
 
 
@@ -76,7 +72,7 @@ def activate_adapter(request: HttpRequest, name: str):
     try:
         record = actions.do_activate_adapter(request.auth, name)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
     return record.to_dict()
 
 
@@ -88,7 +84,7 @@ def delete_adapter(request: HttpRequest, name: str):
     try:
         return actions.do_delete_adapter(request.auth, name)
     except ActionRefused as exc:
-        return _refused(exc)
+        return refused(exc)
 
 
 class PromotionFilter(Schema):

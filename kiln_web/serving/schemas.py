@@ -103,9 +103,3 @@ class DeleteOut(Schema):
 class UnloadOut(Schema):
     adapter: str
     was_active: bool
-
-
-class ErrorShape(Schema):
-    error: dict[str, Any]
-
-    model_config = ConfigDict(extra="allow")

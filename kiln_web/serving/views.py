@@ -20,14 +20,12 @@ from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from kiln_web.accounts.actions import authenticate_token
+from kiln_web.core.http import STATUS
 from kiln_web.serving import completions as oai
 from kiln_web.serving import runtime
 from kiln_web.serving.runtime import SamplingConfig, ServingError
 
 logger = logging.getLogger("kiln.serving")
-
-STATUS = {"model_not_found": 404, "adapter_not_found": 404, "model_required": 400, "adapter_not_loaded": 409,
-          "adapter_incompatible": 409, "adapter_unavailable": 503, "adapter_changed": 503}
 
 
 class StreamClosed(Exception):

@@ -7,16 +7,14 @@ action and responds. Every person with a token sees every alias; only its owner 
 from django.http import Http404, HttpRequest
 from ninja import Router
 
-from kiln_web.core.http import ActionRefused, error_response
-from kiln_web.jobs.api import REFUSALS, Status
-from kiln_web.jobs.runtime import RunnerUnavailable
-from kiln_web.jobs.schemas import ErrorOut
+from kiln_web.core.http import Status, refusals, refused
 from kiln_web.teachers import actions
 from kiln_web.teachers.models import TeacherAlias
 from kiln_web.teachers.schemas import TeacherConfig, TeacherIn, TeacherListOut, TeacherOut
 
 router = Router(tags=["teachers"])
-CHANGE_REFUSALS = {**REFUSALS, 503: ErrorOut}
+REFUSALS = refusals()
+CHANGE_REFUSALS = refusals(503)
 
 
 def _alias(name: str) -> TeacherAlias:
@@ -24,14 +22,6 @@ def _alias(name: str) -> TeacherAlias:
     if alias is None:
         raise Http404(f"no teacher alias {name!r} (GET /v1/teachers lists them)")
     return alias
-
-
-def _refused(exc: Exception):
-    if isinstance(exc, ActionRefused):
-        return error_response(exc.status, exc.code, exc.message, **exc.extra)
-    if isinstance(exc, RunnerUnavailable):
-        return error_response(503, exc.code, str(exc))
-    raise exc
 
 
 @router.get("", response={200: TeacherListOut, **REFUSALS}, summary="List teacher aliases",
@@ -48,8 +38,8 @@ def create_teacher(request: HttpRequest, payload: TeacherIn):
     fields = payload.model_dump(exclude={"name"})
     try:
         alias = actions.do_create_teacher(request.auth, payload.name, fields)
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by _refused)
-        return _refused(exc)
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
+        return refused(exc)
     return Status(201, alias.to_dict())
 
 
@@ -67,8 +57,8 @@ def update_teacher(request: HttpRequest, name: str, payload: TeacherConfig):
     Refused while an active OPD job names the alias (409 teacher_in_use)."""
     try:
         alias = actions.do_update_teacher(request.auth, name, payload.model_dump())
-    except Exception as exc:  # noqa: BLE001
-        return _refused(exc)
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
+        return refused(exc)
     return alias.to_dict()
 
 
@@ -77,6 +67,6 @@ def update_teacher(request: HttpRequest, name: str, payload: TeacherConfig):
 def delete_teacher(request: HttpRequest, name: str):
     try:
         actions.do_delete_teacher(request.auth, name)
-    except Exception as exc:  # noqa: BLE001
-        return _refused(exc)
+    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
+        return refused(exc)
     return Status(204, None)
