@@ -18,6 +18,10 @@ class Closeable:
         """Mark the object closed; subclasses release their buffers and call this."""
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError(self.closed_message)

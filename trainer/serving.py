@@ -219,7 +219,7 @@ class ServingPool:
         served = served or self.resolve(name)
         rng = None if sampling.temperature == 0 else SamplingRNG(seed if seed is not None else 0)
         with self.lock.read(), self.turns.turn() as pass_on:
-            if served.model._closed:
+            if served.model.closed:
                 raise ServingError("model_not_found", f"{served.name!r} was unloaded")
 
             def step(token, logprob, top):
