@@ -1,6 +1,7 @@
 """DecoderOnlyTransformer: one Llama-family decoder's parameters, adapters and quantized bases, and its whole-model forward/backward passes.
 
-Dimension letters: B batch, T time, N = B*T rows, C model width, V vocabulary.
+Dimension letters: B batch, T time, N = B*T rows, C model width, V vocabulary, P positions
+(maximum_context), D head size.
 Parameter names are Hugging Face Llama's. The math of one block lives in
 trainer.blocks and the chunked loss in trainer.crossentropy; this module runs them in
 order: embedding, the blocks, the final RMSNorm, the output projection and the loss.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.model import IGNORE_INDEX
+from trainer.crossentropy import IGNORE_INDEX
 
 
 class SourceStateError(ValueError):
