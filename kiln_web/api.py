@@ -1,6 +1,7 @@
 """The /v1/ HTTP API: one NinjaAPI with bearer-token auth on every operation and one error shape.
 
-Every refusal is `{"error": {"code", "message", "field"?, "differences"?}}`. The schema at
+Every refusal is `{"error": {"code", "message", "field"?, "differences"?}}`; a view lets an action's
+refusal propagate and the handler here answers it (kiln_web.core.http.refused). The schema at
 /v1/openapi.json (and the browsable /v1/docs) is generated from the routers' schemas and
 is the source of truth for request and response fields; it needs a token or a signed-in session.
 """
@@ -14,7 +15,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
 from kiln_web.accounts.actions import authenticate_token
-from kiln_web.core.http import error_response
+from kiln_web.core.http import error_response, refused
 from kiln_web.evals.api import router as evals_router
 from kiln_web.jobs.api import router as train_router
 from kiln_web.serving.api import promotions_router
@@ -99,6 +100,13 @@ def _too_large(request, exc):
     return error_response(413, "request_too_large",
                           f"the request body is larger than KILN_UPLOAD_MAX_BYTES ({settings.KILN_UPLOAD_MAX_BYTES} "
                           "bytes); put the dataset in a data root and send dataset_path instead")
+
+
+@api.exception_handler(Exception)
+def _refused(request, exc: Exception):
+    """A failed action answers with the refusal it means (kiln_web.core.http.refusal_for); anything else is a
+    bug and is raised for Django to answer 500."""
+    return refused(exc)
 
 
 @api.exception_handler(HttpError)

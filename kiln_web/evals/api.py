@@ -10,7 +10,7 @@ from django.http import Http404, HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import ActionRefused, Status, refusals, refused
+from kiln_web.core.http import Status, refusals
 from kiln_web.evals import actions
 from kiln_web.evals.models import EvalStatus
 from kiln_web.evals.schemas import RunIn, RunListOut, RunOut, SuiteIn, SuiteListOut, SuiteOut
@@ -24,10 +24,7 @@ REFUSALS = refusals()
 def create_suite(request: HttpRequest, payload: SuiteIn):
     """Held-out JSONL, one example a line: `prompt` (text) or `messages` (chat), `expected`, and optionally
     `metric` (exact, contains, regex, numeric) and `tolerance` (numeric). A suite never changes."""
-    try:
-        suite = actions.do_create_suite(request.auth, payload.name, payload.content, payload.default_metric)
-    except ActionRefused as exc:
-        return refused(exc)
+    suite = actions.do_create_suite(request.auth, payload.name, payload.content, payload.default_metric)
     return Status(201, suite.to_dict())
 
 
@@ -40,10 +37,7 @@ def list_suites(request: HttpRequest):
 @router.get("/suites/{name}", response={200: SuiteOut, **REFUSALS}, summary="One suite, with its content",
             operation_id="get_suite")
 def get_suite(request: HttpRequest, name: str):
-    try:
-        return actions.suite_for(request.auth, name).to_dict(content=True)
-    except ActionRefused as exc:
-        return refused(exc)
+    return actions.suite_for(request.auth, name).to_dict(content=True)
 
 
 @router.post("/runs", response={201: RunOut, **REFUSALS}, summary="Evaluate an adapter against the active one",
@@ -51,11 +45,8 @@ def get_suite(request: HttpRequest, name: str):
 def create_run(request: HttpRequest, payload: RunIn):
     """Queues an evaluation of the adapter and of the baseline (the active adapter, or the adapter's base
     when none is active) on the suite; a worker runs it."""
-    try:
-        run = actions.do_enqueue_evaluation(request.auth, payload.adapter, payload.suite, base=payload.base,
-                                            max_new_tokens=payload.max_new_tokens)
-    except ActionRefused as exc:
-        return refused(exc)
+    run = actions.do_enqueue_evaluation(request.auth, payload.adapter, payload.suite, base=payload.base,
+                                        max_new_tokens=payload.max_new_tokens)
     return Status(201, run.to_dict())
 
 

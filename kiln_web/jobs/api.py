@@ -12,7 +12,7 @@ from django.http import Http404, HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import Status, refusals, refused
+from kiln_web.core.http import Status, refusals
 from kiln_web.jobs import actions, runtime
 from kiln_web.serving.promotion import job_evaluation_ids, job_promotion
 from kiln_web.jobs.models import JobKind, JobMetric, JobStatus, TrainingJob
@@ -26,8 +26,7 @@ SUBMIT_REFUSALS = refusals(413, 503)
 
 
 def _visible_jobs(request: HttpRequest):
-    jobs = TrainingJob.objects.select_related("owner", "adapter")
-    return jobs if request.auth.is_staff else jobs.filter(owner=request.auth)
+    return TrainingJob.objects.visible_to(request.auth).select_related("owner", "adapter")
 
 
 def _job(request: HttpRequest, job_id: UUID) -> TrainingJob:
@@ -54,10 +53,7 @@ def _detail(job: TrainingJob) -> dict:
 
 def _submit(request: HttpRequest, payload, kind: str):
     body = json.loads(request.body)  # kept as submitted
-    try:
-        job = actions.do_submit_job(request.auth, body, payload.model_dump(exclude_unset=True), kind=kind)
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
-        return refused(exc)
+    job = actions.do_submit_job(request.auth, body, payload.model_dump(exclude_unset=True), kind=kind)
     return Status(201, _detail(job))
 
 
@@ -121,10 +117,7 @@ def cancel_job(request: HttpRequest, job_id: UUID):
     """A queued job is cancelled at once; a running one becomes `cancelling`, publishes a checkpoint at its
     next safe boundary (when checkpointing is on) and ends `cancelled`. A finished job answers 409."""
     job = _job(request, job_id)
-    try:
-        job = actions.do_cancel_job(job.pk, reason=f"cancelled by {request.auth.get_username()}")
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
-        return refused(exc)
+    job = actions.do_cancel_job(job.pk, reason=f"cancelled by {request.auth.get_username()}")
     return _detail(job)
 
 

@@ -8,7 +8,7 @@ from django.http import HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import ActionRefused, refusals, refused
+from kiln_web.core.http import refusals
 from kiln_web.serving import actions
 from kiln_web.serving.models import PromotionRecord, ServedAdapter
 from kiln_web.serving.schemas import (AdapterListOut, AdapterOut, DeleteOut, LoadIn, PromotionListOut, PromotionOut,
@@ -35,10 +35,7 @@ def list_adapters(request: HttpRequest):
 
 @router.get("/{name}", response={200: AdapterOut, **REFUSALS}, summary="One adapter", operation_id="get_adapter")
 def get_adapter(request: HttpRequest, name: str):
-    try:
-        adapter = actions.adapter_for(request.auth, name)
-    except ActionRefused as exc:
-        return refused(exc)
+    adapter = actions.adapter_for(request.auth, name)
     return actions.adapter_view(adapter, _rows())
 
 
@@ -47,10 +44,7 @@ def get_adapter(request: HttpRequest, name: str):
 def load_adapter(request: HttpRequest, name: str, payload: LoadIn = None):
     """Loads the adapter's PEFT snapshot over its base (the one it was trained over, or `base`) in this
     process, then records it so that every web process serves it. Loading again reloads the snapshot."""
-    try:
-        row = actions.do_load_adapter(request.auth, name, base=payload.base if payload else None)
-    except ActionRefused as exc:
-        return refused(exc)
+    row = actions.do_load_adapter(request.auth, name, base=payload.base if payload else None)
     return row.to_dict()
 
 
@@ -58,10 +52,7 @@ def load_adapter(request: HttpRequest, name: str, payload: LoadIn = None):
              operation_id="unload_adapter")
 def unload_adapter(request: HttpRequest, name: str):
     """Unloading the active adapter leaves no adapter active: requests must then name a model."""
-    try:
-        was_active = actions.do_unload_adapter(request.auth, name)
-    except ActionRefused as exc:
-        return refused(exc)
+    was_active = actions.do_unload_adapter(request.auth, name)
     return {"adapter": name, "was_active": was_active}
 
 
@@ -69,10 +60,7 @@ def unload_adapter(request: HttpRequest, name: str):
              summary="Serve a loaded adapter by default", operation_id="activate_adapter")
 def activate_adapter(request: HttpRequest, name: str):
     """The adapter answers requests that name no model; recorded as a promotion by you."""
-    try:
-        record = actions.do_activate_adapter(request.auth, name)
-    except ActionRefused as exc:
-        return refused(exc)
+    record = actions.do_activate_adapter(request.auth, name)
     return record.to_dict()
 
 
@@ -81,10 +69,7 @@ def activate_adapter(request: HttpRequest, name: str):
 def delete_adapter(request: HttpRequest, name: str):
     """Removes its checkpoint directories (exactly its own prefix) and its PEFT snapshot. Refused (409)
     while it is loaded or active (unload it first), trained or evaluated. Kiln never prunes on a timer."""
-    try:
-        return actions.do_delete_adapter(request.auth, name)
-    except ActionRefused as exc:
-        return refused(exc)
+    return actions.do_delete_adapter(request.auth, name)
 
 
 class PromotionFilter(Schema):
@@ -97,9 +82,7 @@ class PromotionFilter(Schema):
 def list_promotions(request: HttpRequest, filters: Query[PromotionFilter]):
     """Which adapter, which evaluation, the outcome and why, when, and who decided (a person, 'gate' or
     'auto_load'). You see your adapters' decisions; staff see all."""
-    records = PromotionRecord.objects.select_related("adapter")
-    if not request.auth.is_staff:
-        records = records.filter(adapter__owner=request.auth)
+    records = PromotionRecord.objects.visible_to(request.auth).select_related("adapter")
     if filters.adapter:
         records = records.filter(adapter__name=filters.adapter)
     return {"items": [record.to_dict() for record in records[:filters.limit]]}

@@ -7,7 +7,7 @@ action and responds. Every person with a token sees every alias; only its owner 
 from django.http import Http404, HttpRequest
 from ninja import Router
 
-from kiln_web.core.http import Status, refusals, refused
+from kiln_web.core.http import Status, refusals
 from kiln_web.teachers import actions
 from kiln_web.teachers.models import TeacherAlias
 from kiln_web.teachers.schemas import TeacherConfig, TeacherIn, TeacherListOut, TeacherOut
@@ -36,10 +36,7 @@ def create_teacher(request: HttpRequest, payload: TeacherIn):
     """The route is the part of the name after '@'. A native teacher's base must be registered and its
     adapter must lie in the adapter registry or a data root. 409 teacher_exists when the name is taken."""
     fields = payload.model_dump(exclude={"name"})
-    try:
-        alias = actions.do_create_teacher(request.auth, payload.name, fields)
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
-        return refused(exc)
+    alias = actions.do_create_teacher(request.auth, payload.name, fields)
     return Status(201, alias.to_dict())
 
 
@@ -55,18 +52,12 @@ def update_teacher(request: HttpRequest, name: str, payload: TeacherConfig):
     """Replaces the configuration. A different configuration has a different identity revision: OPD
     checkpoints made with the old one are refused on resume (409 teacher_changed) until it is restored.
     Refused while an active OPD job names the alias (409 teacher_in_use)."""
-    try:
-        alias = actions.do_update_teacher(request.auth, name, payload.model_dump())
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
-        return refused(exc)
+    alias = actions.do_update_teacher(request.auth, name, payload.model_dump())
     return alias.to_dict()
 
 
 @router.delete("/{name}", response={204: None, **REFUSALS}, summary="Delete a teacher alias",
                operation_id="delete_teacher")
 def delete_teacher(request: HttpRequest, name: str):
-    try:
-        actions.do_delete_teacher(request.auth, name)
-    except Exception as exc:  # noqa: BLE001 (mapped, or re-raised by refused)
-        return refused(exc)
+    actions.do_delete_teacher(request.auth, name)
     return Status(204, None)
