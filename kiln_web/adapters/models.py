@@ -7,11 +7,15 @@ says a job published a checkpoint under that basename, never that it is still th
 from django.conf import settings
 from django.db import models
 
+from kiln_web.core.models import Owned, OwnedQuerySet
 
-class Adapter(models.Model):
+
+class Adapter(Owned, models.Model):
     name = models.CharField(max_length=100, unique=True, help_text="the output_name runs publish under")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="adapters")
     created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff
 
     class Meta:
         ordering = ["name"]

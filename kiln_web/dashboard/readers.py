@@ -39,13 +39,11 @@ TERMINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.FAILED,
 
 def visible_jobs(user):
     """A person's own jobs; staff see everyone's."""
-    jobs = TrainingJob.objects.select_related("owner", "adapter")
-    return jobs if user.is_staff else jobs.filter(owner=user)
+    return TrainingJob.objects.visible_to(user).select_related("owner", "adapter")
 
 
 def visible_adapters(user):
-    adapters = Adapter.objects.select_related("owner")
-    return adapters if user.is_staff else adapters.filter(owner=user)
+    return Adapter.objects.visible_to(user).select_related("owner")
 
 
 def chart_specs(kind: str) -> list[dict]:

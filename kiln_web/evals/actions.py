@@ -51,8 +51,7 @@ def do_create_suite(user, name: str, content: str, default_metric: str = Metric.
 
 
 def visible_suites(user):
-    suites = EvalSuite.objects.select_related("owner")
-    return suites if user.is_staff else suites.filter(owner=user)
+    return EvalSuite.objects.visible_to(user).select_related("owner")
 
 
 def suite_for(user, name: str) -> EvalSuite:
@@ -163,5 +162,4 @@ def do_finish_evaluation(run_id, worker_id: str, comparison=None, *, error_code:
 
 
 def visible_runs(user):
-    runs = EvalRun.objects.select_related("owner", "suite", "candidate")
-    return runs if user.is_staff else runs.filter(owner=user)
+    return EvalRun.objects.visible_to(user).select_related("owner", "suite", "candidate")

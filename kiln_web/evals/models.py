@@ -12,6 +12,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from kiln_web.core.models import Owned, OwnedQuerySet
+
 
 class Metric(models.TextChoices):
     EXACT = "exact"
@@ -20,7 +22,7 @@ class Metric(models.TextChoices):
     NUMERIC = "numeric"
 
 
-class EvalSuite(models.Model):
+class EvalSuite(Owned, models.Model):
     name = models.CharField(max_length=100, unique=True, help_text="what gates and runs name the suite by")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="eval_suites")
     content = models.TextField(help_text="JSONL: {prompt | messages, expected, metric?, tolerance?} per line")
@@ -28,6 +30,8 @@ class EvalSuite(models.Model):
     default_metric = models.CharField(max_length=16, choices=Metric.choices, default=Metric.EXACT)
     example_count = models.PositiveIntegerField()
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff
 
     class Meta:
         ordering = ["name"]
@@ -62,7 +66,7 @@ class EvalPurpose(models.TextChoices):
     GATE = "gate"  # the promotion gate of a training job
 
 
-class EvalRun(models.Model):
+class EvalRun(Owned, models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="eval_runs")
     suite = models.ForeignKey(EvalSuite, on_delete=models.PROTECT, related_name="runs")
@@ -91,6 +95,8 @@ class EvalRun(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff
 
     class Meta:
         ordering = ["-created_at"]

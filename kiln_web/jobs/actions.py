@@ -48,7 +48,7 @@ def _status_changed(job: TrainingJob) -> None:
 
 def _check_adapter_owner(name: str, user) -> None:
     adapter = Adapter.objects.filter(name=name).select_related("owner").first()
-    if adapter is not None and adapter.owner_id != user.pk and not user.is_staff:
+    if adapter is not None and not adapter.is_owner_or_staff(user):
         raise ActionRefused(403, "adapter_not_yours",
                             f"the adapter {name!r} belongs to another user; choose another output_name")
 
@@ -120,7 +120,7 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
     with transaction.atomic():
         adapter, _ = Adapter.objects.get_or_create(name=admission.adapter, defaults={"owner": user})
         adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)  # one submission per adapter at a time
-        if adapter.owner_id != user.pk and not user.is_staff:
+        if not adapter.is_owner_or_staff(user):
             raise ActionRefused(403, "adapter_not_yours",
                                 f"the adapter {adapter.name!r} belongs to another user; choose another output_name")
         active = TrainingJob.objects.filter(adapter=adapter, status__in=ACTIVE_STATUSES).first()

@@ -11,6 +11,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from kiln_web.core.models import Owned, OwnedQuerySet
+
 
 class JobStatus(models.TextChoices):
     QUEUED = "queued"
@@ -46,7 +48,7 @@ class InvalidTransition(Exception):
         super().__init__(self.message)
 
 
-class TrainingJob(models.Model):
+class TrainingJob(Owned, models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="training_jobs")
     kind = models.CharField(max_length=16, choices=JobKind.choices)
@@ -71,6 +73,8 @@ class TrainingJob(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff
 
     class Meta:
         ordering = ["-created_at"]

@@ -42,7 +42,7 @@ def adapter_for(user, name: str) -> Adapter:
         if not runtime.has_snapshot(name):
             raise ActionRefused(404, "adapter_not_found", f"no adapter named {name!r}; GET /v1/adapters lists them")
         adapter, _ = Adapter.objects.get_or_create(name=name, defaults={"owner": user})
-    if adapter.owner_id != user.pk and not user.is_staff:
+    if not adapter.is_owner_or_staff(user):
         raise ActionRefused(403, "adapter_not_yours", f"the adapter {name!r} belongs to another user")
     return adapter
 
@@ -234,5 +234,4 @@ def adapter_view(adapter: Adapter, rows: dict) -> dict:
 
 
 def visible_adapters(user):
-    adapters = Adapter.objects.select_related("owner").order_by("name")
-    return adapters if user.is_staff else adapters.filter(owner=user)
+    return Adapter.objects.visible_to(user).select_related("owner").order_by("name")

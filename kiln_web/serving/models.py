@@ -11,6 +11,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from kiln_web.core.models import OwnedQuerySet
+
 
 class ServedAdapter(models.Model):
     adapter = models.OneToOneField("adapters.Adapter", on_delete=models.PROTECT, related_name="serving")
@@ -51,6 +53,10 @@ GATE = "gate"
 AUTO_LOAD = "auto_load"
 
 
+class PromotionQuerySet(OwnedQuerySet):
+    owner_field = "adapter__owner"  # a decision belongs to the adapter's owner
+
+
 class PromotionRecord(models.Model):
     """One promotion decision: which adapter, which evaluation, the outcome, when, and who or what decided."""
 
@@ -67,6 +73,8 @@ class PromotionRecord(models.Model):
     adapter_sha256 = models.CharField(max_length=64, blank=True)
     previous_active = models.CharField(max_length=100, blank=True, help_text="the adapter active before")
     decided_at = models.DateTimeField(default=timezone.now)
+
+    objects = PromotionQuerySet.as_manager()  # .visible_to(user): decisions on the user's adapters
 
     class Meta:
         ordering = ["-decided_at", "-id"]

@@ -70,7 +70,7 @@ def _locked(name: str) -> TeacherAlias:
 
 
 def _check_owner(alias: TeacherAlias, user) -> None:
-    if alias.owner_id != user.pk and not user.is_staff:
+    if not alias.is_owner_or_staff(user):
         raise ActionRefused(403, "teacher_not_yours", f"the teacher alias {alias.name} belongs to "
                                                       f"{alias.owner.get_username()}; register your own name")
 

@@ -12,6 +12,8 @@ import re
 from django.conf import settings
 from django.db import models
 
+from kiln_web.core.models import Owned, OwnedQuerySet
+
 ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,99}@(native|openai)$"
 ALIAS_RE = re.compile(ALIAS_PATTERN)
 SPEC_FIELDS = ("base", "adapter", "endpoint", "model")  # the configuration beside the name
@@ -22,7 +24,7 @@ class TeacherRoute(models.TextChoices):
     OPENAI = "openai", "OpenAI-compatible"  # a /v1/completions endpoint returning prompt log-probabilities
 
 
-class TeacherAlias(models.Model):
+class TeacherAlias(Owned, models.Model):
     name = models.CharField(max_length=120, unique=True, help_text="name@route, e.g. tutor@native")
     route = models.CharField(max_length=16, choices=TeacherRoute.choices, help_text="the part after '@'")
     base = models.CharField(max_length=100, blank=True, help_text="native: a registered base (kiln base list)")
@@ -39,6 +41,8 @@ class TeacherAlias(models.Model):
     content_checked_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff
 
     class Meta:
         ordering = ["name"]
