@@ -13,12 +13,14 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
+from trainer.runs.admission import Admission as SFTAdmission
 from trainer.runs.kind import RunKind
+from trainer.runs.state import RunResult
 
 MANIFEST_FIELDS = {"training", "config", "seed", "progress"}
 
@@ -43,34 +45,6 @@ class RunSettings:
     data_roots: tuple = ()
     default_checkpoint_interval: int | None = None
     backend: str = "cpu"
-
-
-@dataclass
-class SFTAdmission:
-    kind: str
-    adapter: str
-    request: dict
-    effective_config: dict
-    effective_seed: int
-    data_source_kind: str
-    total_steps: int
-    identities: dict
-    resume: dict | None = None
-
-    def to_json(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
-
-    @classmethod
-    def from_json(cls, data: dict) -> "SFTAdmission":
-        return cls(**data)
-
-
-@dataclass
-class RunResult:
-    status: str
-    steps_completed: int
-    latest_checkpoint: dict | None
-    loss_history: list
 
 
 def _records(request, settings):

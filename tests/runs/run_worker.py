@@ -11,14 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.runs import grpo, opd, sft
-from trainer.runs.common import RunSettings
-
-RUNS = {"sft": (sft.admit_sft, sft.run_sft), "grpo": (grpo.admit_grpo, grpo.run_grpo),
-        "opd": (opd.admit_opd, opd.run_opd)}
+from trainer.runs import run_kind
+from trainer.runs.admission import RunSettings
+from trainer.runs.step import NullHooks
 
 
-class HoldingHooks:
+class HoldingHooks(NullHooks):
     def __init__(self, hold_after: int | None, held_file: str | None):
         self.hold_after, self.held_file = hold_after, held_file
 
@@ -28,25 +26,16 @@ class HoldingHooks:
             while True:  # until the parent's SIGKILL
                 time.sleep(1)
 
-    def should_cancel(self):
-        return False
-
-    def on_checkpoint(self, summary, timing):
-        pass
-
-    def on_event(self, level, message):
-        pass
-
 
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
     home = Path(spec["home"])
     settings = RunSettings(home=home, registry=home / "adapters", bases_root=home,
                            data_roots=(home / "datasets",))
-    admit, run = RUNS[spec["kind"]]
+    kind = run_kind(spec["kind"])
     hold_after = os.environ.get("KILN_TEST_HOLD_AFTER_STEP")
     hooks = HoldingHooks(int(hold_after) if hold_after else None, os.environ.get("KILN_TEST_HELD_FILE"))
-    result = run(admit(spec["request"], settings), settings, hooks)
+    result = kind.run(kind.admit(spec["request"], settings), settings, hooks)
     print(json.dumps({"status": result.status, "steps": result.steps_completed}))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.runs import checkpoint_dir, grpo, sft
-from trainer.runs.common import MANIFEST_FIELDS, AdmissionError, RequestError, RunSettings
+from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError, RequestError, RunSettings
 
 HERE = Path(__file__).parent
 
@@ -381,3 +381,13 @@ def test_request_validation(tmp_path):
     with pytest.raises(AdmissionError) as info:
         grpo.admit_grpo(streamed_request(str(outside)), settings)
     assert info.value.code == "dataset_outside_roots"
+
+
+def test_admission_loads_no_weights(tmp_path, monkeypatch):
+    from test_sft import refuse_weights
+    settings = make_settings(tmp_path)
+    path = write_jsonl(tmp_path)
+    before = [grpo.admit_grpo(inline_request(), settings), grpo.admit_grpo(streamed_request(path), settings)]
+    refuse_weights(monkeypatch)
+    after = [grpo.admit_grpo(inline_request(), settings), grpo.admit_grpo(streamed_request(path), settings)]
+    assert [a.to_json() for a in after] == [b.to_json() for b in before]

@@ -16,7 +16,7 @@ from trainer.bases import import_base, load_base
 from trainer.generation import score_completion
 from trainer.peft import export_adapter
 from trainer.runs import checkpoint_dir, grpo, opd, sft
-from trainer.runs.common import MANIFEST_FIELDS, AdmissionError, RequestError, RunFailed, RunSettings
+from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError, RequestError, RunFailed, RunSettings
 
 PROMPTS = ["Hello", {"prompt": "Tell me a story about"},
            {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}]
@@ -425,3 +425,11 @@ def test_unreachable_endpoint_is_refused(bases, tmp_path, server):
     with pytest.raises(AdmissionError) as info:
         opd.admit_opd(request(teacher), settings)
     assert info.value.code == "teacher_unavailable"
+
+
+def test_admission_loads_no_weights(bases, tmp_path, monkeypatch):
+    from test_sft import refuse_weights
+    settings = make_settings(tmp_path, bases)
+    before = opd.admit_opd(request(native_teacher(bases)), settings)
+    refuse_weights(monkeypatch)
+    assert opd.admit_opd(request(native_teacher(bases)), settings).to_json() == before.to_json()

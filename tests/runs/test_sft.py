@@ -339,3 +339,68 @@ def test_existing_checkpoint_name_stops_the_run(cancelled):
     with pytest.raises(checkpoint_dir.CheckpointError) as info:
         run_sft(admit_sft(request(req["dataset_path"]), settings), settings, StopAt(None))
     assert info.value.code == "name_exists"
+
+
+def refuse_weights(monkeypatch):
+    """Admission must tokenize without loading a model: loading one fails the test."""
+    import trainer.bases
+    from trainer.model import DecoderOnlyTransformer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("admission loaded model weights")
+
+    monkeypatch.setattr(trainer.bases, "load_base", refuse)
+    monkeypatch.setattr(DecoderOnlyTransformer, "load_state_dict", refuse)
+
+
+def test_admission_loads_no_weights(tmp_path, monkeypatch):
+    settings = make_settings(tmp_path)
+    path = write_dataset(tmp_path)
+    before = admit_sft(request(path), settings)
+    refuse_weights(monkeypatch)
+    admitted = admit_sft(request(path), settings)
+    assert admitted.to_json() == before.to_json()
+
+
+@pytest.mark.parametrize("materialised", [False, True])
+def test_load_tokenizer_is_the_tokenizer_load_base_gives(tmp_path, materialised):
+    from trainer.bases import load_base, show_base
+    from trainer.runs.tokenizers import load_tokenizer
+    if materialised:
+        model, _ = load_base("kiln-tiny", tmp_path)
+        model.close()
+    assert show_base("kiln-tiny", tmp_path).materialised == materialised
+    tokenizer = load_tokenizer("kiln-tiny", tmp_path)
+    model, loaded = load_base("kiln-tiny", tmp_path)
+    model.close()
+    assert tokenizer.identity() == loaded.identity() == show_base("kiln-tiny", tmp_path).tokenizer
+    assert tokenizer.encode("What is 1 plus 2?") == loaded.encode("What is 1 plus 2?")
+
+
+def test_each_kind_is_one_run_kind():
+    from trainer.runs import RUN_KINDS, grpo, opd, run_kind
+    from trainer.runs.kind import RunKind
+    modules = {"sft": sft, "grpo": grpo, "opd": opd}
+    assert set(RUN_KINDS) == set(modules)
+    for name, module in modules.items():
+        kind = run_kind(name)
+        assert isinstance(kind, RunKind) and kind is module.RUN_KIND and kind.name == name
+        assert kind.admit is getattr(module, f"admit_{name}") and kind.run is getattr(module, f"run_{name}")
+        assert kind.defaults["base_model"] == "kiln-tiny" and "training" in kind.manifest_fields
+    assert run_kind("sft", "trainer.runs.sft") is sft.RUN_KIND
+    with pytest.raises(LookupError):
+        run_kind("dpo")
+    with pytest.raises(LookupError):
+        run_kind("grpo", sft)  # a module of another kind
+
+
+def test_a_module_without_run_kind_is_read_by_its_function_names():
+    from types import SimpleNamespace
+
+    from trainer.runs import run_kind
+    stand_in = SimpleNamespace(__name__="stand_in", admit_sft=admit_sft, revalidate_sft=revalidate_sft,
+                               run_sft=run_sft, SFTAdmission=sft.SFTAdmission)
+    kind = run_kind("sft", stand_in)
+    assert (kind.admit, kind.revalidate, kind.run) == (admit_sft, revalidate_sft, run_sft)
+    with pytest.raises(LookupError):
+        run_kind("sft", SimpleNamespace(__name__="empty"))

@@ -207,6 +207,15 @@ def find_base(config: dict, settings: RunSettings):
         raise AdmissionError("base_not_found", str(error)) from None
 
 
+def prepare(request, settings: RunSettings, inline_field: str, normalise, read):
+    """(config, records, raw bytes, data_source_kind, base): what admission and the worker both derive
+    from a request, given the kind's `normalise(config, settings)` and `read(request, settings)`."""
+    check_request(request, inline_field)
+    config = normalise(request.get("config", {}), settings)
+    records, raw, kind = read(request, settings)
+    return config, records, raw, kind, find_base(config, settings)
+
+
 def check_lora(lora) -> dict:
     if not isinstance(lora, dict) or set(lora) - {"rank", "alpha", "targets", "use_rslora"}:
         raise RequestError("config.lora", "must be {rank, alpha, targets, use_rslora}")

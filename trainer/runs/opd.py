@@ -25,11 +25,11 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission,  # noqa: F401
-                                    AdmissionError, RequestError, RunFailed, RunSettings, admit_resume, canonical,
-                                    check_planning_schema, check_request, check_shared, dataset_file, difference,
-                                    file_sha256, find_base, int_field, load_resume, lora_config, merge_config,
-                                    number_field, planning_identity, reopen_resume, require_loss_route, revalidate,
+from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
+                                    RequestError, RunFailed, RunSettings, admit_resume, canonical,
+                                    check_planning_schema, check_shared, dataset_file, difference, file_sha256,
+                                    int_field, load_resume, lora_config, merge_config, number_field,
+                                    planning_identity, prepare, reopen_resume, require_loss_route, revalidate,
                                     run_identities, select_loss_route, settle_seed, sha256_hex)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
@@ -245,11 +245,7 @@ def check_teacher(checkpoint_teacher: dict, teacher: dict):
 
 
 def _prepare(request: dict, settings: RunSettings):
-    check_request(request, "prompts")
-    config = normalise_config(request.get("config", {}), settings)
-    records, raw, kind = read_prompts(request, settings)
-    base = find_base(config, settings)
-    return config, records, raw, kind, base
+    return prepare(request, settings, "prompts", normalise_config, read_prompts)
 
 
 def admit_opd(request: dict, settings: RunSettings) -> Admission:

@@ -22,11 +22,12 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission,  # noqa: F401
-                                    AdmissionError, RequestError, RunSettings, admit_resume, check_planning_schema,
-                                    check_request, check_shared, dataset_file, execution_identity,
-                                    find_base, int_field, load_resume, lora_config, merge_config, reopen_resume,
-                                    require_loss_route, revalidate, run_identities, select_loss_route, settle_seed)
+from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
+                                    RequestError, RunSettings, admit_resume, check_planning_schema, check_shared,
+                                    dataset_file, int_field, load_resume, lora_config, merge_config, prepare,
+                                    reopen_resume, require_loss_route, revalidate, run_identities, select_loss_route,
+                                    settle_seed)
+from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
                                 publish_final, restore_optimizer, state_bytes)
@@ -181,12 +182,7 @@ def _steps_per_epoch(examples: int, config: dict) -> int:
 
 
 def _prepare(request: dict, settings: RunSettings):
-    """Everything admission and the worker both derive from a request."""
-    check_request(request, "data")
-    config = normalise_config(request.get("config", {}), settings)
-    records, raw, kind = read_dataset(request, settings)
-    base = find_base(config, settings)
-    return config, records, raw, kind, base
+    return prepare(request, settings, "data", normalise_config, read_dataset)
 
 
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
