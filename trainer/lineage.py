@@ -15,6 +15,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from trainer.jsonio import canonical_bytes
+
 REPLAY_SCHEMA = "kiln.replay.v1"
 LINEAGE_SCHEMA = "kiln.lineage.v1"
 GENESIS = "0" * 64
@@ -30,14 +32,9 @@ class LineageError(ValueError):
         self.line = line
 
 
-def _canonical(data) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode()
-
-
 def record_hash(record: dict) -> str:
     """SHA-256 of the canonical record without its own `hash`."""
-    return hashlib.sha256(_canonical({k: v for k, v in record.items() if k != "hash"})).hexdigest()
+    return hashlib.sha256(canonical_bytes({k: v for k, v in record.items() if k != "hash"})).hexdigest()
 
 
 @contextmanager
@@ -83,7 +80,7 @@ def append_replay(path, kind: str, payload: dict) -> dict:
                   "previous": last["hash"] if last else GENESIS, "payload": payload}
         record["hash"] = record_hash(record)
         handle.seek(0, os.SEEK_END)
-        handle.write(_canonical(record) + b"\n")
+        handle.write(canonical_bytes(record) + b"\n")
         handle.flush()
         os.fsync(handle.fileno())
     return record

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.jsonio import canonical_bytes
+
 ROUTES = ("native", "openai")
 IDENTITY_FIELDS = ("alias", "route", "base", "adapter", "endpoint", "model")
 DIGEST_HEADER = "X-Kiln-Content-Digest"
@@ -43,14 +45,9 @@ class TeacherError(Exception):
         self.differences = list(differences or [])
 
 
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
-
-
 def identity_revision(config: dict) -> str:
     """SHA-256 of the alias's canonical configuration (the IDENTITY_FIELDS, absent ones null)."""
-    return hashlib.sha256(_canonical({k: config.get(k) for k in IDENTITY_FIELDS})).hexdigest()
+    return hashlib.sha256(canonical_bytes({k: config.get(k) for k in IDENTITY_FIELDS})).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -133,7 +130,7 @@ def _file_sha256(path: Path) -> str:
 
 
 def _revision(evidence: dict) -> dict:
-    return {"revision": hashlib.sha256(_canonical(evidence)).hexdigest(), "evidence": evidence}
+    return {"revision": hashlib.sha256(canonical_bytes(evidence)).hexdigest(), "evidence": evidence}
 
 
 def native_content(spec: TeacherSpec, bases_root) -> dict:

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as _safetensors_save
 
+from trainer import fsio
+
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforces
 _DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
            "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
@@ -145,14 +147,7 @@ def write_synced(path, data: bytes):
         os.fsync(handle.fileno())
 
 
-def fsync_directory(directory):
-    if not hasattr(os, "O_DIRECTORY"):  # Windows: directories cannot be opened for fsync
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_directory = fsio.fsync_dir  # the name PEFT export and the base registry import
 
 
 def staging_directory(target) -> Path:
