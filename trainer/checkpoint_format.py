@@ -1,13 +1,12 @@
 """The `.riftckpt` format's constants and errors, the array layouts a configuration implies, member names, the checkpoint id, and the field checks every refusal is phrased by."""
 
-import hashlib
 import json
 import math
 import re
 
 from trainer import jsonio
 from trainer.config import TransformerConfig
-from trainer.jsonio import canonical_bytes, check_depth
+from trainer.jsonio import canonical_bytes, check_depth, content_sha256
 from trainer.lora import ATTENTION, LoraConfig
 from trainer.training import SourceStateError, random_state_from_json
 
@@ -122,8 +121,7 @@ def v1_member_name(section: str, name: str) -> str:
 
 def checkpoint_id(manifest: dict) -> str:
     """SHA-256 of the canonical JSON of the manifest without its "checkpoint_id" field."""
-    content = {k: v for k, v in manifest.items() if k != "checkpoint_id"}
-    return hashlib.sha256(canonical_bytes(content)).hexdigest()
+    return content_sha256(manifest, "checkpoint_id")
 
 
 def _byte_view(array):

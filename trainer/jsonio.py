@@ -4,6 +4,7 @@ nesting refused). The I/O floor under both checkpoint formats; it imports nothin
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 MAX_DEPTH = 64  # nesting; real documents nest a few levels, and json/deepcopy recurse per level
@@ -17,6 +18,11 @@ def canonical_bytes(value, *, ascii_only: bool = True, allow_nan: bool = False) 
     Each caller's flags are part of the digests it has already written: change none of them."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=ascii_only,
                       allow_nan=allow_nan).encode("ascii" if ascii_only else "utf-8")
+
+
+def content_sha256(document: dict, omit: str) -> str:
+    """SHA-256 hex of the canonical bytes of `document` without its own `omit` field (a self-describing id)."""
+    return hashlib.sha256(canonical_bytes({k: v for k, v in document.items() if k != omit})).hexdigest()
 
 
 def _pairs(pairs):

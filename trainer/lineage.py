@@ -9,13 +9,12 @@ training or compare losses, tensors or outputs.
 """
 
 import fcntl
-import hashlib
 import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainer.jsonio import canonical_bytes
+from trainer.jsonio import canonical_bytes, content_sha256
 
 REPLAY_SCHEMA = "kiln.replay.v1"
 LINEAGE_SCHEMA = "kiln.lineage.v1"
@@ -34,7 +33,7 @@ class LineageError(ValueError):
 
 def record_hash(record: dict) -> str:
     """SHA-256 of the canonical record without its own `hash`."""
-    return hashlib.sha256(canonical_bytes({k: v for k, v in record.items() if k != "hash"})).hexdigest()
+    return content_sha256(record, "hash")
 
 
 @contextmanager

@@ -16,7 +16,7 @@ errors, names), checkpoint_dir_manifest (manifest rules), checkpoint_dir_publish
 checkpoint_dir_load and checkpoint_dir_registry, over trainer.fsio and trainer.jsonio.
 """
 
-from trainer.fsio import IO_CHUNK, PIPELINE_MIN, READ_CHUNK  # noqa: F401  (bench and tests read them here)
+from trainer.fsio import IO_CHUNK, PIPELINE_MIN, READ_CHUNK  # bench and tests read them here
 from trainer.runs.checkpoint_dir_load import LoadedCheckpoint, checkpoint_summary, load_checkpoint
 from trainer.runs.checkpoint_dir_manifest import content_id
 from trainer.runs.checkpoint_dir_names import (
@@ -32,7 +32,7 @@ from trainer.runs.checkpoint_dir_registry import (
     resolve_checkpoint)
 
 __all__ = [
-    "CHECKPOINT_TYPES", "ERRORS", "MANIFEST", "MAX_FILES", "MAX_INT", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES",
+    "IO_CHUNK", "PIPELINE_MIN", "READ_CHUNK", "CHECKPOINT_TYPES", "ERRORS", "MANIFEST", "MAX_FILES", "MAX_INT", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES",
     "MAX_PATH_DEPTH", "OUTER_FIELDS", "PEFT_MARKER", "SCHEMA", "SENTINEL", "SUFFIX", "SUMMARY_FIELDS",
     "SYNC_THREADS", "BadField", "BadPath", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch",
     "ExtraFile", "HardLinkRefused", "IncompleteCheckpoint", "InconsistentState", "LoadedCheckpoint",

@@ -1,9 +1,8 @@
 """The `.kiln-checkpoint` manifest's rules: its content id, artifact paths, field checks, and the caller's files and fields a publication accepts."""
 
-import hashlib
 import re
 
-from trainer.jsonio import canonical_bytes, strict_loads
+from trainer.jsonio import canonical_bytes, content_sha256, strict_loads
 from trainer.runs.checkpoint_dir_names import (
     ADAPTER_NAME, CHECKPOINT_TYPES, HEX64, MANIFEST, MAX_FILES, MAX_MANIFEST_BYTES, MAX_PATH_DEPTH, OUTER_FIELDS,
     SCHEMA, SUMMARY_FIELDS, BadField, BadPath, ChecksumMismatch, InconsistentState, UnknownField, UnsupportedSchema,
@@ -14,7 +13,7 @@ _PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}\Z")  # no leading 
 
 def content_id(manifest: dict) -> str:
     """SHA-256 of the canonical manifest without its own checkpoint_id: the checkpoint's identity."""
-    return hashlib.sha256(canonical_bytes({k: v for k, v in manifest.items() if k != "checkpoint_id"})).hexdigest()
+    return content_sha256(manifest, "checkpoint_id")
 
 
 # ---------------------------------------------------------------------------------------------
