@@ -217,8 +217,6 @@ def _follow(client, job_id: str) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import json
-
     from kiln_web.client import ApiError, Client
 
     try:
@@ -226,7 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.train_command in BODIES:
             job = client.submit(args.train_command, BODIES[args.train_command](args))
             if args.json and not args.wait:
-                print(json.dumps(job, indent=2))
+                cli_serving.show(job, True, None)
                 return 0
             print(f"job {job['id']} {job['status']} ({job['adapter']}, {job['progress']['total_steps']} steps, "
                   f"seed {job['effective_seed']})", flush=True)
@@ -234,17 +232,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 print(f"follow it with: kiln train status --job-id {job['id']}")
                 return 0
             job = _follow(client, job["id"])
-            if args.json:
-                print(json.dumps(job, indent=2))
-            else:
-                _print_job(job)
+            cli_serving.show(job, args.json, _print_job)
             return 0 if job["status"] in ("succeeded", "cancelled") else 1
         if args.train_command == "status":
             job = client.job(args.job_id)
-            if args.json:
-                print(json.dumps(job, indent=2))
-            else:
-                _print_job(job)
+            cli_serving.show(job, args.json, _print_job)
             return 0
         if args.train_command == "cancel":
             job = client.cancel(args.job_id)
@@ -298,8 +290,6 @@ def _print_teacher(alias: dict) -> None:
 
 
 def cmd_teacher(args: argparse.Namespace) -> int:
-    import json
-
     from kiln_web.client import ApiError, Client
 
     try:
@@ -319,10 +309,7 @@ def cmd_teacher(args: argparse.Namespace) -> int:
                       + (f" + {alias['adapter']}" if alias.get("adapter") else ""))
         elif args.teacher_command == "show":
             alias = client.teacher(args.name)
-            if args.json:
-                print(json.dumps(alias, indent=2))
-            else:
-                _print_teacher(alias)
+            cli_serving.show(alias, args.json, _print_teacher)
         else:
             client.delete_teacher(args.name)
             print(f"deleted {args.name}")

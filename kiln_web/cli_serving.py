@@ -29,6 +29,14 @@ def print_api_error(command: str, exc) -> int:
     return 1
 
 
+def show(document: dict, as_json: bool, print_readable) -> None:
+    """DOCUMENT as indented JSON (--json), else as PRINT_READABLE writes it for a person."""
+    if as_json:
+        print(json.dumps(document, indent=2))
+    else:
+        print_readable(document)
+
+
 # -- kiln train sft: promotion --
 
 
@@ -245,11 +253,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 _print_run(run)
                 return 0 if run["status"] == "succeeded" else 1
         elif command == "status":
-            run = client.request("GET", f"/evals/runs/{_quote(args.id)}")
-            if args.json:
-                print(json.dumps(run, indent=2))
-            else:
-                _print_run(run, examples=True)
+            show(client.request("GET", f"/evals/runs/{_quote(args.id)}"), args.json,
+                 lambda run: _print_run(run, examples=True))
         else:
             listing = client.request("GET", "/evals/runs", query={"adapter": args.adapter, "limit": args.limit})
             for run in listing["items"]:
