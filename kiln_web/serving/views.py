@@ -32,12 +32,16 @@ class StreamClosed(Exception):
     """Raised inside generation when the client has gone."""
 
 
-def _error(status: int, code: str, message: str, param: str | None = None) -> JsonResponse:
+def _error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    """The OpenAI-compatible error shape: the API's {"error": {code, message}} plus OpenAI's type and param."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 401:
         kind = "authentication_error"
-    response = JsonResponse({"error": {"code": code, "message": message, "type": kind, "param": param}},
-                            status=status)
+    return {"error": {"code": code, "message": message, "type": kind, "param": param}}
+
+
+def _error(status: int, code: str, message: str, param: str | None = None) -> JsonResponse:
+    response = JsonResponse(_error_body(status, code, message, param), status=status)
     if status == 401:
         response["WWW-Authenticate"] = 'Bearer realm="kiln"'
     return response
@@ -169,9 +173,8 @@ async def _events(serving, served, plan):
             try:
                 generation = future.result()
             except (ServingError, ValueError) as error:
-                code = getattr(error, "code", "invalid_request")
-                yield _sse({"error": {"code": code, "message": getattr(error, "message", str(error)),
-                                      "type": "invalid_request_error", "param": None}})
+                yield _sse(_error_body(400, getattr(error, "code", "invalid_request"),
+                                       getattr(error, "message", str(error))))
                 return
             generations.append(generation)
             if plan.max_new_tokens == 0:
