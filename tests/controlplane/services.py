@@ -89,9 +89,9 @@ class Stack:
         if redis_url is not None:
             self.env["REDIS_URL"] = redis_url
         self.web = Process([sys.executable, "-m", "kiln_web.cli", "up", "--port", str(self.port)], self.env)
-        token_line = self.web.wait_for("API token for", 120)
+        token_line = self.web.wait_for("API token for", 300)
         self.token = token_line.split(": ", 1)[1].strip()
-        self.web.wait_for("Kiln is serving", 60)
+        self.web.wait_for("Kiln is serving", 300)
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait_healthy()
         self.client = Client(self.url, self.token)
@@ -100,10 +100,10 @@ class Stack:
             self.start_worker()
 
     def _wait_healthy(self):
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=10):
                     return
             except OSError:
                 time.sleep(0.2)
@@ -113,7 +113,7 @@ class Stack:
         self.worker = Process([sys.executable, "-m", "celery", "-A", "kiln_web", "worker", "-Q",
                                self.env["KILN_TRAINING_QUEUE"],
                                "--pool", "solo", "-l", "info", "-n", f"kiln-test-{self.port}@%h"], self.env)
-        self.worker.wait_for("ready.", 120)
+        self.worker.wait_for("ready.", 300)
 
     def stop(self):
         if self.worker is not None:

@@ -60,28 +60,28 @@ def test_events_reach_the_owner_and_staff_and_no_one_else(ada, bob, make_user):
 
         await database_sync_to_async(actions.do_record_step)(mine.pk, "w", {"step": 3, "loss": 0.5})
         for communicator in (ada_list, ada_job, staff_list):
-            message = await communicator.receive_json_from(timeout=5)
+            message = await communicator.receive_json_from(timeout=30)
             assert message == {"type": "job.step", "job_id": str(mine.pk), "metrics": {"step": 3, "loss": 0.5}}
         for communicator in (bob_list, bob_job):
             assert await communicator.receive_nothing(timeout=QUIET)
 
         await database_sync_to_async(actions.do_add_event)(theirs.pk, "warning", "bob's run is slow")
         for communicator in (bob_list, bob_job, staff_list):
-            message = await communicator.receive_json_from(timeout=5)
+            message = await communicator.receive_json_from(timeout=30)
             assert message["type"] == "job.event" and message["job_id"] == str(theirs.pk)
             assert message["level"] == "warning" and message["message"] == "bob's run is slow"
         for communicator in (ada_list, ada_job):
             assert await communicator.receive_nothing(timeout=QUIET)
 
         await database_sync_to_async(actions.do_cancel_job)(mine.pk, "stop and save")
-        kinds = [(await ada_job.receive_json_from(timeout=5))["type"] for _ in range(2)]
+        kinds = [(await ada_job.receive_json_from(timeout=30))["type"] for _ in range(2)]
         assert kinds == ["job.event", "job.status"]  # the log line, then the status, in commit order
-        assert [(await ada_list.receive_json_from(timeout=5))["type"] for _ in range(2)] == kinds
+        assert [(await ada_list.receive_json_from(timeout=30))["type"] for _ in range(2)] == kinds
         assert await bob_list.receive_nothing(timeout=QUIET)
 
         summary = {"resume_checkpoint": "ada-bot-checkpoint-step-00000003.kiln-checkpoint", "step": 3}
         await database_sync_to_async(actions.do_record_checkpoint)(mine.pk, "w", summary)
-        message = await ada_job.receive_json_from(timeout=5)
+        message = await ada_job.receive_json_from(timeout=30)
         assert message == {"type": "job.checkpoint", "job_id": str(mine.pk), "checkpoint": summary}
         assert await bob_job.receive_nothing(timeout=QUIET)
 

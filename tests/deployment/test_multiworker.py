@@ -73,7 +73,7 @@ class Cluster:
         self.queue = queue
         self.workers = {name: self._worker(name) for name in WORKERS}
         for worker in self.workers.values():
-            worker.wait_for("ready.", 120)
+            worker.wait_for("ready.", 300)
 
     def _worker(self, name: str) -> Process:
         return Process([sys.executable, "-m", "celery", "-A", "kiln_web", "worker", "-Q", self.queue,

@@ -63,7 +63,7 @@ class FaultStack(Stack):
     def restart_web(self, sig=signal.SIGKILL) -> None:
         self.web.stop(sig, timeout=30)
         self.web = Process([sys.executable, "-m", "kiln_web.cli", "up", "--port", str(self.port)], self.env)
-        self.web.wait_for("Kiln is serving", 120)
+        self.web.wait_for("Kiln is serving", 300)
         self._wait_healthy()
 
     def ensure_running(self) -> None:
