@@ -3,13 +3,13 @@
 A group is one prompt (text or chat messages) with two or more completions, each with a reward
 (or named reward components and weights). Groups come inline, from a JSONL file read whole, or
 from a JSONL file streamed line by line (`streaming: true`), always in source order, epoch after
-epoch. The objective is TRL's GRPO (trainer.runs.objectives): group-relative advantages, the
+epoch (trainer.runs.grpo_data). The objective is TRL's GRPO (trainer.runs.objectives): group-relative advantages, the
 clipped ratio surrogate, an optional k3 KL to a reference (the frozen base, i.e. the adapter
 switched off, or an EMA of the adapter refreshed every N steps), and the grpo / bnpo / dr_grpo /
 dapo reductions, with num_iterations updates per batch. One group is one micro-batch; a step
 accumulates `groups_per_step` of them.
 
-The control plane calls `admit_grpo`, `revalidate_grpo` and `run_grpo` with plain data, as for
+The control plane calls `admit_grpo`, `revalidate_grpo` and `run_grpo` through `RUN_KIND`, as for
 SFT. Exactness: everything that decides the arithmetic is in the effective configuration and
 identities (compared at resume) or in the checkpoint (restored): adapter, optimizer, cursor,
 reference tensors and cadence, pending old/reference log-probabilities, audit accumulators.
@@ -31,8 +31,8 @@ from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFA
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.kind import RunKind
-from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
-                                publish_final, restore_optimizer, state_bytes, tensors_bytes, tensors_from)
+from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
+                                restore_optimizer, snapshot, tensors_from)
 from trainer.runs.step import NullHooks, adapter_values, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
@@ -454,15 +454,10 @@ def _accumulate(totals: dict, audit: dict, sums: list, batch: _Batch):
 
 
 def _publish(admission, settings, model, optimizer, loop, source, reference, rollout, hooks, complete):
-    started = time.perf_counter()
-    files, scalars = optimizer_files(model, optimizer)
     config = admission.effective_config
-    if reference is not None:
-        files[REFERENCE_FILE] = tensors_bytes(reference)
-    if rollout is not None:
-        files[ROLLOUT_FILE] = tensors_bytes(rollout)
-    files[STATE_FILE] = state_bytes(_state_document(loop, scalars, config, admission.effective_seed))
-    snapshot_seconds = time.perf_counter() - started
+    files, seconds = snapshot(model, optimizer, lambda scalars: _state_document(loop, scalars, config,
+                                                                                admission.effective_seed),
+                              {REFERENCE_FILE: reference, ROLLOUT_FILE: rollout})
     cursor = {"epoch": loop.epoch, "group": loop.group, "iteration": loop.iteration,
               "group_sha256": None if complete else source.peek(loop)}
     if admission.data_source_kind == "streamed_jsonl":
@@ -470,7 +465,7 @@ def _publish(admission, settings, model, optimizer, loop, source, reference, rol
                        "consumed_lines_sha256": loop.chain})
     progress = {"next_cursor": cursor, "complete": complete,
                 "reference": {"type": config["reference"]["type"], "refreshes": len(loop.refreshes)}}
-    return publish(admission, settings, loop.step, files, progress, hooks, snapshot_seconds)
+    return publish(admission, settings, loop.step, files, progress, hooks, seconds)
 
 
 RUN_KIND = RunKind(name=KIND, admit=admit_grpo, revalidate=revalidate_grpo, run=run_grpo,

@@ -9,7 +9,7 @@ candidate whose completion is empty produces no update and is still consumed exa
 Collapse guardrails (entropy floor, repetition, empty rate, KL ceiling, over a window of
 candidates) stop the run with RunFailed("guardrail_<name>").
 
-The control plane calls `admit_opd`, `revalidate_opd` and `run_opd` with plain data, as for SFT.
+The control plane calls `admit_opd`, `revalidate_opd` and `run_opd` through `RUN_KIND`, as for SFT.
 Admission and resume require the teacher alias to still have the checkpoint's identity revision,
 then reconstruct and verify its content revision.
 """
@@ -32,8 +32,8 @@ from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFA
                                     planning_identity, prepare, reopen_resume, require_loss_route, revalidate,
                                     run_identities, select_loss_route, settle_seed, sha256_hex)
 from trainer.runs.kind import RunKind
-from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
-                                publish_final, restore_optimizer, state_bytes)
+from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
+                                restore_optimizer, snapshot)
 from trainer.runs.step import NullHooks, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
@@ -516,10 +516,8 @@ def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, 
 
 
 def _publish(admission, settings, model, optimizer, loop: OPDLoop, records, complete, hooks):
-    started = time.perf_counter()
-    files, scalars = optimizer_files(model, optimizer)
     config = admission.effective_config
-    document = {
+    files, seconds = snapshot(model, optimizer, lambda scalars: {
         "optimizer": scalars,
         "loop": {"step": loop.step, "candidate": loop.candidate, "idle": loop.idle},
         "scheduler": {"step": loop.step},
@@ -530,9 +528,7 @@ def _publish(admission, settings, model, optimizer, loop: OPDLoop, records, comp
         "rng": {"rollout": loop.rollout, "lora_init": {"seed": admission.effective_seed}},
         "teacher": admission.identities["teacher"],
         "base_adapter": admission.identities["base_adapter"],
-    }
-    files[STATE_FILE] = state_bytes(document)
-    snapshot_seconds = time.perf_counter() - started
+    })
     n = len(records)
     cursor = {"candidate": loop.candidate, "prompt": loop.candidate % n, "epoch": loop.candidate // n,
               "prompt_sha256": sha256_hex(canonical(records[loop.candidate % n]))}
@@ -541,7 +537,7 @@ def _publish(admission, settings, model, optimizer, loop: OPDLoop, records, comp
                             "identity_revision": admission.identities["teacher"]["identity_revision"],
                             "content_revision": admission.identities["teacher"]["content_revision"]}}
     extra = {"teacher": admission.identities["teacher"], "base_adapter": admission.identities["base_adapter"]}
-    return publish(admission, settings, loop.step, files, progress, hooks, snapshot_seconds, extra)
+    return publish(admission, settings, loop.step, files, progress, hooks, seconds, extra)
 
 
 RUN_KIND = RunKind(name=KIND, admit=admit_opd, revalidate=revalidate_opd, run=run_opd,

@@ -1,10 +1,11 @@
 """Native SFT runs: request validation, admission, exact resume and the training loop.
 
-The control plane calls four functions with plain data: `admit_sft` (validate the
-request, resolve the effective configuration and seed, fully validate a resume
-checkpoint and refuse any drift field by field), `revalidate_sft` (the same checkpoint
-proof again at dequeue), `run_sft` (train, publish `.kiln-checkpoint`s at committed
-boundaries, stop cooperatively) and the `SFTAdmission` JSON round trip for the job row.
+The control plane reaches it through `RUN_KIND` (trainer.runs.kind.RunKind), with plain data:
+`admit_sft` (validate the request, resolve the effective configuration and seed, fully
+validate a resume checkpoint and refuse any drift field by field), `revalidate_sft` (the
+same checkpoint proof again at dequeue), `run_sft` (train, publish `.kiln-checkpoint`s at
+committed boundaries, stop cooperatively) and the admission record's JSON round trip. What
+the kinds share (admission, state files and publication, the step) is in trainer.runs.
 
 Exactness: every number that decides the arithmetic is either part of the effective
 configuration and identities (compared at resume) or part of the checkpoint (restored),
@@ -29,8 +30,8 @@ from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFA
                                     settle_seed)
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.kind import RunKind
-from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, optimizer_files, publish,
-                                publish_final, restore_optimizer, state_bytes)
+from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
+                                restore_optimizer, snapshot)
 from trainer.runs.step import NullHooks, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
@@ -266,11 +267,9 @@ def _restore_state(loaded, model, optimizer, loop: LoopState):
 
 
 def _publish(admission, settings, model, optimizer, loop, hooks, complete):
-    started = time.perf_counter()
-    files, scalars = optimizer_files(model, optimizer)
-    files[STATE_FILE] = state_bytes(_state_document(loop, scalars))
+    files, seconds = snapshot(model, optimizer, lambda scalars: _state_document(loop, scalars))
     progress = {"next_cursor": {"epoch": loop.epoch, "example": loop.position}, "complete": complete}
-    return publish(admission, settings, loop.step, files, progress, hooks, time.perf_counter() - started)
+    return publish(admission, settings, loop.step, files, progress, hooks, seconds)
 
 
 def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunResult:

@@ -72,6 +72,16 @@ def state_bytes(document: dict) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+def snapshot(model, optimizer, document_of, tensors=None) -> tuple[dict, float]:
+    """({file: bytes}, seconds taken) of one boundary: adapter, optimizer moments, the named tensor files
+    in `tensors` (None values skipped) and state.json, whose document `document_of(optimizer scalars)` gives."""
+    started = time.perf_counter()
+    files, scalars = optimizer_files(model, optimizer)
+    files.update({name: tensors_bytes(values) for name, values in (tensors or {}).items() if values is not None})
+    files[STATE_FILE] = state_bytes(document_of(scalars))
+    return files, time.perf_counter() - started
+
+
 def publish(admission: Admission, settings: RunSettings, step: int, files: dict, progress: dict, hooks,
             snapshot_seconds: float, training_extra=None) -> dict:
     """Publish one `.kiln-checkpoint` for a committed step; returns its summary."""
