@@ -1,4 +1,5 @@
-"""Runs one training job in its own process (for kill tests): python run_worker.py job.json
+"""Runs one training job in its own process (for kill tests): python run_worker.py job.json; tests call
+`run_until_killed`.
 
 job.json: {"kind": "sft" | "grpo" | "opd", "home": KILN_HOME, "request": {...}}. With KILN_TEST_HOLD_AFTER_STEP=N
 the run stops after step N is committed and its checkpoint (if due) published: before recording step N+1 it
@@ -7,6 +8,8 @@ writes KILN_TEST_HELD_FILE and waits until it is killed, so the parent kills it 
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +28,26 @@ class HoldingHooks(NullHooks):
             Path(self.held_file).write_text(str(self.hold_after))
             while True:  # until the parent's SIGKILL
                 time.sleep(1)
+
+
+def run_until_killed(home: Path, kind: str, request: dict, hold_after: int) -> None:
+    """Run the job in a worker process held after step HOLD_AFTER (its checkpoint, if due, published); SIGKILL it."""
+    spec = home / "job.json"
+    spec.write_text(json.dumps({"kind": kind, "home": str(home), "request": request}))
+    held = home / "held"
+    env = {**os.environ, "KILN_TEST_HOLD_AFTER_STEP": str(hold_after), "KILN_TEST_HELD_FILE": str(held)}
+    worker = subprocess.Popen([sys.executable, __file__, str(spec)], env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while not held.exists():
+            assert worker.poll() is None, "the worker ended before it was held"
+            assert time.monotonic() < deadline, "the worker was not held within 600 s"
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
 
 
 def main():

@@ -1,19 +1,13 @@
 """GRPO runs at the trainer level: exact resume (inline and streamed JSONL), refusals, the policy audit."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from run_worker import run_until_killed
 from trainer.runs import checkpoint_dir, grpo, sft
 from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError, RequestError, RunSettings
-
-HERE = Path(__file__).parent
 
 
 def make_group(i):
@@ -180,22 +174,7 @@ def test_streamed_resume_mid_batch_rereads_the_pending_lines(tmp_path):
 def test_sigkill_then_resume_is_byte_identical(streamed_reference, tmp_path):
     settings = make_settings(tmp_path)
     request = streamed_request(write_jsonl(tmp_path), checkpoint_interval=1)
-    spec = tmp_path / "job.json"
-    spec.write_text(json.dumps({"kind": "grpo", "home": str(tmp_path), "request": request}))
-    held = tmp_path / "held"
-    env = {**os.environ, "KILN_TEST_HOLD_AFTER_STEP": "3", "KILN_TEST_HELD_FILE": str(held)}
-    worker = subprocess.Popen([sys.executable, str(HERE / "run_worker.py"), str(spec)], env=env)
-    try:
-        deadline = time.monotonic() + 600
-        while not held.exists():  # held after step 3, its checkpoint published
-            assert worker.poll() is None, "the worker ended before it was held"
-            assert time.monotonic() < deadline, "the worker was not held within 600 s"
-            time.sleep(0.05)
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=30)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
+    run_until_killed(tmp_path, "grpo", request, hold_after=3)
     latest = checkpoint_dir.latest_checkpoint(settings.registry, "stream-bot")
     step = checkpoint_dir.parse_basename(latest.name)[1]
     assert 3 <= step < 6

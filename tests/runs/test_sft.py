@@ -1,21 +1,15 @@
 """SFT runs at the trainer level: exact resume, drift refusals, dequeue revalidation."""
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from trainer.runs import checkpoint_dir
-from trainer.runs import admission, sft
+from run_worker import run_until_killed
+from trainer.runs import admission, checkpoint_dir, sft
 from trainer.runs.sft import AdmissionError, RequestError, RunSettings, admit_sft, revalidate_sft, run_sft
 
-HERE = Path(__file__).parent
 RECORDS = [
     {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
                   {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
@@ -119,22 +113,7 @@ def test_cancel_then_resume_is_byte_identical(reference, tmp_path):
 def test_sigkill_then_resume_is_byte_identical(reference, tmp_path):
     settings = make_settings(tmp_path)
     req = request(write_dataset(tmp_path))
-    spec = tmp_path / "job.json"
-    spec.write_text(json.dumps({"kind": "sft", "home": str(tmp_path), "request": req}))
-    held = tmp_path / "held"
-    env = {**os.environ, "KILN_TEST_HOLD_AFTER_STEP": "4", "KILN_TEST_HELD_FILE": str(held)}
-    worker = subprocess.Popen([sys.executable, str(HERE / "run_worker.py"), str(spec)], env=env)
-    try:
-        deadline = time.monotonic() + 600
-        while not held.exists():  # held after step 4, its checkpoint published
-            assert worker.poll() is None, "the worker ended before it was held"
-            assert time.monotonic() < deadline, "the worker was not held within 600 s"
-            time.sleep(0.05)
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=30)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
+    run_until_killed(tmp_path, "sft", req, hold_after=4)
     latest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
     step = checkpoint_dir.parse_basename(latest.name)[1]
     assert 4 <= step < 8

@@ -114,6 +114,14 @@ def confined(path_text, roots) -> Path:
                          f"({', '.join(str(r) for r in roots) or 'none'})")
 
 
+def has_dataset_path(request: dict, inline_field: str) -> bool:
+    """True when the request names a dataset_path, False when it carries its data in `inline_field`."""
+    has_path, has_inline = request.get("dataset_path") is not None, request.get(inline_field) is not None
+    if has_path == has_inline:
+        raise RequestError("dataset_path", f"give exactly one of dataset_path or {inline_field}")
+    return has_path
+
+
 def dataset_file(request: dict, settings: RunSettings) -> Path:
     """The request's dataset_path, confined to the datasets folder and the data roots."""
     return confined(request["dataset_path"], (settings.home / "datasets",) + tuple(settings.data_roots))

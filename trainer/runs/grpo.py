@@ -25,9 +25,9 @@ from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
 from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
                                     RequestError, RunSettings, admit_resume, check_planning_schema, check_request,
-                                    check_shared, difference, find_base, int_field, load_resume, lora_config,
-                                    merge_config, number_field, planning_identity, reopen_resume, require_loss_route,
-                                    revalidate, run_identities, select_loss_route, settle_seed)
+                                    check_shared, difference, find_base, has_dataset_path, int_field, load_resume,
+                                    lora_config, merge_config, number_field, planning_identity, reopen_resume,
+                                    require_loss_route, revalidate, run_identities, select_loss_route, settle_seed)
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.kind import RunKind
@@ -155,9 +155,7 @@ def group_batch(prompt_ids, completions, pad: int):
 def _prepare(request: dict, settings: RunSettings):
     check_request(request, "groups")
     config = normalise_config(request.get("config", {}), settings)
-    has_path, has_groups = request.get("dataset_path") is not None, request.get("groups") is not None
-    if has_path == has_groups:
-        raise RequestError("dataset_path", "give exactly one of dataset_path or groups")
+    has_path = has_dataset_path(request, "groups")
     if config["streaming"] and not has_path:
         raise RequestError("config.streaming", "the streamed route reads a dataset_path JSONL file")
     base = find_base(config, settings)

@@ -28,9 +28,9 @@ from trainer.runs import checkpoint_dir, objectives
 from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
                                     RequestError, RunFailed, RunSettings, admit_resume, canonical,
                                     check_planning_schema, check_shared, dataset_file, difference, file_sha256,
-                                    int_field, load_resume, lora_config, merge_config, number_field,
-                                    planning_identity, prepare, reopen_resume, require_loss_route, revalidate,
-                                    run_identities, select_loss_route, settle_seed, sha256_hex)
+                                    has_dataset_path, int_field, load_resume, lora_config, merge_config,
+                                    number_field, planning_identity, prepare, reopen_resume, require_loss_route,
+                                    revalidate, run_identities, select_loss_route, settle_seed, sha256_hex)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
@@ -159,12 +159,8 @@ def _prompt_record(record, where):
 
 def read_prompts(request: dict, settings: RunSettings):
     """(records, raw bytes, data_source_kind) from inline prompts or a JSON / JSONL file."""
-    has_path, has_prompts = request.get("dataset_path") is not None, request.get("prompts") is not None
-    if has_path == has_prompts:
-        raise RequestError("dataset_path", "give exactly one of dataset_path or prompts")
-    if has_path:
-        path = dataset_file(request, settings)
-        raw = path.read_bytes()
+    if has_dataset_path(request, "prompts"):
+        raw = dataset_file(request, settings).read_bytes()
         try:
             text = raw.decode("utf-8")
             if text.lstrip().startswith("["):

@@ -25,9 +25,9 @@ from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
 from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
                                     RequestError, RunSettings, admit_resume, check_planning_schema, check_shared,
-                                    dataset_file, int_field, load_resume, lora_config, merge_config, prepare,
-                                    reopen_resume, require_loss_route, revalidate, run_identities, select_loss_route,
-                                    settle_seed)
+                                    dataset_file, has_dataset_path, int_field, load_resume, lora_config,
+                                    merge_config, prepare, reopen_resume, require_loss_route, revalidate,
+                                    run_identities, select_loss_route, settle_seed)
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
@@ -98,12 +98,8 @@ def _parse_records(text: str, source: str) -> list:
 
 def read_dataset(request: dict, settings: RunSettings):
     """(records, raw bytes, data_source_kind) from dataset_path or inline data."""
-    has_path, has_data = request.get("dataset_path") is not None, request.get("data") is not None
-    if has_path == has_data:
-        raise RequestError("dataset_path", "give exactly one of dataset_path or data")
-    if has_path:
-        path = dataset_file(request, settings)
-        raw = path.read_bytes()
+    if has_dataset_path(request, "data"):
+        raw = dataset_file(request, settings).read_bytes()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
