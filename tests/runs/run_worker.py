@@ -30,6 +30,23 @@ class HoldingHooks(NullHooks):
                 time.sleep(1)
 
 
+class StopAt(NullHooks):
+    """Hooks that record metrics (without wall time) and checkpoints, and cancel after `step` steps."""
+
+    def __init__(self, step):
+        self.step, self.seen, self.metrics, self.checkpoints = step, 0, [], []
+
+    def on_step(self, metrics):
+        self.seen = metrics["step"]
+        self.metrics.append({k: v for k, v in metrics.items() if k != "elapsed_seconds"})
+
+    def should_cancel(self):
+        return self.step is not None and self.seen >= self.step
+
+    def on_checkpoint(self, summary, timing):
+        self.checkpoints.append(summary)
+
+
 def run_until_killed(home: Path, kind: str, request: dict, hold_after: int) -> None:
     """Run the job in a worker process held after step HOLD_AFTER (its checkpoint, if due, published); SIGKILL it."""
     spec = home / "job.json"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from run_worker import run_until_killed
+from run_worker import StopAt, run_until_killed
 from trainer.runs import checkpoint_dir, grpo, sft
 from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError, RequestError, RunSettings
 
@@ -52,24 +52,6 @@ def inline_request(**config):
 
 def streamed_request(path, **config):
     return {"dataset_path": path, "config": {**STREAMED, **config}}
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step, self.seen, self.metrics, self.checkpoints = step, 0, [], []
-
-    def on_step(self, metrics):
-        self.seen = metrics["step"]
-        self.metrics.append({k: v for k, v in metrics.items() if k != "elapsed_seconds"})
-
-    def should_cancel(self):
-        return self.step is not None and self.seen >= self.step
-
-    def on_checkpoint(self, summary, timing):
-        self.checkpoints.append(summary)
-
-    def on_event(self, level, message):
-        pass
 
 
 def final_files(settings, adapter):

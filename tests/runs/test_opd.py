@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from run_worker import StopAt
 from trainer import LoraConfig, teachers
 from trainer.bases import import_base, load_base
 from trainer.generation import score_completion
@@ -75,24 +76,6 @@ def request(teacher, **config):
             "stop_strings": STOPS, "lora": {"rank": 4, "alpha": 8}}
     base.update(config)
     return {"prompts": PROMPTS, "config": base}
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step, self.seen, self.metrics = step, 0, []
-
-    def on_step(self, metrics):
-        self.seen = metrics["step"]
-        self.metrics.append({k: v for k, v in metrics.items() if k != "elapsed_seconds"})
-
-    def should_cancel(self):
-        return self.step is not None and self.seen >= self.step
-
-    def on_checkpoint(self, summary, timing):
-        pass
-
-    def on_event(self, level, message):
-        pass
 
 
 def run(settings, req, stop=None):

@@ -383,3 +383,24 @@ def test_a_module_without_run_kind_is_read_by_its_function_names():
     assert (kind.admit, kind.revalidate, kind.run) == (admit_sft, revalidate_sft, run_sft)
     with pytest.raises(LookupError):
         run_kind("sft", SimpleNamespace(__name__="empty"))
+
+
+def test_a_non_finite_loss_fails_the_run_before_its_checkpoint(tmp_path, monkeypatch):
+    """state.json refuses NaN (allow_nan=False): the step check must stop the run first."""
+    from trainer.model import DecoderOnlyTransformer
+    from trainer.runs.admission import RunFailed
+    settings = make_settings(tmp_path)
+    real, calls = DecoderOnlyTransformer.forward_backward, []
+
+    def poisoned(self, *args, **kwargs):
+        calls.append(1)
+        loss = real(self, *args, **kwargs)
+        return float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(DecoderOnlyTransformer, "forward_backward", poisoned)
+    with pytest.raises(RunFailed) as info:
+        run_sft(admit_sft(request(write_dataset(tmp_path), checkpoint_interval=1), settings), settings,
+                StopAt(None))
+    assert info.value.code == "non_finite" and info.value.message.startswith("step 3:")
+    latest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
+    assert checkpoint_dir.parse_basename(latest.name)[1] == 2
