@@ -112,6 +112,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
               "`python manage.py migrate` first", file=sys.stderr)
         return 2
     worker = EmbeddedWorker(poll_seconds=args.poll_seconds)
+    # Ctrl-C stops even when SIGINT arrived ignored (a shell starts background jobs that way, and Python
+    # then installs no KeyboardInterrupt handler of its own)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     worker.start()
     print(f"worker {worker.worker_id} is polling for queued jobs every {worker.poll_seconds:g} s "
