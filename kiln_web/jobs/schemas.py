@@ -9,7 +9,7 @@ resume drift); these shapes check types and ranges.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ninja import Schema
 from pydantic import ConfigDict, Field, model_validator
@@ -23,6 +23,18 @@ TEACHER_ALIAS = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}@(native|openai)$"
 class Strict(Schema):
     # strict: "3" is not an integer and true is not 1 (an integer is still a valid number)
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class OneSource(Strict):
+    """A training request whose data comes from exactly one of a file (dataset_path) and an inline list."""
+
+    INLINE: ClassVar[str]  # the name of the inline field
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.dataset_path is None) == (getattr(self, self.INLINE) is None):
+            raise ValueError(f"give exactly one of dataset_path and {self.INLINE}")
+        return self
 
 
 class LRSchedule(Strict):
@@ -79,7 +91,9 @@ class SFTConfig(Strict):
         None, description="recompute block activations in backward to save memory; absent: none")
 
 
-class SFTRequest(Strict):
+class SFTRequest(OneSource):
+    INLINE = "data"
+
     dataset_path: str | None = Field(None, min_length=1, description="absolute path of a JSONL file in a data root")
     data: list[dict[str, Any]] | None = Field(
         None, min_length=1, description="inline records: {messages: [...]} or {prompt, completion}")
@@ -88,12 +102,6 @@ class SFTRequest(Strict):
     auto_load: bool | None = Field(None, description="activate the adapter after success once its serving canary "
                                                      "passes (with a gate: once its evaluation passes); absent: false")
     gate: PromotionGate | None = Field(None, description="a held-out post-eval accuracy gate; needs auto_load")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "SFTRequest":
-        if (self.dataset_path is None) == (self.data is None):
-            raise ValueError("give exactly one of dataset_path and data")
-        return self
 
 
 class GRPOReference(Strict):
@@ -137,19 +145,15 @@ class GRPOConfig(Strict):
     activation_checkpointing: Literal["none", "blocks"] | None = None
 
 
-class GRPORequest(Strict):
+class GRPORequest(OneSource):
+    INLINE = "groups"
+
     dataset_path: str | None = Field(None, min_length=1, description="absolute path of a JSONL file of groups in "
                                                                      "a data root")
     groups: list[dict[str, Any]] | None = Field(
         None, min_length=1, description="inline groups: {prompt | messages, completions: [{text, reward | "
                                         "rewards: {name: number}}...], reward_weights?}")
     config: GRPOConfig
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "GRPORequest":
-        if (self.dataset_path is None) == (self.groups is None):
-            raise ValueError("give exactly one of dataset_path and groups")
-        return self
 
 
 class OPDGuardrails(Strict):
@@ -192,35 +196,17 @@ class OPDConfig(Strict):
     activation_checkpointing: Literal["none", "blocks"] | None = None
 
 
-class OPDRequest(Strict):
+class OPDRequest(OneSource):
+    INLINE = "prompts"
+
     dataset_path: str | None = Field(None, min_length=1, description="absolute path of a JSON list or JSONL file "
                                                                      "of prompts in a data root")
     prompts: list[str | dict[str, Any]] | None = Field(
         None, min_length=1, description="inline prompts: a string, {prompt} or {messages: [{role, content}...]}")
     config: OPDConfig
 
-    @model_validator(mode="after")
-    def _one_source(self) -> "OPDRequest":
-        if (self.dataset_path is None) == (self.prompts is None):
-            raise ValueError("give exactly one of dataset_path and prompts")
-        return self
-
 
 # -- responses --
-
-
-class ErrorBody(Schema):
-    code: str = Field(description="machine-readable, e.g. invalid_request, resume_drift, unauthorized")
-    message: str = Field(description="a sentence a person can act on")
-    field: str | None = Field(None, description="the request field at fault, dotted: config.checkpoint_interval")
-    differences: list[dict[str, Any]] | None = Field(
-        None, description="resume drift: [{field, checkpoint, request}, ...]")
-
-    model_config = ConfigDict(extra="allow")
-
-
-class ErrorOut(Schema):
-    error: ErrorBody
 
 
 class Progress(Schema):
