@@ -82,3 +82,20 @@ def test_named_paths_run_one_pass_unless_postgresql_paths_are_named():
     assert run_suite.split_args(["-q", "--postgresql-paths", "tests/a,tests/b", "-x"]) == (
         ["-q", "-x"], ["tests/a", "tests/b"])
     assert run_suite.options_only(["-q", "tests/web", "-k", "health"]) == ["-q", "-k", "health"]
+
+
+def test_the_runtime_install_has_no_test_tooling():
+    """`./dev up` installs `.` (the runtime), `./dev test` `.[test]`; torch and the other reference libraries
+    are test extras only, so a server's venv holds none of them."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((run_suite.ROOT / "pyproject.toml").read_text())["project"]
+    runtime = {re.split(r"[\[<>=;! ]", requirement, maxsplit=1)[0].lower() for requirement in project["dependencies"]}
+    test_only = {"torch", "transformers", "peft", "bitsandbytes", "playwright", "pytest"}
+    assert runtime & test_only == set()
+    extras = {re.split(r"[\[<>=;! ]", r, maxsplit=1)[0].lower() for r in project["optional-dependencies"]["test"]}
+    assert test_only <= extras
+    dev = (run_suite.ROOT / "dev").read_text()
+    assert re.search(r"cmd_up\(\) \{\n    ensure_venv runtime\n", dev)
+    assert 'target=".[test]"' in dev and re.search(r"cmd_test\(\) \{\n    ensure_venv test\n", dev)
