@@ -6,29 +6,13 @@ releases the GIL. The numpy twins with the same signatures live in native_ext.re
 
 import numpy as np
 
-try:
-    from native_ext import _kernels
-except ImportError as error:  # pragma: no cover - only on a broken install
-    raise ImportError(
-        "native_ext._kernels is not built. Install Kiln with `pip install -e .` "
-        "(needs gcc and the Python headers) so that setup.py compiles the Cython kernels."
-    ) from error
+from native_ext.validate import built
+from native_ext.validate import check_array as _check
+
+_kernels = built("_kernels", "the Cython kernels")
 
 F32 = np.float32
 I64 = np.int64
-
-
-def _check(name, array, dtype, ndim, writable=False):
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(array).__name__}")
-    if array.dtype != dtype:
-        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
-    if array.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-    if writable and not array.flags.writeable:
-        raise ValueError(f"{name} must be writable")
 
 
 def _same(name, shape, expected):

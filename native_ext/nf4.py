@@ -9,13 +9,9 @@ tensor, so one block can span two rows.
 
 import numpy as np
 
-try:
-    from native_ext import _nf4
-except ImportError as error:  # pragma: no cover - only on a broken install
-    raise ImportError(
-        "native_ext._nf4 is not built. Install Kiln with `pip install -e .` (needs gcc and "
-        "the Python headers) so that setup.py compiles the NF4 kernels."
-    ) from error
+from native_ext.validate import built, check_array
+
+_nf4 = built("_nf4", "the NF4 kernels")
 
 F32 = np.float32
 U8 = np.uint8
@@ -62,16 +58,7 @@ _SUM_LANES = 8  # float32 lanes of PyTorch's vectorised CPU sum (AVX2 kernel on 
 
 
 def _check(name, array, dtype, writable=False):
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(array).__name__}")
-    if array.dtype != dtype:
-        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-    if writable and not array.flags.writeable:
-        raise ValueError(f"{name} must be writable")
+    check_array(name, array, dtype, 1, writable)  # every NF4 array is flat
 
 
 def _length(name, array, expected):
