@@ -10,23 +10,19 @@ from setuptools import Extension, setup
 # machine of one architecture, and no -ffast-math, which would reorder reductions.
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd"]
 
+# module, the C header its row kernels live in
+KERNELS = [("_kernels", "kiln_kernels.h"), ("_nf4", "nf4.h")]
+
 extensions = [
     Extension(
-        "native_ext._kernels",
-        ["native_ext/_kernels.pyx"],
+        f"native_ext.{module}",
+        [f"native_ext/{module}.pyx"],
         include_dirs=[numpy.get_include(), "native_ext"],
-        depends=["native_ext/kiln_kernels.h"],
+        depends=[f"native_ext/{header}"],
         extra_compile_args=COMPILE_ARGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    ),
-    Extension(
-        "native_ext._nf4",
-        ["native_ext/_nf4.pyx"],
-        include_dirs=[numpy.get_include(), "native_ext"],
-        depends=["native_ext/nf4.h"],
-        extra_compile_args=COMPILE_ARGS,
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    ),
+    )
+    for module, header in KERNELS
 ]
 
 setup(
