@@ -12,6 +12,7 @@ from django.http import Http404, HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
+from kiln_web.adapters.models import CheckpointRecord
 from kiln_web.core.http import Status, refusals
 from kiln_web.jobs import actions, runtime
 from kiln_web.serving.promotion import job_evaluation_ids, job_promotion
@@ -36,17 +37,34 @@ def _job(request: HttpRequest, job_id: UUID) -> TrainingJob:
     return job
 
 
-def _detail(job: TrainingJob) -> dict:
-    """The job, with latest_checkpoint read from its directory (the filesystem is the authority)."""
-    out = job.to_dict()
-    out["latest_checkpoint"], out["latest_checkpoint_error"] = None, None
+def _latest_checkpoint(job: TrainingJob) -> tuple[dict | None, dict | None]:
+    """(latest_checkpoint, latest_checkpoint_error): the newest checkpoint the job published, else the one it
+    resumed from. While the job is active the summary is the one recorded in the database when the checkpoint
+    was published (no filesystem read: this is what pollers ask for); once the job has ended, the directory
+    is checked again (light validation, and its manifest must have the digest recorded at publication), so a
+    moved, deleted or altered checkpoint answers (None, error). A resume checkpoint the database never indexed
+    (copied into the registry by hand) is always read from its directory."""
     basename = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
-    if basename:
-        try:
-            out["latest_checkpoint"], out["latest_checkpoint_error"] = runtime.read_checkpoint_summary(
-                basename, job.kind, job.adapter.name)
-        except runtime.RunnerUnavailable as exc:
-            out["latest_checkpoint_error"] = {"code": exc.code, "message": str(exc)}
+    if not basename:
+        return None, None
+    if job.is_active and job.latest_checkpoint:
+        return job.latest_checkpoint, None
+    record = CheckpointRecord.objects.filter(basename=basename).values("summary", "manifest_digest").first() or {}
+    if job.is_active and record.get("summary"):
+        return record["summary"], None
+    resume = (job.admission or {}).get("resume") or {}
+    digest = record.get("manifest_digest") or (resume.get("manifest_digest") if resume.get("checkpoint") == basename
+                                               else "")
+    try:
+        return runtime.read_checkpoint_summary(basename, job.kind, job.adapter.name, manifest_digest=digest or "")
+    except runtime.RunnerUnavailable as exc:
+        return None, {"code": exc.code, "message": str(exc)}
+
+
+def _detail(job: TrainingJob) -> dict:
+    """The job, with its latest checkpoint (_latest_checkpoint) and its promotion."""
+    out = job.to_dict()
+    out["latest_checkpoint"], out["latest_checkpoint_error"] = _latest_checkpoint(job)
     out["promotion"], out["evaluation_ids"] = job_promotion(job), job_evaluation_ids(job)
     return out
 

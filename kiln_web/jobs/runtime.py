@@ -105,18 +105,26 @@ def checkpoint_path(basename: str):
     return settings.KILN_ADAPTERS_DIR / basename
 
 
-def read_checkpoint_summary(basename: str, kind: str, adapter: str) -> tuple[dict | None, dict | None]:
+def read_checkpoint_summary(basename: str, kind: str, adapter: str,
+                            manifest_digest: str = "") -> tuple[dict | None, dict | None]:
     """(summary, None) for a checkpoint that passes the light validation (bounded metadata, sizes by
-    stat, nothing hashed), else (None, {code, message}). For status reads, never for resume."""
+    stat, nothing hashed), else (None, {code, message}). MANIFEST_DIGEST, when given, is the one recorded
+    when the checkpoint was indexed; a manifest that differs is `checkpoint_changed`. For status reads,
+    never for resume."""
     module = checkpoint_module()
     try:
         loaded = module.load_checkpoint(checkpoint_path(basename), full=False, expected_type=kind,
                                         expected_adapter=adapter)
-        return module.checkpoint_summary(loaded), None
     except module.CheckpointError as exc:
         return None, {"code": getattr(exc, "code", "checkpoint_invalid"), "message": _text(exc)}
     except OSError as exc:
         return None, {"code": "checkpoint_unreadable", "message": f"{basename}: {exc.strerror or exc}"}
+    if manifest_digest and loaded.manifest_digest != manifest_digest:
+        return None, {"code": "checkpoint_changed",
+                      "message": f"{basename}: its manifest (SHA-256 {loaded.manifest_digest[:16]}...) is not the "
+                                 f"one recorded when it was published ({manifest_digest[:16]}...); checkpoints "
+                                 "must stay immutable, so resume from another one"}
+    return module.checkpoint_summary(loaded), None
 
 
 def manifest_digest(basename: str) -> str:

@@ -281,10 +281,11 @@ class JobOut(Schema):
     resume_from: str | None = Field(description="the checkpoint this run resumed from")
     progress: Progress
     latest_checkpoint: CheckpointSummary | None = Field(
-        description="read from the checkpoint directory (bounded metadata); the job's newest, else the one it "
-                    "resumed from")
+        description="the job's newest checkpoint, else the one it resumed from: as recorded at publication while "
+                    "the job is active, checked against its directory once the job has ended")
     latest_checkpoint_error: JobError | None = Field(
-        None, description="why latest_checkpoint could not be read (moved, deleted, damaged)")
+        None, description="why latest_checkpoint could not be read (moved, deleted, damaged, changed); checked once "
+                          "the job has ended")
     error: JobError | None
     worker_id: str | None
     heartbeat_at: datetime | None
