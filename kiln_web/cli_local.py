@@ -7,20 +7,19 @@ import argparse
 import os
 import sys
 
-from kiln_web.cli_server import setup_django
+from kiln_web.cli_server import add_subcommand, setup_django, subcommands
 
 
 def add_base(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="base_command", required=True, metavar="BASE_COMMAND")
-    imports = commands.add_parser("import", help="import a GGUF file or Hugging Face directory",
-                                  description="import a GGUF file (Llama architecture) or a Hugging "
-                                  "Face Llama directory into $KILN_HOME/bases/NAME")
-    imports.add_argument("path", metavar="PATH", help="a .gguf file or a directory with config.json")
+    commands = subcommands(parser, "base")
+    imports = add_subcommand(commands, "import", "import a GGUF file or Hugging Face directory", "path",
+                             operand_help="a .gguf file or a directory with config.json",
+                             description="import a GGUF file (Llama architecture) or a Hugging "
+                             "Face Llama directory into $KILN_HOME/bases/NAME")
     imports.add_argument("--name", required=True, help="the name to register it under")
     commands.add_parser("list", help="list the registered bases (and the built-in kiln-tiny)")
-    show = commands.add_parser("show", help="show one base: configuration, identity, shards, tokenizer")
-    show.add_argument("name", metavar="NAME")
-    show.add_argument("--json", action="store_true", help="print the full record as JSON")
+    add_subcommand(commands, "show", "show one base: configuration, identity, shards, tokenizer", "name",
+                   json="print the full record as JSON")
 
 
 def _import_progress(done: int, total: int, name: str) -> None:
@@ -93,12 +92,10 @@ def cmd_base(args: argparse.Namespace) -> int:
 
 
 def add_checkpoint(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="checkpoint_command", required=True, metavar="CHECKPOINT_COMMAND")
-    verify = commands.add_parser("verify", help="fully validate a .kiln-checkpoint (every file's size and SHA-256)")
-    verify.add_argument("path", metavar="PATH")
-    show = commands.add_parser("show", help="show a checkpoint's summary and identities (bounded validation)")
-    show.add_argument("path", metavar="PATH")
-    show.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    commands = subcommands(parser, "checkpoint")
+    add_subcommand(commands, "verify", "fully validate a .kiln-checkpoint (every file's size and SHA-256)", "path")
+    add_subcommand(commands, "show", "show a checkpoint's summary and identities (bounded validation)", "path",
+                   json="print the manifest as JSON")
     clean = commands.add_parser("clean-orphans", help="remove hidden staging directories that interrupted "
                                 "publications left in the adapter registry")
     clean.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",

@@ -7,12 +7,13 @@ import os
 import sys
 
 from kiln_web import cli_serving
+from kiln_web.cli_server import add_subcommand, subcommands
 
 TERMINAL = {"succeeded", "cancelled", "failed", "lost"}
 
 
 def add_train(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="train_command", required=True, metavar="TRAIN_COMMAND")
+    commands = subcommands(parser, "train")
     sft = commands.add_parser("sft", help="submit a supervised fine-tuning run",
                               description="submit an SFT run; a file inside a data root ($KILN_HOME/datasets, "
                               "KILN_DATA_ROOTS) is sent as dataset_path, any other file is uploaded inline")
@@ -259,11 +260,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_teacher(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="teacher_command", required=True, metavar="TEACHER_COMMAND")
-    add = commands.add_parser("add", help="register a teacher alias (or change it with --replace)",
-                              description="register NAME@native (a registered base, optionally with a PEFT "
-                              "adapter) or NAME@openai (an OpenAI-compatible endpoint and model)")
-    add.add_argument("name", metavar="NAME@ROUTE", help="e.g. tutor@native or qwen@openai")
+    commands = subcommands(parser, "teacher")
+    add = add_subcommand(commands, "add", "register a teacher alias (or change it with --replace)", "name",
+                         metavar="NAME@ROUTE", operand_help="e.g. tutor@native or qwen@openai",
+                         description="register NAME@native (a registered base, optionally with a PEFT "
+                         "adapter) or NAME@openai (an OpenAI-compatible endpoint and model)")
     add.add_argument("--base", help="native: a registered base (kiln base list)")
     add.add_argument("--adapter", metavar="PATH", help="native: a PEFT adapter directory in the adapter registry "
                      "or a data root")
@@ -272,11 +273,9 @@ def add_teacher(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--replace", action="store_true", help="change an existing alias (its identity revision "
                      "changes, so its OPD checkpoints no longer resume)")
     commands.add_parser("list", help="list the teacher aliases")
-    show = commands.add_parser("show", help="show one alias: configuration and revisions")
-    show.add_argument("name", metavar="NAME@ROUTE")
-    show.add_argument("--json", action="store_true", help="print the alias as JSON")
-    delete = commands.add_parser("delete", help="delete an alias you own")
-    delete.add_argument("name", metavar="NAME@ROUTE")
+    add_subcommand(commands, "show", "show one alias: configuration and revisions", "name", metavar="NAME@ROUTE",
+                   json="print the alias as JSON")
+    add_subcommand(commands, "delete", "delete an alias you own", "name", metavar="NAME@ROUTE")
 
 
 def _print_teacher(alias: dict) -> None:

@@ -1,5 +1,5 @@
 """The commands that run Kiln on this machine: `up` (server and embedded worker), `worker`, `doctor`,
-`version` and `token`."""
+`version` and `token`; and what every command module shares: Django setup and the subcommand shapes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,23 @@ def setup_django() -> None:
     import django
 
     django.setup()
+
+
+def subcommands(parser: argparse.ArgumentParser, command: str):
+    """The required COMMAND_COMMAND choice under `kiln COMMAND` (base, train, adapter ...)."""
+    return parser.add_subparsers(dest=f"{command}_command", required=True, metavar=f"{command.upper()}_COMMAND")
+
+
+def add_subcommand(commands, name: str, help: str, operand: str | None = None, *, metavar: str | None = None,
+                   operand_help: str | None = None, json: bool | str = False, **options) -> argparse.ArgumentParser:
+    """`kiln ... NAME`, taking one OPERAND (shown as METAVAR, default OPERAND in capitals) and, where JSON is
+    set, a --json flag (JSON, when a string, is its help). OPTIONS go to add_parser (description)."""
+    subcommand = commands.add_parser(name, help=help, **options)
+    if operand is not None:
+        subcommand.add_argument(operand, metavar=metavar or operand.upper(), help=operand_help)
+    if json:
+        subcommand.add_argument("--json", action="store_true", help=json if isinstance(json, str) else None)
+    return subcommand
 
 
 def hide_password(url: str) -> str:
@@ -191,7 +208,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def add_token(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="token_command", required=True, metavar="TOKEN_COMMAND")
+    commands = subcommands(parser, "token")
     create = commands.add_parser("create", help="create an API token (printed once) for a user, creating the user "
                                  "if needed")
     create.add_argument("--user", required=True, help="the username")

@@ -9,6 +9,8 @@ import sys
 import time
 import urllib.parse
 
+from kiln_web.cli_server import add_subcommand, subcommands
+
 TERMINAL_EVALUATION = {"succeeded", "failed"}
 
 
@@ -84,18 +86,13 @@ def print_promotion(job: dict) -> None:
 
 
 def add_adapter(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="adapter_command", required=True, metavar="ADAPTER_COMMAND")
-    listing = commands.add_parser("list", help="your adapters: snapshot, loaded, active, latest promotion")
-    listing.add_argument("--json", action="store_true")
-    load = commands.add_parser("load", help="load an adapter's PEFT snapshot for serving")
-    load.add_argument("name", metavar="NAME")
+    commands = subcommands(parser, "adapter")
+    add_subcommand(commands, "list", "your adapters: snapshot, loaded, active, latest promotion", json=True)
+    load = add_subcommand(commands, "load", "load an adapter's PEFT snapshot for serving", "name")
     load.add_argument("--base", help="the base to load it over (default: the one it was trained over)")
-    unload = commands.add_parser("unload", help="stop serving an adapter")
-    unload.add_argument("name", metavar="NAME")
-    activate = commands.add_parser("activate", help="serve a loaded adapter when requests name no model")
-    activate.add_argument("name", metavar="NAME")
-    delete = commands.add_parser("delete", help="delete an idle adapter's checkpoints and PEFT snapshot")
-    delete.add_argument("name", metavar="NAME")
+    add_subcommand(commands, "unload", "stop serving an adapter", "name")
+    add_subcommand(commands, "activate", "serve a loaded adapter when requests name no model", "name")
+    delete = add_subcommand(commands, "delete", "delete an idle adapter's checkpoints and PEFT snapshot", "name")
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     promotions = commands.add_parser("promotions", help="the promotion audit trail, newest first")
     promotions.add_argument("--adapter", help="only this adapter's")
@@ -160,18 +157,16 @@ def cmd_adapter(args: argparse.Namespace) -> int:
 
 
 def add_eval(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="eval_command", required=True, metavar="EVAL_COMMAND")
+    commands = subcommands(parser, "eval")
     suite = commands.add_parser("suite", help="create, list and show evaluation suites")
-    suites = suite.add_subparsers(dest="suite_command", required=True, metavar="SUITE_COMMAND")
+    suites = subcommands(suite, "suite")
     create = suites.add_parser("create", help="create a suite from held-out JSONL")
     create.add_argument("--name", required=True)
     create.add_argument("--file", required=True, help="JSONL: {prompt | messages, expected, metric?, tolerance?}")
     create.add_argument("--metric", default="exact", choices=("exact", "contains", "regex", "numeric"),
                         help="for lines without their own metric (default: %(default)s)")
     suites.add_parser("list", help="your suites")
-    show = suites.add_parser("show", help="one suite, with its content")
-    show.add_argument("name", metavar="NAME")
-    show.add_argument("--json", action="store_true")
+    add_subcommand(suites, "show", "one suite, with its content", "name", json=True)
     run = commands.add_parser("run", help="evaluate an adapter against the active one (or its base)")
     run.add_argument("--adapter", required=True)
     run.add_argument("--suite", required=True)
