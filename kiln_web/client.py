@@ -82,7 +82,7 @@ class Client:
                                   "is `kiln up` running there? set KILN_URL to its address"}) from None
 
     def submit_sft(self, body: dict) -> dict:
-        return self.request("POST", "/train/sft", body)
+        return self.submit("sft", body)
 
     def submit(self, kind: str, body: dict) -> dict:
         """Submit a run of training KIND (sft, grpo, opd)."""
@@ -103,17 +103,21 @@ class Client:
     def teachers(self) -> dict:
         return self.request("GET", "/teachers")
 
+    @staticmethod
+    def _teacher_path(name: str) -> str:
+        return f"/teachers/{urllib.parse.quote(name, safe='@')}"
+
     def teacher(self, name: str) -> dict:
-        return self.request("GET", f"/teachers/{urllib.parse.quote(name, safe='@')}")
+        return self.request("GET", self._teacher_path(name))
 
     def create_teacher(self, body: dict) -> dict:
         return self.request("POST", "/teachers", body)
 
     def update_teacher(self, name: str, body: dict) -> dict:
-        return self.request("PUT", f"/teachers/{urllib.parse.quote(name, safe='@')}", body)
+        return self.request("PUT", self._teacher_path(name), body)
 
     def delete_teacher(self, name: str) -> dict:
-        return self.request("DELETE", f"/teachers/{urllib.parse.quote(name, safe='@')}")
+        return self.request("DELETE", self._teacher_path(name))
 
 
 def local_data_roots() -> list[Path]:
