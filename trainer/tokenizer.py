@@ -119,6 +119,11 @@ def compile_chat_template(source: str):
     return environment.from_string(source)
 
 
+def _special_id(name: str) -> property:
+    """A Tokenizer property: the id of the special token NAME (bos_token ...), or None when it has none."""
+    return property(lambda self: self._id(name), doc=f"The id of the {name}, or None when there is none.")
+
+
 class Tokenizer:
     """Text <-> token ids and chat prompts for one base model."""
 
@@ -172,21 +177,10 @@ class Tokenizer:
         token = self.config[name]
         return None if token is None else self.backend.token_to_id(token)
 
-    @property
-    def bos_token_id(self):
-        return self._id("bos_token")
-
-    @property
-    def eos_token_id(self):
-        return self._id("eos_token")
-
-    @property
-    def pad_token_id(self):
-        return self._id("pad_token")
-
-    @property
-    def unk_token_id(self):
-        return self._id("unk_token")
+    bos_token_id = _special_id("bos_token")
+    eos_token_id = _special_id("eos_token")
+    pad_token_id = _special_id("pad_token")
+    unk_token_id = _special_id("unk_token")
 
     def token_to_id(self, token):
         return self.backend.token_to_id(token)
