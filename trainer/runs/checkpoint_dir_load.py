@@ -94,16 +94,22 @@ def _open_beneath(root: int, relpath: str) -> int:
         raise MissingFile(f"declared artifact {relpath!r} is missing") from None
 
 
+def _single_file(fd: int, where: str) -> os.stat_result:
+    """The stat of an open checkpoint file, refused unless it is a regular file with exactly one link."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UntrackedFile(f"{where} is not a regular file")
+    if st.st_nlink > 1:
+        raise HardLinkRefused(f"{where} has {st.st_nlink} hard links; checkpoint files must have exactly one")
+    return st
+
+
 def read_verified(root: int, relpath: str, entry: dict, expected_stat, name: str) -> bytes:
     """Read one artifact once, check it is the same regular single-link file, its size and SHA-256."""
     where = f"checkpoint {name}: artifact {relpath!r}"
     fd = _open_beneath(root, relpath)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrackedFile(f"{where} is not a regular file")
-        if st.st_nlink > 1:
-            raise HardLinkRefused(f"{where} has {st.st_nlink} hard links; checkpoint files must have exactly one")
+        st = _single_file(fd, where)
         if expected_stat is not None and (st.st_ino, st.st_dev) != expected_stat:
             raise InconsistentState(f"{where} was replaced while the checkpoint was being validated")
         if st.st_size != entry["size"]:
@@ -192,11 +198,7 @@ def _read_manifest(root: int, name: str) -> bytes:
                                   "(or was copied incompletely)") from None
         raise NotACheckpoint(peft_message(name)) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrackedFile(f"checkpoint {name}: {MANIFEST} is not a regular file")
-        if st.st_nlink > 1:
-            raise HardLinkRefused(f"checkpoint {name}: {MANIFEST} has {st.st_nlink} hard links")
+        st = _single_file(fd, f"checkpoint {name}: {MANIFEST}")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise BadField(f"checkpoint {name}: {MANIFEST} is {st.st_size} bytes; the limit is {MAX_MANIFEST_BYTES}")
         data = fsio.read_exact(fd, st.st_size)
