@@ -96,22 +96,30 @@ def number_field(value, name, minimum_exclusive=None, allow_none=False):
     return float(value)
 
 
+def within_roots(path: Path, roots) -> Path | None:
+    """PATH resolved, when it lies strictly inside one of ROOTS (resolved too); else None."""
+    resolved = path.resolve()
+    for root in roots:
+        root = Path(root).resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            return resolved
+    return None
+
+
 def confined(path_text, roots) -> Path:
     if not isinstance(path_text, str) or not path_text or "\x00" in path_text:
         raise RequestError("dataset_path", "must be a path")
     path = Path(path_text)
     if not path.is_absolute():
         raise RequestError("dataset_path", "must be an absolute path inside a data root")
-    resolved = path.resolve()
-    for root in roots:
-        root = Path(root).resolve()
-        if resolved.is_relative_to(root) and resolved != root:
-            if not resolved.is_file():
-                raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
-            return resolved
-    raise AdmissionError("dataset_outside_roots",
-                         f"{path_text} is outside the configured data roots "
-                         f"({', '.join(str(r) for r in roots) or 'none'})")
+    resolved = within_roots(path, roots)
+    if resolved is None:
+        raise AdmissionError("dataset_outside_roots",
+                             f"{path_text} is outside the configured data roots "
+                             f"({', '.join(str(r) for r in roots) or 'none'})")
+    if not resolved.is_file():
+        raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
+    return resolved
 
 
 def has_dataset_path(request: dict, inline_field: str) -> bool:

@@ -30,7 +30,8 @@ from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFA
                                     check_planning_schema, check_shared, dataset_file, difference, file_sha256,
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config,
                                     number_field, planning_identity, prepare, reopen_resume, require_loss_route,
-                                    revalidate, run_identities, select_loss_route, settle_seed, sha256_hex)
+                                    revalidate, run_identities, select_loss_route, settle_seed, sha256_hex,
+                                    within_roots)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
@@ -133,14 +134,13 @@ def _confined_directory(path_text, roots) -> Path:
     path = Path(path_text)
     if not path.is_absolute():
         raise RequestError("config.base_adapter", "must be an absolute path inside the adapter registry or a data root")
-    resolved = path.resolve()
-    for root in roots:
-        root = Path(root).resolve()
-        if resolved.is_relative_to(root) and resolved != root:
-            if not resolved.is_dir():
-                raise AdmissionError("base_adapter_not_found", f"{path_text} is not a directory")
-            return resolved
-    raise AdmissionError("base_adapter_outside_roots", f"{path_text} is outside the adapter registry and data roots")
+    resolved = within_roots(path, roots)
+    if resolved is None:
+        raise AdmissionError("base_adapter_outside_roots",
+                             f"{path_text} is outside the adapter registry and data roots")
+    if not resolved.is_dir():
+        raise AdmissionError("base_adapter_not_found", f"{path_text} is not a directory")
+    return resolved
 
 
 def _prompt_record(record, where):
