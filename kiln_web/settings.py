@@ -326,6 +326,10 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = KILN_UPLOAD_MAX_BYTES
 # 0 sends every poll through Django
 KILN_STATUS_CACHE_SECONDS = env_float("KILN_STATUS_CACHE_SECONDS", 1.0, minimum=0.0)
 KILN_TOKEN_CACHE_SECONDS = env_float("KILN_TOKEN_CACHE_SECONDS", 10.0, minimum=0.0)
+# every /v1/ request: a bearer token the database authenticated is trusted this long in the process
+# without asking again (kiln_web.core.auth_cache). A token or user change made in the same process ends it
+# at once; one made by another process (`kiln token`, another web process) is seen after at most this. 0: ask every time
+KILN_AUTH_CACHE_SECONDS = env_float("KILN_AUTH_CACHE_SECONDS", 5.0, minimum=0.0)
 # a running job's worker writes heartbeat_at this often; a job whose heartbeat is older
 # than KILN_LOST_AFTER_SECONDS is marked lost by the periodic check
 KILN_HEARTBEAT_SECONDS = env_float("KILN_HEARTBEAT_SECONDS", 10.0, minimum=0.1)

@@ -3,12 +3,13 @@
 import secrets
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
 from kiln_web.accounts.models import DISPLAY_CHARACTERS, TOKEN_PREFIX, ApiToken, hash_token
-from kiln_web.core import fastpath
+from kiln_web.core import auth_cache, fastpath
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # last_used_at is written at most this often per token
 
@@ -43,14 +44,29 @@ def do_ensure_token(user, name: str) -> str | None:
 
 
 def authenticate_token(token: str):
-    """The active user holding TOKEN, or None. Marks the token used (at most once a minute)."""
+    """The active user holding TOKEN, or None. An authentication is remembered for KILN_AUTH_CACHE_SECONDS in
+    this process (kiln_web.core.auth_cache); the database is asked, and the token marked used (at most once a
+    minute), only when it is not."""
     if not token.startswith(TOKEN_PREFIX):
         return None
-    row = ApiToken.objects.select_related("user").filter(token_hash=hash_token(token)).first()
-    if row is None or not row.user.is_active:
-        return None
-    now = timezone.now()
-    if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
-        ApiToken.objects.filter(pk=row.pk).update(last_used_at=now)
-    fastpath.remember_token(row.token_hash, row.user)
-    return row.user
+    token_hash = hash_token(token)
+    heard = _changes_heard_from_elsewhere()
+    user = auth_cache.tokens.get(token_hash, heard)
+    if user is None:
+        generation = auth_cache.tokens.generation()
+        row = ApiToken.objects.select_related("user").filter(token_hash=token_hash).first()
+        if row is None or not row.user.is_active:
+            return None
+        now = timezone.now()
+        if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
+            ApiToken.objects.filter(pk=row.pk).update(last_used_at=now)
+        auth_cache.tokens.put(token_hash, row.user, settings.KILN_AUTH_CACHE_SECONDS, generation, heard)
+        user = row.user
+    fastpath.remember_token(token_hash, user)
+    return user
+
+
+def _changes_heard_from_elsewhere() -> int:
+    """Token and user changes other processes announced on Redis, as far as this process heard them (the
+    job-status fast path counts them while its listener runs; it has no accessor, and this only reads)."""
+    return fastpath._auth_generation
