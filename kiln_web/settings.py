@@ -143,11 +143,23 @@ def database_config(url: str | None, kiln_home: Path) -> dict:
             "unset it to use SQLite in KILN_HOME"
         )
     try:
-        config = dj_database_url.parse(url)  # CONN_MAX_AGE 0: Django advises no persistent connections under ASGI
+        config = dj_database_url.parse(url)
     except ValueError as exc:
         raise ImproperlyConfigured(f"DATABASE_URL cannot be parsed: {exc}") from None
     if not config.get("NAME"):
         raise ImproperlyConfigured("DATABASE_URL names no database: postgres://USER:PASSWORD@HOST:5432/NAME")
+    # each process keeps a pool of connections (psycopg_pool, through Django) instead of connecting for every
+    # request: a connection goes back to the pool when Django would close it (CONN_MAX_AGE 0, as Django advises
+    # under ASGI, and it refuses a pool with persistent connections), and the pool checks it before handing it out
+    # again (CONN_HEALTH_CHECKS), so one broken by a database restart is replaced instead of failing a query
+    size = env_int("KILN_DATABASE_POOL_SIZE", 10, minimum=1)
+    config["CONN_MAX_AGE"] = 0
+    config["CONN_HEALTH_CHECKS"] = True
+    config["OPTIONS"] = {**config.get("OPTIONS", {}), "pool": {
+        "min_size": min(2, size),  # kept open while idle
+        "max_size": size,  # per process; a request that finds every one busy waits for one
+        "timeout": 10.0,  # seconds that wait may take before the request fails (psycopg_pool.PoolTimeout)
+    }}
     return config
 
 

@@ -106,6 +106,36 @@ def test_database_url_postgres(tmp_path, scheme):
     assert (config["HOST"], config["PORT"]) == ("db.internal", 5433)
 
 
+def test_postgres_connections_are_pooled(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_DATABASE_POOL_SIZE", raising=False)
+    config = database_config("postgres://kiln:pw@db.internal:5433/kiln_prod?sslmode=require", tmp_path)
+    assert config["OPTIONS"] == {"sslmode": "require", "pool": {"min_size": 2, "max_size": 10, "timeout": 10.0}}
+    assert config["CONN_MAX_AGE"] == 0 and config["CONN_HEALTH_CHECKS"] is True  # Django refuses a pool otherwise
+    monkeypatch.setenv("KILN_DATABASE_POOL_SIZE", "1")
+    assert database_config("postgres://u:p@h:5432/db", tmp_path)["OPTIONS"]["pool"] == {
+        "min_size": 1, "max_size": 1, "timeout": 10.0}
+    monkeypatch.setenv("KILN_DATABASE_POOL_SIZE", "0")
+    with pytest.raises(ImproperlyConfigured, match="KILN_DATABASE_POOL_SIZE=0 is below the minimum"):
+        database_config("postgres://u:p@h:5432/db", tmp_path)
+    assert "pool" not in database_config(None, tmp_path)["OPTIONS"]
+
+
+def test_django_builds_the_pool_from_those_settings(tmp_path, monkeypatch):
+    """psycopg_pool is installed and Django accepts the configuration; nothing is connected."""
+    from django.db.utils import ConnectionHandler
+    from psycopg_pool import ConnectionPool
+
+    monkeypatch.delenv("KILN_DATABASE_POOL_SIZE", raising=False)
+    config = database_config("postgres://u:p@h:5432/db", tmp_path)
+    wrapper = ConnectionHandler({"default": {}, "pooled": config})["pooled"]
+    try:
+        pool = wrapper.pool
+        assert isinstance(pool, ConnectionPool) and (pool.min_size, pool.max_size, pool.timeout) == (2, 10, 10.0)
+        assert pool._check is not None  # each connection is checked before it is handed out again
+    finally:
+        type(wrapper)._connection_pools.pop("pooled", None)
+
+
 @pytest.mark.parametrize("url", ["mysql://u:p@h/db", "sqlite:///tmp/x.db", "db.internal:5432/kiln",
                                  "postgres://u:p@h:5432/"])
 def test_database_url_refused(tmp_path, url):
