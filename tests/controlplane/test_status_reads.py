@@ -88,3 +88,20 @@ def test_an_ended_job_checks_its_checkpoint_against_the_recorded_digest(fake_run
     finally:
         path.with_name(basename + ".moved").rename(path)
     assert api.get(f"/v1/train/jobs/{cancelled['id']}").json()["latest_checkpoint"] == cancelled["latest_checkpoint"]
+
+
+def test_a_poll_of_a_running_job_is_three_queries(fake_runner, api, adapter_name, settings,
+                                                   django_assert_max_num_queries, monkeypatch):
+    """With the fast path off (KILN_STATUS_CACHE_SECONDS=0) and the token remembered: the job with its owner
+    and adapter, its promotion, its evaluations. No token query, no directory read."""
+    settings.KILN_STATUS_CACHE_SECONDS, settings.KILN_AUTH_CACHE_SECONDS = 0, 5
+    job_id = submit(api, sft_body(adapter_name))
+    assert actions.do_claim_job(job_id, "w")
+    summary = {"resume_checkpoint": f"{adapter_name}-checkpoint-step-00000001.kiln-checkpoint",
+               "training_kind": "sft", "adapter": adapter_name, "step": 1, "checkpoint_id": "c" * 64}
+    assert actions.do_record_checkpoint(job_id, "w", summary, manifest_digest="f" * 64)
+    api.get(f"/v1/train/jobs/{job_id}")  # the token is remembered from here on
+    no_directory_reads(monkeypatch)
+    with django_assert_max_num_queries(3):
+        job = api.get(f"/v1/train/jobs/{job_id}").json()
+    assert job["status"] == "running" and job["latest_checkpoint"]["resume_checkpoint"] == summary["resume_checkpoint"]
