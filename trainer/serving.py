@@ -86,6 +86,12 @@ class TurnLock:
         self._queue = deque()  # tickets waiting for a turn, oldest first
         self._holder = None
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a turn now."""
+        with self._condition:
+            return len(self._queue)
+
     def _wait_for_turn(self, ticket) -> None:  # with self._condition held
         self._queue.append(ticket)
         while self._holder is not None or self._queue[0] is not ticket:
