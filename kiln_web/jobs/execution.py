@@ -100,7 +100,8 @@ class JobHooks:
         return self._cancel
 
     def on_checkpoint(self, summary: dict, timing: dict) -> None:
-        digest = runtime.manifest_digest(summary["resume_checkpoint"])
+        # the summary the run read back after publishing carries the digest: no second read of the manifest
+        digest = summary.get("manifest_sha256") or runtime.manifest_digest(summary["resume_checkpoint"])
         through_outage(actions.do_record_checkpoint, self.job_id, self.worker_id, summary, timing,
                        manifest_digest=digest)
 

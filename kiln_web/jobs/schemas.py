@@ -228,6 +228,7 @@ class CheckpointSummary(Schema):
                                                "consumed_lines, consumed_lines_sha256); OPD {candidate, prompt, "
                                                "epoch, prompt_sha256}")
     complete: bool | None = Field(None, description="whether the run had finished when it was published")
+    manifest_sha256: str | None = Field(None, description="SHA-256 of the checkpoint's manifest file, as published")
     teacher: dict[str, Any] | None = Field(None, description="OPD: the teacher alias and the identity and content "
                                                              "revisions the checkpoint binds")
 

@@ -357,3 +357,21 @@ def test_admin_pages_render(fake_runner, api, adapter_name, admin_client):
                 "/admin/adapters/checkpointrecord/", f"/admin/adapters/checkpointrecord/{record.pk}/change/",
                 "/admin/accounts/apitoken/"):
         assert admin_client.get(url).status_code == 200, url
+
+
+@pytest.mark.django_db
+def test_a_recorded_checkpoint_takes_its_digest_from_the_run_without_reading_the_manifest_again(
+        fake_runner, ada, adapter_name, monkeypatch):
+    from kiln_web.jobs import runtime
+
+    job_id = actions.do_submit_job(ada, {}, sft_body(adapter_name)).pk
+    assert actions.do_claim_job(job_id, "worker-a")
+
+    def read_again(basename):
+        raise AssertionError(f"{basename}'s manifest was read again after publication")
+
+    monkeypatch.setattr(runtime, "manifest_digest", read_again)
+    summary = {"resume_checkpoint": f"{adapter_name}-step-2.kiln-checkpoint", "step": 2, "checkpoint_id": "c" * 64,
+               "manifest_sha256": "ab" * 32}
+    JobHooks(job_id, "worker-a").on_checkpoint(summary, {})
+    assert CheckpointRecord.objects.get(basename=summary["resume_checkpoint"]).manifest_digest == "ab" * 32

@@ -262,7 +262,7 @@ def test_light_and_full_loads_agree_on_valid_checkpoint(published):
     assert summary == {"resume_checkpoint": published.name, "training_kind": "sft", "adapter": "bot",
                        "step": 3, "checkpoint_id": full.checkpoint_id, "committed_step": 3,
                        "total_steps": 10 ** 6, "complete": False, "next_cursor": {"epoch": 0, "example": 6},
-                       "data_source_kind": "inline"}
+                       "data_source_kind": "inline", "manifest_sha256": full.manifest_digest}
 
 
 def test_name_manifest_and_sentinel_refusals(registry, published):

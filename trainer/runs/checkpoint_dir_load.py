@@ -308,4 +308,4 @@ def checkpoint_summary(loaded: LoadedCheckpoint) -> dict:
     m = loaded.manifest
     return {**(m.get("progress") or {}), "resume_checkpoint": loaded.path.name,
             "training_kind": m["checkpoint_type"], "adapter": m["adapter"], "step": m["step"],
-            "checkpoint_id": loaded.checkpoint_id}
+            "checkpoint_id": loaded.checkpoint_id, "manifest_sha256": loaded.manifest_digest}
