@@ -351,6 +351,10 @@ if KILN_LOST_AFTER_SECONDS < 3 * KILN_HEARTBEAT_SECONDS:
         f"KILN_LOST_AFTER_SECONDS={KILN_LOST_AFTER_SECONDS:g} must be at least three heartbeats "
         f"(3 x KILN_HEARTBEAT_SECONDS = {3 * KILN_HEARTBEAT_SECONDS:g}), or live jobs would be marked lost"
     )
+if "pool" in DATABASES["default"].get("OPTIONS", {}):
+    # a worker waits for an unreachable database at most KILN_LOST_AFTER_SECONDS (jobs.execution.through_outage);
+    # a pool checkout that waited longer would stretch that promise, so it waits no longer either
+    DATABASES["default"]["OPTIONS"]["pool"]["timeout"] = min(10.0, KILN_LOST_AFTER_SECONDS)
 # how often a running job asks the database whether it was cancelled (at step boundaries)
 KILN_CANCEL_POLL_SECONDS = env_float("KILN_CANCEL_POLL_SECONDS", 1.0, minimum=0.0)
 KILN_WORKER_POLL_SECONDS = env_float("KILN_WORKER_POLL_SECONDS", 2.0, minimum=0.05)  # embedded worker

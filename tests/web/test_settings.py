@@ -175,3 +175,17 @@ def test_secret_key_file_too_short_is_refused(tmp_path):
     (tmp_path / "secret_key").write_text("short\n")
     with pytest.raises(ImproperlyConfigured, match="delete it"):
         load_or_create_secret_key(tmp_path)
+
+
+def test_a_pool_checkout_waits_no_longer_than_a_worker_waits_for_the_database(tmp_path):
+    """With KILN_LOST_AFTER_SECONDS=3 a query waits at most 3 s for a pooled connection, so a database that stays
+    down longer fails the run (tests/faults/test_postgres_restart.py), instead of the pool's 10 s hiding it."""
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key not in {"DJANGO_SETTINGS_MODULE", "REDIS_URL"}}
+    env |= {"KILN_HOME": str(tmp_path), "DATABASE_URL": "postgres://u:p@127.0.0.1:1/db",
+            "KILN_LOST_AFTER_SECONDS": "3", "KILN_HEARTBEAT_SECONDS": "0.5"}
+    script = "from kiln_web import settings; print(settings.DATABASES['default']['OPTIONS']['pool']['timeout'])"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["3.0"], out.stderr[-2000:]
