@@ -68,5 +68,5 @@ def authenticate_token(token: str):
 
 def _changes_heard_from_elsewhere() -> int:
     """Token and user changes other processes announced on Redis, as far as this process heard them (the
-    job-status fast path counts them while its listener runs; it has no accessor, and this only reads)."""
-    return fastpath._auth_generation
+    job-status fast path counts them while its listener runs)."""
+    return fastpath.auth_changes_heard()

@@ -82,6 +82,12 @@ _answers: dict[str, _Answer] = {}
 _lock = threading.Lock()  # Django fills from its threads; the event loop reads
 _job_generations: dict[str, int] = {}  # changes heard of, per job
 _auth_generation = 0  # token and user changes heard of
+
+
+def auth_changes_heard() -> int:
+    """How many token or user changes this process has heard of (made here, or announced on Redis by another
+    web process while the listener runs); a cache of authentications is stale once this has moved."""
+    return _auth_generation
 _observed = contextvars.ContextVar("kiln_status_generations", default=None)  # (job, auth) before Django ran
 _sync_client = None  # (url, client)
 _listeners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Listener
