@@ -1,6 +1,6 @@
 """Control-plane load on loopback: API pollers and dashboard WebSockets while two kiln-tiny jobs train.
 
-Kiln as deployed on one host, in a temporary KILN_HOME: `kiln up` (uvicorn, one process) with REDIS_URL
+Kiln as deployed on one host, in a temporary KILN_HOME: `kiln up` (uvicorn, --web-processes processes, default one) with REDIS_URL
 set (KILN_STATUS_CACHE_SECONDS from --status-cache, default 1 as Kiln's own), two `celery -A kiln_web worker --pool solo` processes (one job each), a redis-server of the bench's
 own on a free loopback port, and SQLite or the PostgreSQL named by --database-url (the bench creates a
 fresh database there and drops it). Two SFT jobs are submitted and, once both run, for DURATION seconds:
@@ -16,7 +16,8 @@ Then both jobs are cancelled, every process stopped and every temporary thing re
 by itself after about DURATION + 60 seconds at most. Only 127.0.0.1 is ever contacted.
 
     python bench/load.py [--duration 30] [--clients 200] [--sockets 100] [--poll-interval 1]
-                         [--database-url postgres://postgres@127.0.0.1:5432/postgres] [--json FILE]
+                         [--database-url postgres://postgres@127.0.0.1:5432/postgres] [--web-processes 1]
+                         [--json FILE]
 
 Targets: no errors, p95 status latency under 50 ms, p95 event delivery under 250 ms.
 """
@@ -97,7 +98,7 @@ class Child:
 
 
 class Deployment:
-    def __init__(self, database_url: str | None, worker_nice: int, status_cache: float):
+    def __init__(self, database_url: str | None, worker_nice: int, status_cache: float, web_processes: int = 1):
         self.home = Path(tempfile.mkdtemp(prefix="kiln-load-home-"))
         self.children: list[Child] = []
         self.database_url, self.database_name = None, None
@@ -116,8 +117,8 @@ class Deployment:
                      "KILN_STATUS_CACHE_SECONDS": str(status_cache)}
         if self.database_url:
             self.env["DATABASE_URL"] = self.database_url
-        self.web = Child([sys.executable, "-m", "kiln_web.cli", "up", "--host", HOST, "--port", str(self.port)],
-                         self.env)
+        self.web = Child([sys.executable, "-m", "kiln_web.cli", "up", "--host", HOST, "--port", str(self.port),
+                          "--processes", str(web_processes)], self.env)
         self.children.append(self.web)
         self.password = self.web.wait_for(r"admin user 'admin' with password: (\S+)", 180).group(1)
         self.token = self.web.wait_for(r"API token for 'admin': (\S+)", 60).group(1)
@@ -312,12 +313,14 @@ def main() -> int:
                                                              "database in (default: SQLite in KILN_HOME)")
     parser.add_argument("--status-cache", type=float, default=1.0,
                         help="KILN_STATUS_CACHE_SECONDS for the web process (default 1; 0: every poll through Django)")
+    parser.add_argument("--web-processes", type=int, default=1,
+                        help="kiln up --processes: web processes sharing the port (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is needed: apt-get install redis-server")
 
-    deployment = Deployment(args.database_url, args.worker_nice, args.status_cache)
+    deployment = Deployment(args.database_url, args.worker_nice, args.status_cache, args.web_processes)
     try:
         jobs = [deployment.api("POST", "/v1/train/sft", job_request(f"load-{index}", args.epochs,
                                                                     args.accumulation))["id"] for index in range(2)]
@@ -341,7 +344,8 @@ def main() -> int:
     polls, sockets = result["polls"], result["sockets"]
     latencies, delivery = polls["latencies"], sockets["delivery"]
     report = {
-        "setup": {"web": "kiln up (uvicorn, 1 process) with REDIS_URL",
+        "setup": {"web": f"kiln up (uvicorn, {args.web_processes} process{'es' if args.web_processes > 1 else ''}) "
+                         "with REDIS_URL",
                   "status_cache_s": args.status_cache,
                   "workers": f"2 x celery --pool solo, nice {args.worker_nice}",
                   "database": "postgresql" if args.database_url else "sqlite", "clients": args.clients,

@@ -46,6 +46,9 @@ def hide_password(url: str) -> str:
 def add_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="web processes sharing the port (default: %(default)s); more than one needs REDIS_URL "
+                             "(Celery workers, the Redis channel layer)")
 
 
 def add_worker(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +76,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     import uvicorn
     from django.conf import settings
     from django.core.management import call_command
+
+    if args.processes < 1:
+        print("kiln up: --processes must be at least 1", file=sys.stderr)
+        return 2
+    if args.processes > 1 and settings.KILN_EMBEDDED_WORKER:
+        print("kiln up: --processes above 1 needs REDIS_URL: without Redis, jobs run in the one web process's "
+              "embedded worker and WebSocket events reach only that process", file=sys.stderr)
+        return 2
 
     from kiln_web.accounts.actions import do_ensure_token
     from kiln_web.asgi import application
@@ -103,8 +114,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         # lifespan off: the Channels router does not speak the ASGI lifespan protocol.
         # no per-message deflate: job events are a few hundred bytes of JSON, and compressing each one once
         # per open dashboard costs the web process more CPU than the bytes it saves on a local network
-        uvicorn.run(application, host=args.host, port=args.port, lifespan="off", log_level="info",
-                    ws_per_message_deflate=False)
+        # several processes: uvicorn's supervisor (this process, which keeps the housekeeper) spawns
+        # children that each import the application; one process serves in this interpreter
+        app = "kiln_web.asgi:application" if args.processes > 1 else application
+        uvicorn.run(app, host=args.host, port=args.port, lifespan="off", log_level="info",
+                    ws_per_message_deflate=False, workers=args.processes if args.processes > 1 else None)
     except KeyboardInterrupt:
         pass  # uvicorn has shut down the server and re-raised the signal
     if worker is not None:

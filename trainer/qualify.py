@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainer import teachers
 from trainer.runs import checkpoint_dir, grpo, opd, sft
-from trainer.runs.common import RunSettings
+from trainer.runs.admission import RunSettings
 
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"
 SFT_RECORDS = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},

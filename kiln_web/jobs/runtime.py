@@ -90,6 +90,12 @@ def run_settings(module: ModuleType | None = None):
     )
 
 
+def request_default(kind: str, path: str):
+    """What admission gives request field PATH ("lora.rank") of training KIND when it is absent: the
+    kind's RunKind.defaults (trainer.runs.defaults), so the API's descriptions and admission agree."""
+    return _module("trainer.runs.defaults", "the run defaults").default_at(kind, path)
+
+
 def teacher_spec(fields: dict) -> dict:
     """A teacher alias's spec as the OPD run takes it: {alias, route, base, adapter, endpoint, model,
     identity_revision}. ValueError says what is wrong (trainer.teachers.parse_teacher), LookupError

@@ -8,16 +8,28 @@ resume drift); these shapes check types and ranges.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
 from ninja import Schema
 from pydantic import ConfigDict, Field, model_validator
 
+from kiln_web.jobs.runtime import request_default
 from kiln_web.serving.schemas import JobPromotionOut, PromotionGate
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$"
 TEACHER_ALIAS = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}@(native|openai)$"
+
+
+def absent(kind: str, path: str, before: str = "", after: str = "") -> str:
+    """A field's description ending in "absent: <the default admission uses>" (request_default)."""
+    value = request_default(kind, path)
+    if isinstance(value, list):
+        shown = ", ".join(map(str, value)) or "none"
+    else:
+        shown = value if isinstance(value, str) else json.dumps(value)
+    return f"{before}absent: {shown}{after}"
 
 
 class Strict(Schema):
@@ -39,22 +51,25 @@ class OneSource(Strict):
 
 class LRSchedule(Strict):
     type: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="constant, or warmup then linear or cosine decay to zero")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from zero")
+        request_default("sft", "lr_schedule.type"), description="constant, or warmup then linear or cosine decay "
+                                                                "to zero")
+    warmup_steps: int = Field(request_default("sft", "lr_schedule.warmup_steps"), ge=0,
+                              description="optimizer steps of linear warmup from zero")
 
 
 class LoRAConfig(Strict):
-    rank: int | None = Field(None, gt=0, description="absent: 8")
-    alpha: float | None = Field(None, gt=0, description="absent: 16")
-    targets: list[str] | None = Field(None, min_length=1, description="projection names, e.g. q_proj, v_proj; "
-                                                                      "absent: every projection")
-    use_rslora: bool | None = Field(None, description="scale by alpha/sqrt(rank) instead of alpha/rank")
+    rank: int | None = Field(None, gt=0, description=absent("sft", "lora.rank"))
+    alpha: float | None = Field(None, gt=0, description=absent("sft", "lora.alpha"))
+    targets: list[str] | None = Field(None, min_length=1, description=absent("sft", "lora.targets",
+                                                                             "projection names; "))
+    use_rslora: bool | None = Field(None, description=absent("sft", "lora.use_rslora", "scale by alpha/sqrt(rank) "
+                                                                                       "instead of alpha/rank; "))
 
 
 class QuantizationConfig(Strict):
     type: Literal["nf4"] = Field(description="NF4 as bitsandbytes quantize_4bit(quant_type='nf4')")
-    block_size: int | None = Field(None, ge=32, description="absent: 64")
-    double_quantization: bool | None = Field(None, description="absent: false")
+    block_size: int | None = Field(None, ge=32, description=absent("sft", "quantization.block_size"))
+    double_quantization: bool | None = Field(None, description=absent("sft", "quantization.double_quantization"))
 
 
 MAX_SEED = 2**63 - 1
@@ -65,15 +80,16 @@ class SFTConfig(Strict):
     the job's effective_config reports every resolved value."""
 
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
-    base_model: str | None = Field(None, min_length=1, description="a registered base (kiln base list); "
-                                                                   "absent: kiln-tiny")
-    epochs: int | None = Field(None, gt=0, description="absent: 1")
-    learning_rate: float | None = Field(None, gt=0, description="peak learning rate; absent: 2e-4")
+    base_model: str | None = Field(None, min_length=1, description=absent("sft", "base_model", "a registered base "
+                                                                                                "(kiln base list); "))
+    epochs: int | None = Field(None, gt=0, description=absent("sft", "epochs"))
+    learning_rate: float | None = Field(None, gt=0, description=absent("sft", "learning_rate", "peak learning rate; "))
     lr_schedule: LRSchedule | None = None
-    batch_size: int | None = Field(None, gt=0, description="examples per micro-batch; absent: 1")
-    gradient_accumulation_steps: int | None = Field(None, gt=0, description="micro-batches per optimizer step")
-    max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this; "
-                                                                "absent: 1.0; null: no clipping")
+    batch_size: int | None = Field(None, gt=0, description=absent("sft", "batch_size", "examples per micro-batch; "))
+    gradient_accumulation_steps: int | None = Field(None, gt=0, description=absent(
+        "sft", "gradient_accumulation_steps", "micro-batches per optimizer step; "))
+    max_grad_norm: float | None = Field(None, gt=0, description=absent("sft", "max_grad_norm", "clip the global "
+                                        "gradient norm to this; ", "; null: no clipping"))
     lora: LoRAConfig | None = None
     quantization: QuantizationConfig | None = Field(None, description="null or absent: an FP32 base (LoRA); "
                                                                       "nf4: a quantized base (QLoRA)")
@@ -85,10 +101,10 @@ class SFTConfig(Strict):
     resume_checkpoint: str | None = Field(
         None, min_length=1, description="continue the same run from a .kiln-checkpoint: its basename in the "
                                         "adapter registry, or an absolute path directly inside it")
-    max_sequence_length: int | None = Field(None, ge=2, description="tokens per example (longer ones are "
-                                                                    "truncated); absent: 512")
-    activation_checkpointing: Literal["none", "blocks"] | None = Field(
-        None, description="recompute block activations in backward to save memory; absent: none")
+    max_sequence_length: int | None = Field(None, ge=2, description=absent(
+        "sft", "max_sequence_length", "tokens per example (longer ones are truncated); "))
+    activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
+        "sft", "activation_checkpointing", "recompute block activations in backward to save memory; "))
 
 
 class SFTRequest(OneSource):
@@ -106,10 +122,11 @@ class SFTRequest(OneSource):
 
 class GRPOReference(Strict):
     type: Literal["frozen", "ema"] = Field(
-        "frozen", description="frozen: the base (adapter off); ema: an EMA of the adapter refreshed every "
+        request_default("grpo", "reference.type"), description="frozen: the base (adapter off); ema: an EMA of the adapter refreshed every "
                               "refresh_steps optimizer steps as (1 - mixup_alpha) * ref + mixup_alpha * policy")
-    refresh_steps: int | None = Field(None, gt=0, description="ema only; absent: 512")
-    mixup_alpha: float | None = Field(None, gt=0, le=1, description="ema only; absent: 0.6")
+    refresh_steps: int | None = Field(None, gt=0, description=absent("grpo", "reference.refresh_steps", "ema only; "))
+    mixup_alpha: float | None = Field(None, gt=0, le=1, description=absent("grpo", "reference.mixup_alpha",
+                                                                           "ema only; "))
 
 
 class GRPOConfig(Strict):
@@ -117,13 +134,14 @@ class GRPOConfig(Strict):
     effective_config reports (docs/grpo-opd.md)."""
 
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
-    base_model: str | None = Field(None, min_length=1, description="a registered base; absent: kiln-tiny")
-    epochs: int | None = Field(None, gt=0, description="passes over the groups; absent: 1")
-    groups_per_step: int | None = Field(None, gt=0, description="groups (one micro-batch each) per optimizer "
-                                                                "step; absent: 1")
-    learning_rate: float | None = Field(None, gt=0, description="absent: 1e-5")
+    base_model: str | None = Field(None, min_length=1, description=absent("grpo", "base_model", "a registered base; "))
+    epochs: int | None = Field(None, gt=0, description=absent("grpo", "epochs", "passes over the groups; "))
+    groups_per_step: int | None = Field(None, gt=0, description=absent(
+        "grpo", "groups_per_step", "groups (one micro-batch each) per optimizer step; "))
+    learning_rate: float | None = Field(None, gt=0, description=absent("grpo", "learning_rate"))
     lr_schedule: LRSchedule | None = None
-    max_grad_norm: float | None = Field(None, gt=0, description="absent: 1.0; null: no clipping")
+    max_grad_norm: float | None = Field(None, gt=0, description=absent("grpo", "max_grad_norm",
+                                                                       after="; null: no clipping"))
     lora: LoRAConfig | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="null or absent: chosen at admission")
     checkpoint_interval: int | None = Field(
@@ -131,18 +149,22 @@ class GRPOConfig(Strict):
                                 "training.checkpoint_interval (KILN_CHECKPOINT_INTERVAL)")
     resume_checkpoint: str | None = Field(None, min_length=1, description="continue the same run from a GRPO "
                                                                           ".kiln-checkpoint basename")
-    epsilon: float | None = Field(None, gt=0, lt=1, description="lower clip range; absent: 0.2")
+    epsilon: float | None = Field(None, gt=0, lt=1, description=absent("grpo", "epsilon", "lower clip range; "))
     epsilon_high: float | None = Field(None, gt=0, description="upper clip range; absent: epsilon")
-    beta: float | None = Field(None, ge=0, description="k3 KL coefficient to the reference; absent: 0 (no KL)")
-    scale_rewards: Literal["group", "batch", "none"] | None = Field(
-        None, description="advantage scaling by the reward std of the group, the step, or none; absent: group")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = Field(None, description="absent: dapo")
-    num_iterations: int | None = Field(None, gt=0, description="optimizer updates per batch (TRL's mu); absent: 1")
-    max_completion_length: int | None = Field(None, gt=0, description="completion tokens kept; absent: 256")
+    beta: float | None = Field(None, ge=0, description=absent("grpo", "beta", "k3 KL coefficient to the reference; ",
+                                                              " (0: no KL)"))
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(None, description=absent(
+        "grpo", "scale_rewards", "advantage scaling by the reward std of the group, the step, or none; "))
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = Field(None, description=absent("grpo", "loss_type"))
+    num_iterations: int | None = Field(None, gt=0, description=absent("grpo", "num_iterations",
+                                                                      "optimizer updates per batch (TRL's mu); "))
+    max_completion_length: int | None = Field(None, gt=0, description=absent("grpo", "max_completion_length",
+                                                                             "completion tokens kept; "))
     reference: GRPOReference | None = None
-    streaming: bool | None = Field(None, description="read dataset_path lazily from a byte cursor (files too "
-                                                     "large to hold); absent: false")
-    activation_checkpointing: Literal["none", "blocks"] | None = None
+    streaming: bool | None = Field(None, description=absent("grpo", "streaming", "read dataset_path lazily from a "
+                                                            "byte cursor (files too large to hold); "))
+    activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
+        "grpo", "activation_checkpointing"))
 
 
 class GRPORequest(OneSource):
@@ -163,7 +185,7 @@ class OPDGuardrails(Strict):
     max_repetition_rate: float | None = Field(None, ge=0, le=1, description="stop above this repeated-trigram rate")
     max_empty_rate: float | None = Field(None, ge=0, le=1, description="stop above this empty-completion rate")
     kl_ceiling: float | None = Field(None, description="stop when the mean sampled reverse KL rises above")
-    window: int | None = Field(None, gt=0, description="candidates per window; absent: 8")
+    window: int | None = Field(None, gt=0, description=absent("opd", "guardrails.window", "candidates per window; "))
 
 
 class OPDConfig(Strict):
@@ -173,27 +195,32 @@ class OPDConfig(Strict):
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
     teacher: str = Field(pattern=TEACHER_ALIAS, description="a registered teacher alias name@route "
                                                             "(GET /v1/teachers); the server resolves it")
-    base_model: str | None = Field(None, min_length=1, description="the student base; absent: kiln-tiny")
+    base_model: str | None = Field(None, min_length=1, description=absent("opd", "base_model", "the student base; "))
     base_adapter: str | None = Field(None, min_length=1, description="warm start: an absolute PEFT directory in "
                                                                      "the adapter registry or a data root")
-    steps: int | None = Field(None, gt=0, description="optimizer steps; absent: 100")
-    candidates_per_step: int | None = Field(None, gt=0, description="non-empty candidates per step; absent: 1")
-    max_new_tokens: int | None = Field(None, gt=0, description="absent: 64")
-    temperature: float | None = Field(None, ge=0, description="student sampling; 0 is greedy; absent: 1.0")
-    top_p: float | None = Field(None, gt=0, le=1, description="absent: 1.0")
-    top_k: int | None = Field(None, ge=0, description="absent: 0 (off)")
-    stop_strings: list[str] | None = Field(None, description="strings that end a completion")
-    learning_rate: float | None = Field(None, gt=0, description="absent: 1e-4")
+    steps: int | None = Field(None, gt=0, description=absent("opd", "steps", "optimizer steps; "))
+    candidates_per_step: int | None = Field(None, gt=0, description=absent("opd", "candidates_per_step",
+                                                                           "non-empty candidates per step; "))
+    max_new_tokens: int | None = Field(None, gt=0, description=absent("opd", "max_new_tokens"))
+    temperature: float | None = Field(None, ge=0, description=absent("opd", "temperature",
+                                                                     "student sampling; 0 is greedy; "))
+    top_p: float | None = Field(None, gt=0, le=1, description=absent("opd", "top_p"))
+    top_k: int | None = Field(None, ge=0, description=absent("opd", "top_k", after=" (0: off)"))
+    stop_strings: list[str] | None = Field(None, description=absent("opd", "stop_strings", "strings that end a "
+                                                                                         "completion; "))
+    learning_rate: float | None = Field(None, gt=0, description=absent("opd", "learning_rate"))
     lr_schedule: LRSchedule | None = None
-    max_grad_norm: float | None = Field(None, gt=0, description="absent: 1.0; null: no clipping")
+    max_grad_norm: float | None = Field(None, gt=0, description=absent("opd", "max_grad_norm",
+                                                                       after="; null: no clipping"))
     lora: LoRAConfig | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="null or absent: chosen at admission")
-    checkpoint_interval: int | None = Field(None, gt=0, description="committed optimizer steps between "
-                                                                    "checkpoints; null or absent: 25")
+    checkpoint_interval: int | None = Field(None, gt=0, description=absent(
+        "opd", "checkpoint_interval", "committed optimizer steps between checkpoints; null or "))
     resume_checkpoint: str | None = Field(None, min_length=1, description="continue the same run from an OPD "
                                                                           ".kiln-checkpoint basename")
     guardrails: OPDGuardrails | None = None
-    activation_checkpointing: Literal["none", "blocks"] | None = None
+    activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
+        "opd", "activation_checkpointing"))
 
 
 class OPDRequest(OneSource):

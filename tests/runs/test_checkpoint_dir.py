@@ -19,7 +19,7 @@ from trainer import fsio
 from trainer.jsonio import canonical_bytes
 from trainer.runs import checkpoint_dir as cd
 from trainer.runs.checkpoint_dir import CheckpointError
-from trainer.runs.common import tensors_bytes, tensors_from
+from trainer.runs.state import tensors_bytes, tensors_from
 
 WORKER_PATH = Path(__file__).with_name("publish_worker.py")
 _spec = importlib.util.spec_from_file_location("publish_worker", WORKER_PATH)

@@ -22,10 +22,9 @@ from trainer import LoraConfig
 from trainer.lora import PROJECTIONS
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
+from trainer.runs.defaults import LORA_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
 
 PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
-LORA_DEFAULT = {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False}
-SCHEDULE_DEFAULT = {"type": "constant", "warmup_steps": 0}
 NULLABLE = ("seed", "checkpoint_interval", "resume_checkpoint", "max_grad_norm")
 KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
 MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "dataset", "config",

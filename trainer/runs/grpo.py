@@ -23,13 +23,14 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError,
                                     RequestError, RunSettings, admit_resume, check_planning_schema, check_request,
                                     check_shared, difference, find_base, has_dataset_path, int_field, load_resume,
                                     lora_config, merge_config, number_field, planning_identity, reopen_resume,
                                     require_loss_route, revalidate, run_identities, select_loss_route, settle_seed)
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
+from trainer.runs.defaults import EMA_DEFAULTS, GRPO_DEFAULTS
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot, tensors_from)
@@ -40,30 +41,6 @@ KIND = "grpo"
 REFERENCE_FILE = "reference.safetensors"  # EMA reference adapter values
 ROLLOUT_FILE = "rollout.safetensors"  # old / reference log-probabilities of a batch still being iterated
 
-GRPO_DEFAULTS = {
-    "output_name": None,
-    "base_model": "kiln-tiny",
-    "learning_rate": 1e-5,  # LoRA needs more than TRL's full-model 1e-6
-    "lr_schedule": SCHEDULE_DEFAULT,
-    "epochs": 1,
-    "groups_per_step": 1,  # micro-batches (groups) accumulated into one optimizer step
-    "max_grad_norm": 1.0,  # TRL / transformers default
-    "lora": LORA_DEFAULT,
-    "seed": None,
-    "checkpoint_interval": None,  # the server's training.checkpoint_interval when absent
-    "resume_checkpoint": None,
-    "epsilon": 0.2,  # TRL
-    "epsilon_high": None,  # None: epsilon (symmetric clipping)
-    "beta": 0.0,  # TRL: no KL term, no reference forward
-    "scale_rewards": "group",  # TRL
-    "loss_type": "dapo",  # TRL's current default
-    "num_iterations": 1,  # TRL's mu
-    "max_completion_length": 256,  # TRL; completions are truncated to it; dr_grpo divides by it
-    "reference": {"type": "frozen"},
-    "streaming": False,
-    "activation_checkpointing": "none",
-}
-EMA_DEFAULTS = {"refresh_steps": 512, "mixup_alpha": 0.6}  # TRL ref_model_sync_steps / ref_model_mixup_alpha
 
 
 # -- request --------------------------------------------------------------------------------

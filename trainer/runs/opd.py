@@ -25,13 +25,14 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError,
                                     RequestError, RunFailed, RunSettings, admit_resume, canonical,
                                     check_planning_schema, check_shared, dataset_file, difference, file_sha256,
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config,
                                     number_field, planning_identity, prepare, reopen_resume, require_loss_route,
                                     revalidate, run_identities, select_loss_route, settle_seed, sha256_hex,
                                     within_roots)
+from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
@@ -39,32 +40,7 @@ from trainer.runs.step import NullHooks, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "opd"
-DEFAULT_CHECKPOINT_INTERVAL = 25  # OPD's request default (the spec's)
 MAX_IDLE_CANDIDATES = 64  # consecutive candidates without an update before the run gives up
-GUARDRAIL_DEFAULTS = {"entropy_floor": None, "max_repetition_rate": None, "max_empty_rate": None,
-                      "kl_ceiling": None, "window": 8}
-OPD_DEFAULTS = {
-    "output_name": None,
-    "base_model": "kiln-tiny",
-    "teacher": None,  # the resolved alias spec (trainer.teachers.parse_teacher)
-    "max_new_tokens": 64,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "stop_strings": [],
-    "learning_rate": 1e-4,
-    "lr_schedule": SCHEDULE_DEFAULT,
-    "steps": 100,
-    "candidates_per_step": 1,  # completions with an update accumulated into one optimizer step
-    "max_grad_norm": 1.0,
-    "lora": LORA_DEFAULT,
-    "seed": None,
-    "checkpoint_interval": DEFAULT_CHECKPOINT_INTERVAL,
-    "resume_checkpoint": None,
-    "base_adapter": None,  # a PEFT directory: weights-only warm start
-    "guardrails": GUARDRAIL_DEFAULTS,
-    "activation_checkpointing": "none",
-}
 GUARDRAILS = {  # name: (window statistic, direction, what it means)
     "entropy_floor": ("entropy", "below", "mean student entropy (nats/token)"),
     "max_repetition_rate": ("repetition", "above", "mean repeated-trigram rate"),
@@ -81,7 +57,7 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
     given_lora = isinstance(config, dict) and config.get("lora") is not None
     c = merge_config(config, OPD_DEFAULTS, KIND)
     if c["checkpoint_interval"] is None:
-        c["checkpoint_interval"] = DEFAULT_CHECKPOINT_INTERVAL
+        c["checkpoint_interval"] = OPD_CHECKPOINT_INTERVAL
     c = check_shared(c, settings)
     if c["teacher"] is None:
         raise RequestError("config.teacher", "is required: the resolved teacher alias")

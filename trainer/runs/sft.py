@@ -23,12 +23,13 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import (LORA_DEFAULT, MANIFEST_FIELDS, SCHEDULE_DEFAULT, Admission, AdmissionError,
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError,
                                     RequestError, RunSettings, admit_resume, check_planning_schema, check_shared,
                                     dataset_file, has_dataset_path, int_field, load_resume, lora_config,
                                     merge_config, prepare, reopen_resume, require_loss_route, revalidate,
                                     run_identities, select_loss_route, settle_seed)
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
+from trainer.runs.defaults import NF4_DEFAULT, SFT_DEFAULTS
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
@@ -42,28 +43,11 @@ SPIKE_WINDOW = 20
 
 # -- request ------------------------------------------------------------------------------
 
-CONFIG_DEFAULTS = {
-    "output_name": None,
-    "base_model": "kiln-tiny",
-    "epochs": 1,
-    "learning_rate": 2e-4,
-    "lr_schedule": SCHEDULE_DEFAULT,
-    "batch_size": 1,
-    "gradient_accumulation_steps": 1,
-    "max_grad_norm": 1.0,
-    "lora": LORA_DEFAULT,
-    "quantization": None,
-    "seed": None,
-    "checkpoint_interval": None,
-    "resume_checkpoint": None,
-    "max_sequence_length": 512,
-    "activation_checkpointing": "none",
-}
 
 
 def normalise_config(config: dict, settings: RunSettings) -> dict:
     """The validated, complete configuration (defaults filled in); RequestError on bad input."""
-    c = check_shared(merge_config(config, CONFIG_DEFAULTS, "sft"), settings)
+    c = check_shared(merge_config(config, SFT_DEFAULTS, "sft"), settings)
     c["epochs"] = int_field(c["epochs"], "config.epochs", 1)
     c["batch_size"] = int_field(c["batch_size"], "config.batch_size", 1)
     c["gradient_accumulation_steps"] = int_field(c["gradient_accumulation_steps"],
@@ -74,9 +58,9 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
                 or set(quantization) - {"type", "block_size", "double_quantization"}:
             raise RequestError("config.quantization", "must be null or {type: nf4, block_size, double_quantization}")
         c["quantization"] = {"type": "nf4",
-                             "block_size": int_field(quantization.get("block_size", 64),
+                             "block_size": int_field(quantization.get("block_size", NF4_DEFAULT["block_size"]),
                                                      "config.quantization.block_size", 32),
-                             "double_quantization": bool(quantization.get("double_quantization", False))}
+                             "double_quantization": bool(quantization.get("double_quantization", NF4_DEFAULT["double_quantization"]))}
     c["max_sequence_length"] = int_field(c["max_sequence_length"], "config.max_sequence_length", 2)
     return c
 
@@ -354,5 +338,5 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
 
 
 RUN_KIND = RunKind(name="sft", admit=admit_sft, revalidate=revalidate_sft, run=run_sft,
-                   admission_from_json=SFTAdmission.from_json, defaults=CONFIG_DEFAULTS,
+                   admission_from_json=SFTAdmission.from_json, defaults=SFT_DEFAULTS,
                    manifest_fields=MANIFEST_FIELDS)
