@@ -16,7 +16,7 @@ import pytest
 
 import trainer.model
 from native_ext import nf4
-from trainer import Adam, TransformerConfig, quantization
+from trainer import TransformerConfig, quantization
 from trainer.checkpoints import (
     CheckpointError,
     TrainingCheckpoint,

@@ -19,7 +19,6 @@ import numpy as np
 
 import trainer
 from trainer import LoraConfig
-from trainer.lora import PROJECTIONS
 from trainer.runs import checkpoint_dir
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
