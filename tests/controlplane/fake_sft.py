@@ -44,6 +44,7 @@ class RunSettings:
     bases_root: Path
     data_roots: tuple = ()
     default_checkpoint_interval: int | None = None
+    default_base: str = "kiln-tiny"
     backend: str = "cpu"
 
 

@@ -264,8 +264,10 @@ def test_a_damaged_checkpoint_never_shows_as_saved(fake_runner, signed_in, adapt
     assert "Stopped and saved" not in page and 'data-state="missing"' in page
 
 
-def test_a_stop_after_the_last_checkpoint_says_how_far_behind(fake_runner, signed_in, adapter_name, monkeypatch):
-    # no checkpointing at all: stopped, nothing saved, not resumable
+def test_a_stop_after_the_last_checkpoint_says_how_far_behind(fake_runner, signed_in, adapter_name, monkeypatch,
+                                                              settings):
+    # no checkpointing at all (the server default turned off): stopped, nothing saved, not resumable
+    settings.KILN_CHECKPOINT_INTERVAL = None
     job = submitted(submit_form(signed_in, adapter_name, seed="3"))
     cancel_at(monkeypatch, 2)
     run_queued()

