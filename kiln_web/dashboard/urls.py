@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from kiln_web.dashboard import views
+from kiln_web.dashboard import eval_views, views
 
 app_name = "dashboard"
 
@@ -17,6 +17,9 @@ urlpatterns = [
     path("adapters/", views.adapters, name="adapters"),
     path("adapters/<str:name>/", views.adapter_detail, name="adapter"),
     path("adapters/<str:name>/<str:action>/", views.adapter_action, name="adapter_action"),
+    path("evals/", eval_views.eval_runs, name="eval_runs"),
+    path("evals/runs/<uuid:run_id>/", eval_views.eval_run, name="eval_run"),
+    path("promotions/", eval_views.promotions, name="promotions"),
     path("qualification/", views.qualification, name="qualification"),
     path("teachers/", views.teachers, name="teachers"),
     path("teachers/<str:name>/delete/", views.delete_teacher, name="delete_teacher"),
