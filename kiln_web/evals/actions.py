@@ -65,24 +65,81 @@ def suite_for(user, name: str) -> EvalSuite:
 # -- runs --
 
 
+def _cross_base(candidate: str, candidate_base: str, baseline: str, baseline_base: str) -> ActionRefused:
+    other = f"the base {baseline!r}" if baseline == baseline_base else f"{baseline!r} (over base {baseline_base!r})"
+    return ActionRefused(409, "cross_base_comparison",
+                         f"cannot compare {candidate!r} (over base {candidate_base!r}) with {other}: an evaluation "
+                         f"compares answers over one base; name an adapter trained over {candidate_base!r}, or leave "
+                         f"baseline out to compare with the active adapter when it is over {candidate_base!r}, else "
+                         "with that base", field="baseline", candidate_base=candidate_base, baseline_base=baseline_base)
+
+
+def _adapter_baseline(name: str, base: str, sha: str, note: str = "") -> dict:
+    return {"baseline_kind": BaselineKind.ADAPTER, "baseline": name, "baseline_base": base, "baseline_sha256": sha,
+            "baseline_note": note}
+
+
+def _base_baseline(base: str, note: str) -> dict:
+    return {"baseline_kind": BaselineKind.BASE, "baseline": base, "baseline_base": base, "baseline_note": note}
+
+
 def _baseline(candidate: str, candidate_base: str) -> dict:
-    """The adapter serving now, or the candidate's base when none is (or the candidate itself is active)."""
+    """The active adapter when it is over the candidate's base (and is not the candidate itself), else that base:
+    a comparison is only meaningful between answers over the same base."""
     from kiln_web.serving.models import ServedAdapter
 
     active = ServedAdapter.objects.filter(active=True).select_related("adapter").first()
-    if active is not None and active.adapter.name != candidate:
-        return {"baseline_kind": BaselineKind.ADAPTER, "baseline": active.adapter.name, "baseline_base": active.base,
-                "baseline_sha256": active.adapter_sha256}
-    note = ("no adapter is active" if active is None else
-            f"the active adapter is {candidate!r} itself, whose snapshot the new run has replaced")
-    return {"baseline_kind": BaselineKind.BASE, "baseline": candidate_base, "baseline_base": candidate_base,
-            "baseline_note": f"{note}: compared with the base"}
+    if active is None:
+        note = "no adapter is active"
+    elif active.adapter.name == candidate:
+        note = f"the active adapter is {candidate!r} itself, whose snapshot the new run has replaced"
+    elif active.base != candidate_base:
+        note = f"the active adapter {active.adapter.name!r} is over another base ({active.base!r})"
+    else:
+        return _adapter_baseline(active.adapter.name, active.base, active.adapter_sha256)
+    return _base_baseline(candidate_base, f"{note}: compared with the base {candidate_base!r}")
 
 
-def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None = None, training_job=None,
-                          purpose: str = EvalPurpose.MANUAL, max_new_tokens: int = MAX_NEW_TOKENS) -> EvalRun:
-    """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot) against the active adapter, or
-    its base, on SUITE; a worker runs it (Celery with REDIS_URL, else the embedded worker)."""
+def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) -> dict:
+    """The baseline a person named: the candidate's base, or an adapter over that base that they may use (their
+    own, or one that is being served); refused (cross_base_comparison) when it is over another base."""
+    from kiln_web.serving import actions as serving_actions
+    from kiln_web.serving import runtime as serving_runtime
+    from kiln_web.serving.models import ServedAdapter
+
+    if baseline == candidate_base:
+        return _base_baseline(candidate_base, f"asked for: compared with the base {candidate_base!r}")
+    if baseline == candidate:
+        raise ActionRefused(400, "invalid_request", f"{candidate!r} cannot be its own baseline; name another adapter "
+                                                    f"over {candidate_base!r}, or the base itself", field="baseline")
+    served = ServedAdapter.objects.filter(adapter__name=baseline).select_related("adapter").first()
+    if served is None and serving_runtime.is_base(baseline) and not serving_runtime.has_snapshot(baseline):
+        raise _cross_base(candidate, candidate_base, baseline, baseline)
+    if served is not None:
+        baseline_base, sha = served.base, served.adapter_sha256
+    else:
+        adapter = serving_actions.adapter_for(user, baseline)
+        if not serving_runtime.has_snapshot(baseline):
+            raise ActionRefused(409, "adapter_not_found", f"the baseline {baseline!r} has no PEFT snapshot yet; a "
+                                                          "training run publishes one when it succeeds",
+                                field="baseline")
+        baseline_base = serving_actions.adapter_base(adapter)
+        if baseline_base is None:
+            raise ActionRefused(400, "base_required", f"cannot tell which base the baseline {baseline!r} was "
+                                                      "trained over", field="baseline")
+        sha = serving_runtime.snapshot_sha256(baseline)
+    if baseline_base != candidate_base:
+        raise _cross_base(candidate, candidate_base, baseline, baseline_base)
+    return _adapter_baseline(baseline, baseline_base, sha, "asked for")
+
+
+def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None = None, baseline: str | None = None,
+                          training_job=None, purpose: str = EvalPurpose.MANUAL,
+                          max_new_tokens: int = MAX_NEW_TOKENS) -> EvalRun:
+    """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot) on SUITE against BASELINE (an adapter
+    over the same base, or that base), else against the active adapter when it is over the candidate's base, else
+    against the base itself; a worker runs it (Celery with REDIS_URL, else the embedded worker). A baseline over
+    another base is refused (409 cross_base_comparison)."""
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
 
@@ -96,9 +153,11 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
         raise ActionRefused(400, "base_not_found", f"cannot evaluate {candidate!r}: base {candidate_base!r} is not "
                                                    "registered; name one (base)")
     with transaction.atomic():
+        chosen = (_baseline(candidate, candidate_base) if baseline is None else
+                  _named_baseline(user, candidate, candidate_base, baseline))
         run = EvalRun.objects.create(owner=user, suite=suite_row, suite_digest=suite_row.digest, candidate=adapter,
                                      candidate_base=candidate_base, training_job=training_job, purpose=purpose,
-                                     max_new_tokens=max_new_tokens, **_baseline(candidate, candidate_base))
+                                     max_new_tokens=max_new_tokens, **chosen)
         run_id = run.pk
         transaction.on_commit(lambda: enqueue_evaluation(run_id))
     return run

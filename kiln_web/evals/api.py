@@ -40,13 +40,14 @@ def get_suite(request: HttpRequest, name: str):
     return actions.suite_for(request.auth, name).to_dict(content=True)
 
 
-@router.post("/runs", response={201: RunOut, **REFUSALS}, summary="Evaluate an adapter against the active one",
+@router.post("/runs", response={201: RunOut, **REFUSALS}, summary="Evaluate an adapter against a baseline of its base",
              operation_id="create_eval_run")
 def create_run(request: HttpRequest, payload: RunIn):
-    """Queues an evaluation of the adapter and of the baseline (the active adapter, or the adapter's base
-    when none is active) on the suite; a worker runs it."""
+    """Queues an evaluation of the adapter and of the baseline on the suite; a worker runs it. The baseline is the
+    one named, else the active adapter when it is over the candidate's base, else that base itself; a baseline over
+    another base is refused (409 cross_base_comparison, naming both bases)."""
     run = actions.do_enqueue_evaluation(request.auth, payload.adapter, payload.suite, base=payload.base,
-                                        max_new_tokens=payload.max_new_tokens)
+                                        baseline=payload.baseline, max_new_tokens=payload.max_new_tokens)
     return Status(201, run.to_dict())
 
 

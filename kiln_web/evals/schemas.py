@@ -39,6 +39,9 @@ class RunIn(Strict):
     adapter: str = Field(min_length=1, description="the candidate: an adapter with a PEFT snapshot")
     suite: str = Field(min_length=1)
     base: str | None = Field(None, min_length=1, description="absent: the base the adapter was trained over")
+    baseline: str | None = Field(None, min_length=1, description=(
+        "what to compare with: an adapter over the candidate's base, or that base; one over another base is refused "
+        "(409 cross_base_comparison). Absent: the active adapter when it is over the candidate's base, else the base"))
     max_new_tokens: int = Field(64, ge=1, le=4096, description="greedy tokens per example")
 
 
@@ -58,12 +61,12 @@ class CandidateOut(Schema):
 
 
 class BaselineOut(Schema):
-    kind: Literal["adapter", "base"] = Field(description="the adapter active when the run was queued, or the "
-                                                         "candidate's base")
+    kind: Literal["adapter", "base"] = Field(description="an adapter over the candidate's base (the one asked for, "
+                                                         "or the one active when the run was queued), or that base")
     name: str
     base: str
     adapter_sha256: str | None
-    note: str | None = Field(description="why the base was the baseline")
+    note: str | None = Field(description="why this baseline was chosen")
     summary: Summary | None
 
 

@@ -9,8 +9,10 @@ back from the job's request when it succeeds:
 - auto_load, no gate: the serving canary runs (load, generate, finite log-probabilities)
   and the adapter is activated when it passes (promoted), else canary_failed;
 - auto_load and a gate: an evaluation is queued; the adapter that is active stays active
-  until it passes. A failed threshold is gate_failed, too few examples or no comparable
-  baseline inconclusive, an evaluation that cannot be queued or does not finish unavailable.
+  until it passes. The gate compares with the active adapter when it is over the candidate's
+  base, else with that base itself (kiln_web.evals.actions), never across bases. A failed
+  threshold is gate_failed, too few examples or no comparable baseline inconclusive, an
+  evaluation that cannot be queued or does not finish unavailable.
 
 The training job stays succeeded whatever the outcome. Each decision is a PromotionRecord.
 """
@@ -114,7 +116,8 @@ def decide_after_evaluation(run_id) -> PromotionRecord | None:
     wanted = requested_promotion(job.request)
     if run.status == EvalStatus.FAILED:
         return _record(job, PromotionOutcome.UNAVAILABLE,
-                       f"the gate's evaluation {run.pk} did not finish: {run.error_code}: {run.error_message}", GATE, run)
+                       f"the gate's evaluation {run.pk} did not finish: {run.error_code}: {run.error_message}", GATE,
+                       run)
     outcome, reason = evals_runtime.gate_decision(run.candidate_summary, run.baseline_summary,
                                                   min_accuracy=wanted.min_accuracy,
                                                   min_improvement=wanted.min_improvement)
@@ -123,7 +126,14 @@ def decide_after_evaluation(run_id) -> PromotionRecord | None:
     accuracy = run.candidate_summary["accuracy"]
     gain = accuracy - run.baseline_summary["accuracy"]
     return _canary_then_activate(job, GATE, f"the gate passed on {run.suite.name!r}: accuracy {accuracy:.4f}, "
-                                            f"{gain:+.4f} over {run.baseline}", evaluation=run)
+                                            f"{gain:+.4f} over {baseline_label(run)}", evaluation=run)
+
+
+def baseline_label(run) -> str:
+    """What a gate compared with, in words: always something over the candidate's own base."""
+    if run.baseline_kind == "base":
+        return f"the base {run.baseline!r}"
+    return f"the adapter {run.baseline!r} (over {run.baseline_base!r})"
 
 
 def _guarded(decide, key, gate: bool):
