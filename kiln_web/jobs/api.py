@@ -6,19 +6,18 @@ answers 404, the same as a job that does not exist.
 """
 
 import json
-from uuid import UUID
 
-from django.http import Http404, HttpRequest
-from ninja import Query, Router, Schema
+from django.http import HttpRequest
+from ninja import Path, Query, Router, Schema
 from pydantic import Field
 
 from kiln_web.adapters.models import CheckpointRecord
 from kiln_web.core.http import Status, refusals
-from kiln_web.jobs import actions, runtime
+from kiln_web.jobs import actions, ids, resume, runtime
 from kiln_web.serving.promotion import job_evaluation_ids, job_promotion
 from kiln_web.jobs.models import JobKind, JobMetric, JobStatus, TrainingJob
 from kiln_web.jobs.schemas import (CheckpointListOut, EventListOut, GRPORequest, JobListOut, JobOut, MetricListOut,
-                                   OPDRequest, SFTRequest)
+                                   OPDRequest, ResumeIn, SFTRequest)
 
 router = Router(tags=["training"])
 
@@ -30,11 +29,12 @@ def _visible_jobs(request: HttpRequest):
     return TrainingJob.objects.visible_to(request.auth).select_related("owner", "adapter")
 
 
-def _job(request: HttpRequest, job_id: UUID) -> TrainingJob:
-    job = _visible_jobs(request).filter(pk=job_id).first()
-    if job is None:
-        raise Http404(f"no training job {job_id} (or it belongs to someone else)")
-    return job
+JobId = Path(..., description=ids.DESCRIPTION)
+
+
+def _job(request: HttpRequest, job_id: str) -> TrainingJob:
+    """The job JOB_ID (a full id or a unique prefix) names among those the caller may see (kiln_web.jobs.ids)."""
+    return ids.visible_job(request.auth, job_id, _visible_jobs(request))
 
 
 def _latest_checkpoint(job: TrainingJob) -> tuple[dict | None, dict | None]:
@@ -125,13 +125,13 @@ def list_jobs(request: HttpRequest, filters: Query[JobFilter]):
 
 @router.get("/jobs/{job_id}", response={200: JobOut, **REFUSALS}, summary="One training job",
             operation_id="get_job")
-def get_job(request: HttpRequest, job_id: UUID):
+def get_job(request: HttpRequest, job_id: str = JobId):
     return _detail(_job(request, job_id))
 
 
 @router.post("/jobs/{job_id}/cancel", response={200: JobOut, **REFUSALS}, summary="Cancel a training job",
              operation_id="cancel_job")
-def cancel_job(request: HttpRequest, job_id: UUID):
+def cancel_job(request: HttpRequest, job_id: str = JobId):
     """A queued job is cancelled at once; a running one becomes `cancelling`, publishes a checkpoint at its
     next safe boundary (when checkpointing is on) and ends `cancelled`. A finished job answers 409."""
     job = _job(request, job_id)
@@ -139,9 +139,21 @@ def cancel_job(request: HttpRequest, job_id: UUID):
     return _detail(job)
 
 
+@router.post("/jobs/{job_id}/resume", response={201: JobOut, **SUBMIT_REFUSALS},
+             summary="Resume an ended job from its latest checkpoint", operation_id="resume_job")
+def resume_job(request: HttpRequest, payload: ResumeIn, job_id: str = JobId):
+    """Submits the job's effective configuration and seed with `resume_checkpoint` set to its latest checkpoint
+    (what the dashboard's "Prepare resume" fills in). The job's dataset_path is kept unless the body names the
+    data again; a job that trained on inline data needs it again (400 source_required). 409 not_resumable when
+    the job is active, its run completed, or it has no valid checkpoint; admission then refuses drift as for
+    any submission."""
+    job = resume.do_resume_job(request.auth, _job(request, job_id), payload.model_dump(exclude_unset=True))
+    return Status(201, _detail(job))
+
+
 @router.get("/jobs/{job_id}/checkpoints", response={200: CheckpointListOut, **REFUSALS},
             summary="Checkpoints a job published", operation_id="list_job_checkpoints")
-def list_checkpoints(request: HttpRequest, job_id: UUID):
+def list_checkpoints(request: HttpRequest, job_id: str = JobId):
     job = _job(request, job_id)
     items = []
     for record in job.checkpoints.select_related("adapter").order_by("step"):
@@ -158,7 +170,7 @@ class MetricPage(Schema):
 
 @router.get("/jobs/{job_id}/metrics", response={200: MetricListOut, **REFUSALS},
             summary="Per-step metrics of a job", operation_id="list_job_metrics", exclude_unset=True)
-def list_metrics(request: HttpRequest, job_id: UUID, page: Query[MetricPage]):
+def list_metrics(request: HttpRequest, page: Query[MetricPage], job_id: str = JobId):
     """loss, learning rate, gradient norm, clipped and loss-spike flags, tokens, epoch, elapsed seconds.
     GRPO adds the policy audit (clip_low/high/region_fraction, kl_mean, ratio_mean/min/max, reward_mean/std,
     advantage_mean/std, groups, completions); OPD adds kl, entropy, repetition_rate, empty_candidates,
@@ -173,6 +185,6 @@ def list_metrics(request: HttpRequest, job_id: UUID, page: Query[MetricPage]):
 @router.get("/jobs/{job_id}/events", response={200: EventListOut, **REFUSALS},
             summary="The job's log: claims, checkpoints with their timings, warnings, errors",
             operation_id="list_job_events")
-def list_events(request: HttpRequest, job_id: UUID):
+def list_events(request: HttpRequest, job_id: str = JobId):
     job = _job(request, job_id)
     return {"items": [event.to_dict() for event in job.events.order_by("time", "id")]}

@@ -395,3 +395,16 @@ class EventOut(Schema):
 
 class EventListOut(Schema):
     items: list[EventOut]
+
+
+class ResumeIn(Strict):
+    """The data of a resumed run, when it is not the job's own dataset_path: at most one field, and the
+    inline field of the job's kind (SFT data, GRPO groups, OPD prompts). Empty: keep the job's dataset_path."""
+
+    dataset_path: str | None = Field(None, min_length=1, description="absolute path of the data file in a data "
+                                                                     "root; absent: the job's own dataset_path")
+    data: list[dict[str, Any]] | None = Field(None, min_length=1, description="SFT: the job's inline records again")
+    groups: list[dict[str, Any]] | None = Field(None, min_length=1, description="GRPO: the job's inline groups "
+                                                                               "again")
+    prompts: list[str | dict[str, Any]] | None = Field(None, min_length=1, description="OPD: the job's inline "
+                                                                                       "prompts again")

@@ -1,0 +1,159 @@
+"""POST /v1/train/jobs/{job_id}/resume (kiln_web.jobs.resume) and job-id prefixes (kiln_web.jobs.ids)."""
+
+import uuid
+
+import pytest
+
+from kiln_web.jobs.models import JobStatus, TrainingJob
+from kiln_web.jobs.worker import EmbeddedWorker
+
+from .conftest import ApiClient, sft_body
+
+pytestmark = pytest.mark.django_db
+
+
+def _cancelled_mid_run(api, adapter_name, monkeypatch, body=None, **config) -> TrainingJob:
+    """A job submitted without checkpoint_interval and cancelled after its third step (the fake run checks
+    should_cancel after each step): it publishes a checkpoint at that boundary."""
+    from . import fake_sft
+
+    response = api.post("/v1/train/sft", body or sft_body(adapter_name, records=6, **config))
+    assert response.status_code == 201, response.content
+    job_id = response.json()["id"]
+    real_run = fake_sft.run_sft
+
+    def run_then_cancel(admission, settings, hooks):
+        should_cancel = hooks.should_cancel
+        calls = iter(range(10**6))
+        hooks.should_cancel = lambda: next(calls) >= 2 or should_cancel()
+        return real_run(admission, settings, hooks)
+
+    monkeypatch.setattr(fake_sft, "run_sft", run_then_cancel)
+    assert EmbeddedWorker().run_once()
+    monkeypatch.setattr(fake_sft, "run_sft", real_run)
+    job = TrainingJob.objects.get(pk=job_id)
+    assert job.status == JobStatus.CANCELLED and job.committed_step == 3
+    return job
+
+
+@pytest.fixture
+def interval(fake_runner):
+    fake_runner.KILN_CHECKPOINT_INTERVAL = 50  # the server default: no boundary before the cancellation
+    return fake_runner
+
+
+def test_a_cancelled_job_resumes_by_prefix_with_its_effective_config_and_seed(interval, api, adapter_name,
+                                                                                monkeypatch):
+    job = _cancelled_mid_run(api, adapter_name, monkeypatch, seed=77, learning_rate=0.001)
+    basename = f"{adapter_name}-checkpoint-step-00000003.kiln-checkpoint"
+    assert job.latest_checkpoint["resume_checkpoint"] == basename
+
+    inline = api.post(f"/v1/train/jobs/{str(job.pk)[:8]}/resume", {})
+    assert inline.status_code == 400, inline.content
+    error = inline.json()["error"]
+    assert error["code"] == "source_required" and error["field"] == "data" and "--file" in error["message"]
+
+    data = sft_body(adapter_name, records=6)["data"]
+    response = api.post(f"/v1/train/jobs/{str(job.pk)[:8]}/resume", {"data": data})
+    assert response.status_code == 201, response.content
+    new = TrainingJob.objects.get(pk=response.json()["id"])
+    assert new.pk != job.pk and new.resume_from == basename and new.committed_step == 3
+    assert new.effective_seed == 77 and new.effective_config["learning_rate"] == 0.001
+    assert new.request["config"] == {"output_name": adapter_name, "epochs": 1, "checkpoint_interval": 50,
+                                     "learning_rate": 0.001, "seed": 77, "resume_checkpoint": basename}
+    assert new.request["data"] == data
+
+    again = api.post(f"/v1/train/jobs/{new.pk}/resume", {"data": data})  # the new job is queued
+    assert again.status_code == 409 and again.json()["error"]["code"] == "not_resumable"
+    assert "queued" in again.json()["error"]["message"]
+    assert EmbeddedWorker().run_once()
+    new.refresh_from_db()
+    assert new.status == JobStatus.SUCCEEDED and new.committed_step == 6
+    done = api.post(f"/v1/train/jobs/{new.pk}/resume", {"data": data})
+    assert done.status_code == 409 and "completed" in done.json()["error"]["message"]
+
+
+def test_a_file_source_is_kept_and_drift_is_refused_by_admission(interval, api, adapter_name, settings,
+                                                                  monkeypatch):
+    import json
+
+    path = settings.KILN_DATASETS_DIR / f"{adapter_name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in sft_body("x", records=6)["data"]))
+    job = _cancelled_mid_run(api, adapter_name, monkeypatch,
+                             {"dataset_path": str(path), "config": {"output_name": adapter_name}})
+    response = api.post(f"/v1/train/jobs/{job.pk}/resume", {})
+    assert response.status_code == 201, response.content
+    new = TrainingJob.objects.get(pk=response.json()["id"])
+    assert new.request["dataset_path"] == str(path) and new.resume_from == job.latest_checkpoint["resume_checkpoint"]
+    new.status = JobStatus.CANCELLED
+    new.save()
+
+    # drift goes through do_submit_job's admission: the fake compares learning_rate with the checkpoint
+    TrainingJob.objects.filter(pk=job.pk).update(effective_config={**job.effective_config, "learning_rate": 0.5})
+    drifted = api.post(f"/v1/train/jobs/{job.pk}/resume", {"dataset_path": str(path)})
+    assert drifted.status_code == 409, drifted.content
+    assert drifted.json()["error"]["code"] == "resume_drift"
+    assert drifted.json()["error"]["differences"][0]["field"] == "config.learning_rate"
+
+
+def test_resume_refusals(interval, api, bob, adapter_name, monkeypatch):
+    job = _cancelled_mid_run(api, adapter_name, monkeypatch)
+    path = f"/v1/train/jobs/{job.pk}/resume"
+    assert ApiClient(None).post(path, {}).status_code == 401
+    hidden = ApiClient(bob.token).post(path, {"data": [{"prompt": "q", "completion": "a"}]})
+    assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "not_found"
+    wrong = api.post(path, {"groups": [{"prompt": "q"}]})
+    assert wrong.status_code == 400 and "give dataset_path or data" in wrong.json()["error"]["message"]
+    unknown = api.post(path, {"config": {}})
+    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "invalid_request"
+
+    response = api.post("/v1/train/sft", sft_body(adapter_name + "-none", records=2))  # interval 50: none published
+    assert EmbeddedWorker().run_once()
+    TrainingJob.objects.filter(pk=response.json()["id"]).update(status=JobStatus.FAILED, latest_checkpoint=None)
+    none = api.post(f"/v1/train/jobs/{response.json()['id']}/resume", {"data": [{"prompt": "q", "completion": "a"}]})
+    assert none.status_code == 409 and "published no checkpoint" in none.json()["error"]["message"]
+
+    import shutil
+
+    from django.conf import settings
+
+    shutil.rmtree(settings.KILN_ADAPTERS_DIR / job.latest_checkpoint["resume_checkpoint"])
+    gone = api.post(path, {"data": [{"prompt": "q", "completion": "a"}]})
+    assert gone.status_code == 409 and gone.json()["error"]["checkpoint_error"]["code"] == "not_found"
+
+
+# -- prefixes --
+
+
+def _job_with_id(api, adapter_name, job_id: str, monkeypatch) -> str:
+    field = TrainingJob._meta.get_field("id")
+    monkeypatch.setattr(field, "default", lambda: uuid.UUID(job_id))
+    field.__dict__.pop("_get_default", None)  # Django caches the default's callable
+    response = api.post("/v1/train/sft", sft_body(adapter_name))
+    assert response.status_code == 201 and response.json()["id"] == job_id
+    return job_id
+
+
+def test_every_job_path_takes_a_unique_prefix(fake_runner, api, bob, adapter_name, monkeypatch):
+    first = _job_with_id(api, adapter_name, "abcdef01-2345-4678-9abc-def012345678", monkeypatch)
+    second = _job_with_id(api, adapter_name + "-2", "abcdef01-2399-4678-9abc-def012345678", monkeypatch)
+    monkeypatch.undo()
+    TrainingJob._meta.get_field("id").__dict__.pop("_get_default", None)
+    for suffix in ("", "/checkpoints", "/metrics", "/events"):
+        assert api.get(f"/v1/train/jobs/abcdef01-23{suffix}").status_code == 409
+        response = api.get(f"/v1/train/jobs/ABCDEF01-2345{suffix}")
+        assert response.status_code == 200, (suffix, response.content)
+        assert api.get(f"/v1/train/jobs/abcdef012399{suffix}").status_code == 200  # hyphens optional
+    assert api.get("/v1/train/jobs/abcdef01-2345").json()["id"] == first
+    ambiguous = api.get("/v1/train/jobs/abcdef01").json()["error"]
+    assert ambiguous["code"] == "ambiguous_job_id" and set(ambiguous["matches"]) == {first, second}
+    assert first in ambiguous["message"] and second in ambiguous["message"]
+    for bad in ("abcdef0", "abcdefgh", "zz", "abcdef01-2345-4678-9abc-def012345678-00"):
+        response = api.get(f"/v1/train/jobs/{bad}")
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_job_id", bad
+        assert "at least 8 hex digits" in response.json()["error"]["message"]
+    assert api.get("/v1/train/jobs/0123abcd").json()["error"]["code"] == "not_found"
+    assert ApiClient(bob.token).get("/v1/train/jobs/abcdef01-2345").status_code == 404  # not among bob's
+    cancelled = api.post("/v1/train/jobs/abcdef012399/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["id"] == second
+    assert api.get(f"/v1/train/jobs/{first}").status_code == 200  # a full id still answers as before
