@@ -25,13 +25,20 @@ LINEAGE_DEPTH = 20  # earlier runs followed through resume_from for the charts
 EVENT_LIMIT = 300  # newest events shown on job detail
 VALIDATE_LIMIT = 50  # newest checkpoint directories light-validated per page; older ones are listed unchecked
 
-# Charts per training kind: (metric key, title). A chart is drawn when some step carries the key.
+# Charts per training kind: (metric key, title, axis floor). A chart is drawn when some step carries the
+# key (the first chart of a kind always is). With a floor the y-axis never reaches below it while every
+# value is at or above it (a loss axis stops at 0, not at -0.06); None lets the axis follow the data.
+# tokens_per_second is not a metric the runs report: the page derives it from each step's `tokens`
+# and the `elapsed_seconds` between consecutive steps.
+RATE_CHARTS = [("learning_rate", "Learning rate", 0), ("grad_norm", "Gradient norm", 0),
+               ("tokens_per_second", "Tokens/s", 0)]
 CHARTS = {
-    "sft": [("loss", "Loss")],
-    "grpo": [("loss", "Loss"), ("reward_mean", "Reward (mean)"), ("kl_mean", "KL to reference"),
-             ("clip_region_fraction", "Clip fraction")],
-    "opd": [("kl", "Reverse KL to teacher")],
+    "sft": [("loss", "Loss", 0)] + RATE_CHARTS,
+    "grpo": [("loss", "Loss", 0), ("reward_mean", "Reward (mean)", None), ("kl_mean", "KL to reference", 0),
+             ("clip_region_fraction", "Clip fraction", 0)] + RATE_CHARTS,
+    "opd": [("kl", "Reverse KL to teacher", 0)] + RATE_CHARTS,
 }
+DERIVED = {"tokens_per_second": ("tokens",)}  # chart key -> the reported metrics it is computed from
 STEP_KEYS = ("step", "elapsed_seconds")
 
 TERMINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.FAILED, JobStatus.LOST)
@@ -47,7 +54,14 @@ def visible_adapters(user):
 
 
 def chart_specs(kind: str) -> list[dict]:
-    return [{"key": key, "title": title} for key, title in CHARTS.get(kind, CHARTS["sft"])]
+    return [{"key": key, "title": title, "floor": floor} for key, title, floor in CHARTS.get(kind, CHARTS["sft"])]
+
+
+def _chart_keys(kind: str) -> tuple[str, ...]:
+    keys = list(STEP_KEYS)
+    for spec in chart_specs(kind):
+        keys.extend(DERIVED.get(spec["key"], (spec["key"],)))
+    return tuple(dict.fromkeys(keys))
 
 
 def _chart_point(metrics: dict, keys: tuple[str, ...]) -> dict:
@@ -56,7 +70,7 @@ def _chart_point(metrics: dict, keys: tuple[str, ...]) -> dict:
 
 def chart_metrics(job: TrainingJob, after_step: int = 0) -> list[dict]:
     """This job's committed steps after AFTER_STEP, reduced to what the charts and the ETA need."""
-    keys = STEP_KEYS + tuple(spec["key"] for spec in chart_specs(job.kind))
+    keys = _chart_keys(job.kind)
     rows = JobMetric.objects.filter(job=job, step__gt=after_step).order_by("step").values_list("step", "metrics")
     return [{**_chart_point(metrics, keys), "step": step} for step, metrics in rows]
 
@@ -64,7 +78,7 @@ def chart_metrics(job: TrainingJob, after_step: int = 0) -> list[dict]:
 def earlier_metrics(job: TrainingJob, user) -> list[dict]:
     """The steps earlier runs committed before this one resumed (through resume_from, as far as the
     checkpoint index and the user's visibility reach), so a resumed run's charts start at step 1."""
-    keys = STEP_KEYS + tuple(spec["key"] for spec in chart_specs(job.kind))
+    keys = _chart_keys(job.kind)
     points: list[dict] = []
     basename, upto, seen = job.resume_from, None, {job.pk}
     for _ in range(LINEAGE_DEPTH):
@@ -230,6 +244,8 @@ PROMOTION_LABELS = {
     "unavailable": "Unavailable",
     "canary_failed": "Canary failed",
     "pending": "Awaiting the gate",
+    "pending_canary": "Awaiting the canary",
+    "not_trained": "Not promoted",
     "not_requested": "Not requested",
 }
 
@@ -248,26 +264,82 @@ def evaluation_rows(job: TrainingJob) -> list[dict]:
     return rows
 
 
+def requested_promotion(job: TrainingJob) -> dict:
+    """What the job's request asked of promotion: {"auto_load": bool, "gate": {suite, ...} or None}, and
+    "error" when the stored request's promotion fields are malformed (written before they were checked)."""
+    from kiln_web.core.http import ActionRefused
+    from kiln_web.serving.promotion_request import requested_promotion as parse
+
+    try:
+        wanted = parse(job.request)
+    except ActionRefused as refused:
+        return {"auto_load": False, "gate": None, "error": refused.message}
+    return {"auto_load": wanted.auto_load, "gate": wanted.gate, "error": None}
+
+
+def _gate_text(gate: dict) -> str:
+    limits = [f"{name.replace('_', ' ')} {gate[name]:g}" for name in ("min_accuracy", "min_improvement")
+              if gate.get(name) is not None]
+    return f"suite {gate['suite']}" + (f" ({', '.join(limits)})" if limits else "")
+
+
+def _undecided(job: TrainingJob, evaluations: list[dict]) -> tuple[str, str]:
+    """The promotion state of a job without a recorded decision, from what its request asked."""
+    if any(e["purpose"] == "gate" and e["status"] in ("queued", "running") for e in evaluations):
+        return "pending", "the gate evaluation has not finished; the previous adapter stays active"
+    asked = requested_promotion(job)
+    if not asked["auto_load"]:
+        return "not_requested", ""
+    gate = asked["gate"]
+    if job.status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.LOST):
+        return "not_trained", "auto_load was requested, but the run did not succeed, so nothing was evaluated or loaded"
+    if gate is None:
+        if job.status == JobStatus.SUCCEEDED:
+            return "pending_canary", "the serving canary has not finished"
+        return "pending_canary", "auto_load without a gate: when the run succeeds the serving canary runs, then " \
+                                 "the adapter is activated"
+    if job.status == JobStatus.SUCCEEDED:
+        return "pending", f"the gate evaluation on {_gate_text(gate)} is being queued"
+    return "pending", f"when the run succeeds it is evaluated on {_gate_text(gate)}; the previous adapter stays " \
+                      "active until it passes"
+
+
 def outcome(job: TrainingJob, panel: dict) -> dict:
     """"Adapter was trained" and "adapter was promoted" are separate facts: the first is the job's own end
     (and its final PEFT snapshot), the second the newest promotion decision recorded for the job
-    (kiln_web.serving), with the evaluation runs linked to it (kiln_web.evals). A job with neither a
-    decision nor a gate evaluation in flight was not asked to promote anything."""
+    (kiln_web.serving), with the evaluation runs linked to it (kiln_web.evals). Without a decision, what
+    the job's request asked (auto_load, gate) says what is awaited: a gated auto-load job awaits its gate
+    from the moment it is submitted; a job that asked for neither was not asked to promote anything."""
     evaluations = evaluation_rows(job)
     decision = None
     if apps.is_installed("kiln_web.serving"):
         decision = job.promotions.order_by("-decided_at", "-id").first()
     if decision is not None:
         state, reason = decision.outcome, decision.reason
-    elif any(e["purpose"] == "gate" and e["status"] in ("queued", "running") for e in evaluations):
-        state, reason = "pending", "the gate evaluation has not finished; the previous adapter stays active"
     else:
-        state, reason = "not_requested", ""
+        state, reason = _undecided(job, evaluations)
     trained = job.status == JobStatus.SUCCEEDED
     return {"trained": trained, "snapshot": panel["snapshot"] if trained else None, "promotion": state,
             "promotion_label": PROMOTION_LABELS.get(state, state.replace("_", " ").capitalize()),
             "reason": reason, "decided_by": decision.decided_by if decision else None,
             "decided_at": decision.decided_at if decision else None, "evaluations": evaluations}
+
+
+def checkpointing(job: TrainingJob) -> dict:
+    """Whether the run publishes checkpoints (its effective checkpoint_interval), and so whether Stop can
+    save: a run without an interval ends at Stop with nothing to resume from."""
+    interval = (job.effective_config or {}).get("checkpoint_interval")
+    return {"interval": interval, "can_save": bool(interval)}
+
+
+def accepts_base_adapter(kind: str) -> bool:
+    """Whether requests of training KIND take `base_adapter` (a weights-only warm start); from the
+    kind's request defaults, so the advice follows the trainer."""
+    try:
+        runtime.request_default(kind, "base_adapter")
+    except (KeyError, runtime.RunnerUnavailable):
+        return False
+    return True
 
 
 def served(adapter: Adapter) -> dict | None:

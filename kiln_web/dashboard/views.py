@@ -81,6 +81,7 @@ def _detail_context(request: HttpRequest, job: TrainingJob) -> dict:
     return {"job": job, "adapter": job.adapter, "panel": panel, "stop": readers.stop_outcome(job, panel),
             "outcome": readers.outcome(job, panel), "checkpoints": checkpoints, "registry_error": registry_error,
             "events": readers.events(job), "percent": readers.percent(job),
+            "checkpointing": readers.checkpointing(job), "warm_start": readers.accepts_base_adapter(job.kind),
             "terminal": job.status in readers.TERMINAL_STATUSES}
 
 
@@ -121,7 +122,14 @@ def job_snapshot(request: HttpRequest, job: TrainingJob) -> JsonResponse:
 @require_POST
 @job_view
 def stop_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
-    """Stop and save: the same cooperative cancel as the API; the run publishes at its next safe boundary."""
+    """Stop and save: the same cooperative cancel as the API; the run publishes at its next safe boundary.
+    A running job without checkpointing loses its progress when stopped, so it stops only on a POST that
+    carries confirm=1 (the page's second, explicit button); without it nothing changes."""
+    if (job.status == JobStatus.RUNNING and not readers.checkpointing(job)["can_save"]
+            and request.POST.get("confirm") != "1"):
+        messages.warning(request, "Not stopped: checkpointing is off for this run, so stopping it keeps nothing "
+                                  "to resume from. Press 'Stop without saving' to stop it anyway.")
+        return redirect("dashboard:job", job_id=job.pk)
     try:
         actions.do_cancel_job(job.pk, reason=f"stopped from the dashboard by {request.user.get_username()}")
     except InvalidTransition:

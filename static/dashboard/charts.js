@@ -30,8 +30,20 @@
     return d;
   }
 
-  /* draw(container, [{name: "earlier"|"run", points: [[step, value], ...]}]) */
-  function draw(container, series) {
+  /* The y-range drawn for values from LOW to HIGH: a little margin either side, but never below FLOOR
+     (a loss, a rate or a norm cannot be negative) while every value is at or above it. */
+  function yRange(low, high, floor) {
+    let y0 = low, y1 = high;
+    if (y0 === y1) { const pad = Math.abs(y0) * 0.1 || 1; y0 -= pad; y1 += pad; }
+    const margin = (y1 - y0) * 0.06;
+    y0 -= margin; y1 += margin;
+    if (typeof floor === "number" && low >= floor && y0 < floor) y0 = floor;
+    return [y0, y1];
+  }
+
+  /* draw(container, [{name: "earlier"|"run", points: [[step, value], ...]}], {floor: 0 | null}) */
+  function draw(container, series, options) {
+    const floor = options && typeof options.floor === "number" ? options.floor : null;
     const all = [];
     series.forEach(function (s) { s.points.forEach(function (p) { if (p[1] !== null && isFinite(p[1])) all.push(p); }); });
     container.textContent = "";
@@ -44,16 +56,15 @@
     }
     const width = Math.max(240, Math.floor(container.clientWidth || 600));
     let [x0, x1] = extent(all.map(function (p) { return p[0]; }));
-    let [y0, y1] = extent(all.map(function (p) { return p[1]; }));
+    const [low, high] = extent(all.map(function (p) { return p[1]; }));
+    const [y0, y1] = yRange(low, high, floor);
     if (x0 === x1) { x0 -= 1; x1 += 1; }
-    if (y0 === y1) { const pad = Math.abs(y0) * 0.1 || 1; y0 -= pad; y1 += pad; }
-    const margin = (y1 - y0) * 0.06;
-    y0 -= margin; y1 += margin;
     const plotW = width - PAD.left - PAD.right, plotH = HEIGHT - PAD.top - PAD.bottom;
     const sx = function (x) { return PAD.left + (x - x0) / (x1 - x0) * plotW; };
     const sy = function (y) { return PAD.top + (1 - (y - y0) / (y1 - y0)) * plotH; };
 
-    const svg = el("svg", { viewBox: "0 0 " + width + " " + HEIGHT, width: width, height: HEIGHT, role: "img" });
+    const svg = el("svg", { viewBox: "0 0 " + width + " " + HEIGHT, width: width, height: HEIGHT, role: "img",
+                            "data-y-min": y0, "data-y-max": y1 });
     for (let i = 0; i <= 3; i++) {
       const y = y0 + (y1 - y0) * i / 3;
       el("line", { class: "grid-line", x1: PAD.left, x2: width - PAD.right, y1: sy(y), y2: sy(y) }, svg);
@@ -75,5 +86,5 @@
     return svg;
   }
 
-  window.KilnCharts = { draw: draw };
+  window.KilnCharts = { draw: draw, yRange: yRange };
 })();

@@ -1,12 +1,67 @@
-/* Job detail: charts from the database history, then live deltas; panels re-read from the server on
-   (re)connect and whenever a checkpoint or status event says they changed. */
+/* Job detail: charts from the database history, then live deltas; every panel re-read from the server
+   (job_snapshot) on (re)connect and whenever a status, checkpoint or job event says something changed
+   (promotion and evaluation news arrive as job events), a burst of events costing one request. */
 (function () {
   "use strict";
+
+  // -- pure helpers (window.KilnJob, so the browser tests can check them) --
+
+  const ETA_SPAN = 20;  // steps: the moving average weighs a step's time by (1 - 2/(ETA_SPAN+1))^age
+  const ETA_SEED = 5;   // the first steps' median seeds it, so one slow warm-up step cannot
+
+  function isNumber(v) { return typeof v === "number" && isFinite(v); }
+
+  /* Seconds each step took, from elapsed_seconds (a run's clock, which restarts when a resumed run
+     starts): [[step, seconds], ...]. A step after a gap shares the gap's time evenly. */
+  function stepDurations(points) {
+    const out = [];
+    let prev = null;
+    points.forEach(function (p) {
+      if (!isNumber(p.elapsed_seconds)) { prev = null; return; }
+      if (prev && p.step > prev.step && p.elapsed_seconds >= prev.elapsed_seconds) {
+        out.push([p.step, (p.elapsed_seconds - prev.elapsed_seconds) / (p.step - prev.step)]);
+      } else if (!prev || p.elapsed_seconds < prev.elapsed_seconds) {
+        out.push([p.step, p.elapsed_seconds]);  // the first step of a run's clock
+      }
+      prev = p;
+    });
+    return out;
+  }
+
+  /* An exponentially weighted moving average of recent step times (seconds per step), or null. */
+  function stepSeconds(points) {
+    const durations = stepDurations(points).map(function (d) { return d[1]; });
+    if (!durations.length) return null;
+    const seed = durations.slice(0, ETA_SEED).slice().sort(function (a, b) { return a - b; });
+    let average = seed[Math.floor((seed.length - 1) / 2)];
+    const alpha = 2 / (ETA_SPAN + 1);
+    durations.slice(seed.length).forEach(function (d) { average += alpha * (d - average); });
+    return average;
+  }
+
+  /* Tokens per second of each step, from its `tokens` and the time it took; null where either is unknown. */
+  function tokensPerSecond(points) {
+    const seconds = new Map(stepDurations(points));
+    return points.map(function (p) {
+      const s = seconds.get(p.step);
+      return [p.step, isNumber(p.tokens) && isNumber(s) && s > 0 ? p.tokens / s : null];
+    });
+  }
+
+  const DERIVED = { tokens_per_second: tokensPerSecond };
+  function series(points, key) {
+    if (DERIVED[key]) return DERIVED[key](points);
+    return points.map(function (m) { return [m.step, isNumber(m[key]) ? m[key] : null]; });
+  }
+
+  window.KilnJob = { stepDurations: stepDurations, stepSeconds: stepSeconds, tokensPerSecond: tokensPerSecond,
+                     series: series };
+
   const root = document.querySelector("[data-job-page]");
   if (!root) return;
   const K = window.Kiln;
   const TERMINAL = ["succeeded", "cancelled", "failed", "lost"];
-  const ETA_WINDOW = 20;  // recent steps the time-per-step estimate uses
+  const COALESCE_MS = 250;  // events within this window of the first one share one snapshot request
 
   const specs = JSON.parse(document.getElementById("kiln-charts").textContent);
   const earlier = JSON.parse(document.getElementById("kiln-earlier").textContent);
@@ -36,16 +91,8 @@
     if (TERMINAL.indexOf(state.status) >= 0) return "";
     if (state.status === "queued") return "waiting for a worker";
     if (!state.total || !points.length) return "";
-    const recent = points.slice(-ETA_WINDOW).filter(function (p) { return typeof p.elapsed_seconds === "number"; });
-    if (!recent.length) return "";
-    const last = recent[recent.length - 1];
-    let perStep;
-    if (recent.length > 1 && last.step > recent[0].step) {
-      perStep = (last.elapsed_seconds - recent[0].elapsed_seconds) / (last.step - recent[0].step);
-    } else {
-      const first = points[0].step - 1;  // a resumed run's clock starts at its first step
-      perStep = last.elapsed_seconds / Math.max(1, last.step - first);
-    }
+    const perStep = stepSeconds(points);
+    if (perStep === null) return "";
     const remaining = Math.max(0, state.total - state.committed);
     if (!remaining) return "finishing";
     return "about " + K.formatDuration(perStep * remaining) + " left";
@@ -75,15 +122,15 @@
     specs.forEach(function (spec) {
       const figure = root.querySelector('[data-chart="' + spec.key + '"]');
       if (!figure) return;
-      const pick = function (m) { return [m.step, m[spec.key] === undefined ? null : m[spec.key]]; };
-      const run = points.map(pick), before = earlier.map(pick);
+      const run = series(points, spec.key), before = series(earlier, spec.key);
       const has = function (p) { return p[1] !== null; };
-      const series = [];
-      if (before.some(has)) series.push({ name: "earlier", points: before });
-      series.push({ name: "run", points: run });
-      // GRPO/OPD diagnostics that a run does not record stay hidden instead of drawing an empty chart
+      const lines = [];
+      if (before.some(has)) lines.push({ name: "earlier", points: before });
+      lines.push({ name: "run", points: run });
+      // metrics that a run does not report stay hidden instead of drawing an empty chart
       figure.hidden = spec.key !== specs[0].key && !run.some(has) && !before.some(has);
-      window.KilnCharts.draw(figure.querySelector("[data-plot]"), series);
+      if (figure.hidden) return;
+      window.KilnCharts.draw(figure.querySelector("[data-plot]"), lines, { floor: spec.floor });
       const latest = run.filter(has).pop() || before.filter(has).pop();
       figure.querySelector("[data-latest]").textContent = latest ? K.formatNumber(latest[1]) + " at step " + latest[0] : "";
     });
@@ -118,10 +165,18 @@
     list.prepend(item);
   }
 
+  // A redrawn panel keeps a disclosure the person opened (the stop confirmation) open.
   function applyPanels(panels) {
     Object.keys(panels).forEach(function (name) {
       const target = root.querySelector('[data-panel="' + name + '"]');
-      if (target && target.innerHTML !== panels[name]) target.innerHTML = panels[name];
+      if (!target || target.innerHTML === panels[name]) return;
+      const open = Array.from(target.querySelectorAll("details[data-disclosure][open]"))
+        .map(function (d) { return d.dataset.disclosure; });
+      target.innerHTML = panels[name];
+      open.forEach(function (key) {
+        const details = target.querySelector('details[data-disclosure="' + key + '"]');
+        if (details) details.open = true;
+      });
     });
   }
 
@@ -151,7 +206,13 @@
       if (again) { again = false; resync(); }
     }
   }
-  const resyncSoon = K.debounce(resync, 200);
+  // One snapshot for a burst: the first event schedules it, later ones in the window ride along (a steady
+  // stream of events still gets a snapshot every COALESCE_MS, unlike a debounce that would wait it out).
+  let scheduled = null;
+  function resyncSoon() {
+    if (scheduled) return;
+    scheduled = setTimeout(function () { scheduled = null; resync(); }, COALESCE_MS);
+  }
 
   renderProgress();
   renderCharts();
@@ -176,6 +237,6 @@
       resyncSoon();
     },
     "job.checkpoint": function () { resyncSoon(); },
-    "job.event": addEvent,
+    "job.event": function (message) { addEvent(message); resyncSoon(); },
   });
 })();

@@ -156,3 +156,54 @@ def test_the_socket_ignores_what_the_page_sends(ada):
         await listener.disconnect()
 
     async_to_sync(scenario)()
+
+
+def test_a_gate_evaluation_tells_the_job_page_when_it_runs_and_ends(ada):
+    """The job page redraws its promotion panel on job events: a gate evaluation's start and end are job
+    events, sent in commit order, the evaluation's end before the promotion decision it sets off."""
+    from kiln_web.evals.execution import execute_evaluation
+    from kiln_web.evals.models import EvalRun, EvalSuite
+
+    job = job_of(ada, "ada-gated")
+    TrainingJob.objects.filter(pk=job.pk).update(status=JobStatus.SUCCEEDED,
+                                                 request={"auto_load": True, "gate": {"suite": "held-out",
+                                                                                      "min_accuracy": 0.5}})
+    content = '{"prompt": "Say kiln.", "expected": "."}\n'
+    suite = EvalSuite.objects.create(name="held-out", owner=ada, content=content, digest="d" * 64, example_count=1)
+    # a digest the suite no longer has: the run fails at once (suite_changed), with no model involved
+    run = EvalRun.objects.create(owner=ada, suite=suite, suite_digest="e" * 64, candidate=job.adapter,
+                                 candidate_base="kiln-tiny", baseline_kind="base", baseline="kiln-tiny",
+                                 baseline_base="kiln-tiny", training_job=job, purpose="gate")
+    cookie = session_cookie(ada)
+
+    async def scenario():
+        listener = await connected(socket(f"/ws/jobs/{job.pk}/", cookie))
+        assert await database_sync_to_async(execute_evaluation)(run.pk, "w") == "failed"
+        messages = [await listener.receive_json_from(timeout=30) for _ in range(3)]
+        assert [m["type"] for m in messages] == ["job.event"] * 3
+        texts = [m["message"] for m in messages]
+        assert texts[0] == f"evaluation {run.pk} (gate, suite 'held-out'): running on w"
+        assert texts[1].startswith(f"evaluation {run.pk} (gate, suite 'held-out'): failed: suite_changed: ")
+        assert texts[2].startswith("promotion: unavailable: ")
+        assert await listener.receive_nothing(timeout=QUIET)
+        await listener.disconnect()
+
+    async_to_sync(scenario)()
+    stored = list(job.events.order_by("time", "id").values_list("message", flat=True))
+    assert [text.split(":")[0] for text in stored[-3:]] == [f"evaluation {run.pk} (gate, suite 'held-out')"] * 2 + [
+        "promotion"]
+
+
+def test_an_evaluation_linked_to_no_job_writes_no_job_event(ada):
+    from kiln_web.evals.execution import execute_evaluation
+    from kiln_web.evals.models import EvalRun, EvalSuite
+    from kiln_web.jobs.models import JobEvent
+
+    adapter = Adapter.objects.create(name="ada-manual", owner=ada)
+    suite = EvalSuite.objects.create(name="manual", owner=ada, content='{"prompt": "a", "expected": "b"}\n',
+                                     digest="d" * 64, example_count=1)
+    run = EvalRun.objects.create(owner=ada, suite=suite, suite_digest="e" * 64, candidate=adapter,
+                                 candidate_base="kiln-tiny", baseline_kind="base", baseline="kiln-tiny",
+                                 baseline_base="kiln-tiny")
+    assert execute_evaluation(run.pk, "w") == "failed"
+    assert not JobEvent.objects.exists()

@@ -291,7 +291,8 @@ def test_snapshot_returns_state_new_steps_and_panels(fake_runner, signed_in, ada
     snapshot = signed_in.get(f"/jobs/{job.pk}/snapshot", {"after_step": 1}).json()
     assert snapshot["job"]["status"] == "cancelled" and snapshot["job"]["committed_step"] == 3
     assert [m["step"] for m in snapshot["metrics"]] == [2, 3]
-    assert set(snapshot["metrics"][0]) == {"step", "loss", "elapsed_seconds"}
+    # what the charts and the ETA use, nothing more (tokens/s is derived from tokens and elapsed_seconds)
+    assert set(snapshot["metrics"][0]) == {"step", "loss", "elapsed_seconds", "learning_rate", "grad_norm", "tokens"}
     panels = snapshot["panels"]
     assert 'data-stop-state="confirmed"' in panels["stop"] and "Prepare resume" in panels["actions"]
     assert "csrfmiddlewaretoken" not in panels["actions"] or "Stop" in panels["actions"]
@@ -476,12 +477,17 @@ def test_trained_and_promoted_are_shown_apart(fake_runner, signed_in, ada, adapt
     assert 'data-trained="yes"' in page  # still trained: the gate decides promotion, not training
     assert 'data-promotion="gate_failed"' in page and "Gate failed" in page and "below the baseline" in page
     assert "candidate 56.2% vs kiln-tiny 62.5% on 16 examples" in page
+    assert f'href="/evals/runs/{evaluation.pk}/" data-eval-link' in page  # each run links to its page
+    assert signed_in.get(f"/evals/runs/{evaluation.pk}/").status_code == 200
+
+
+RATES = ["learning_rate", "grad_norm", "tokens_per_second"]
 
 
 @pytest.mark.parametrize("kind, metrics, charts", [
     ("grpo", {"loss": 0.1, "reward_mean": 0.5, "kl_mean": 0.01, "clip_region_fraction": 0.2},
-     ["loss", "reward_mean", "kl_mean", "clip_region_fraction"]),
-    ("opd", {"loss": 0.3, "kl": 0.3, "entropy": 2.0}, ["kl"]),
+     ["loss", "reward_mean", "kl_mean", "clip_region_fraction"] + RATES),
+    ("opd", {"loss": 0.3, "kl": 0.3, "entropy": 2.0}, ["kl"] + RATES),
 ])
 def test_grpo_and_opd_pages_draw_their_own_charts(signed_in, ada, kind, metrics, charts):
     from kiln_web.adapters.models import Adapter
@@ -495,6 +501,90 @@ def test_grpo_and_opd_pages_draw_their_own_charts(signed_in, ada, kind, metrics,
     page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
     assert re.findall(r'data-chart="([a-z_]+)"', page) == charts
     points = json.loads(re.search(r'id="kiln-metrics" type="application/json">(.*?)</script>', page).group(1))
-    assert points == [{"step": 1, "elapsed_seconds": 0.5, **{key: metrics[key] for key in charts}}]
+    assert points == [{"step": 1, "elapsed_seconds": 0.5, "grad_norm": 1.0, **{key: metrics[key] for key in charts
+                                                                               if key in metrics}}]
+    specs = json.loads(re.search(r'id="kiln-charts" type="application/json">(.*?)</script>', page).group(1))
+    assert {spec["key"]: spec["floor"] for spec in specs}["grad_norm"] == 0
     if kind == "opd":
         assert "tutor@native (native)" in page and "teacher identity revision" in page and "b" * 64 in page
+
+
+# -- Stop without checkpointing, promotion before a decision, advice per kind --
+
+
+def test_stop_asks_to_confirm_when_the_run_cannot_save(fake_runner, signed_in, adapter_name, settings):
+    from kiln_web.jobs import actions
+
+    settings.KILN_CHECKPOINT_INTERVAL = None
+    job = submitted(submit_form(signed_in, adapter_name, seed="3"))
+    assert job.effective_config["checkpoint_interval"] is None
+    assert actions.do_claim_job(job.pk, "test-worker")
+    page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Stop (no checkpoint)" in page and "Stop and save" not in page
+    assert 'name="confirm" value="1"' in page and "Stop without saving" in page
+
+    # the plain POST (the first press, or a form without the confirmation) stops nothing
+    response = csrf_post(signed_in, f"/jobs/{job.pk}/stop/")
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
+    job.refresh_from_db()
+    assert job.status == JobStatus.RUNNING
+    page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Not stopped: checkpointing is off for this run" in page
+
+    response = csrf_post(signed_in, f"/jobs/{job.pk}/stop/", {"confirm": "1"})
+    job.refresh_from_db()
+    assert job.status == JobStatus.CANCELLING
+    page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Stopping without a checkpoint" in page and "publishes a checkpoint" not in page
+
+
+def test_a_run_that_can_save_keeps_stop_and_save(fake_runner, signed_in, adapter_name):
+    from kiln_web.jobs import actions
+
+    job = submitted(submit_form(signed_in, adapter_name, seed="3"))  # the server default: every 50 steps
+    assert job.effective_config["checkpoint_interval"] == 50
+    assert actions.do_claim_job(job.pk, "test-worker")
+    page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Stop and save" in page and "Stop (no checkpoint)" not in page and 'name="confirm"' not in page
+
+
+def job_asking(ada, name: str, request: dict, status=JobStatus.RUNNING, kind="sft") -> TrainingJob:
+    from kiln_web.adapters.models import Adapter
+
+    adapter = Adapter.objects.create(name=name, owner=ada)
+    return TrainingJob.objects.create(owner=ada, kind=kind, adapter=adapter, request=request, admission={},
+                                      status=status, committed_step=1, total_steps=10)
+
+
+GATE = {"suite": "held-out", "min_accuracy": 0.5}
+
+
+@pytest.mark.parametrize("request_body, status, state, label", [
+    ({"auto_load": True, "gate": GATE}, JobStatus.QUEUED, "pending", "Awaiting the gate"),
+    ({"auto_load": True, "gate": GATE}, JobStatus.RUNNING, "pending", "Awaiting the gate"),
+    ({"auto_load": True, "gate": GATE}, JobStatus.SUCCEEDED, "pending", "Awaiting the gate"),
+    ({"auto_load": True}, JobStatus.RUNNING, "pending_canary", "Awaiting the canary"),
+    ({"auto_load": True, "gate": GATE}, JobStatus.FAILED, "not_trained", "Not promoted"),
+    ({}, JobStatus.RUNNING, "not_requested", "Not requested"),
+    ({"auto_load": False}, JobStatus.SUCCEEDED, "not_requested", "Not requested"),
+])
+def test_promotion_before_a_decision_follows_the_request(signed_in, ada, request_body, status, state, label):
+    job = job_asking(ada, "asking-bot", request_body, status)
+    page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
+    assert f'data-promotion="{state}"' in page and label in page
+    if state == "pending" and status != JobStatus.SUCCEEDED:
+        assert "evaluated on suite held-out (min accuracy 0.5)" in page
+    snapshot = signed_in.get(f"/jobs/{job.pk}/snapshot").json()
+    assert f'data-promotion="{state}"' in snapshot["panels"]["outcome"]
+
+
+@pytest.mark.parametrize("kind, advised", [("sft", False), ("grpo", False), ("opd", True)])
+def test_base_adapter_advice_only_for_kinds_that_take_it(signed_in, ada, kind, advised):
+    job = job_asking(ada, f"{kind}-warm", {}, JobStatus.SUCCEEDED, kind=kind)
+    snapshot = settings.KILN_ADAPTERS_DIR / job.adapter.name
+    snapshot.mkdir(parents=True)
+    (snapshot / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    page = signed_in.get(f"/jobs/{job.pk}/").content.decode()
+    assert "data-snapshot-advice" in page
+    assert ("base_adapter" in page) is advised
+    assert ("Weights-only warm start" in page) is advised
