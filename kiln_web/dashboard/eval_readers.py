@@ -1,10 +1,15 @@
 """What the evaluation and promotion pages show: evaluation runs and promotion decisions a person may see
-(`visible_to(user)`: their own, all for staff), read from the evals and serving models."""
+(`visible_to(user)`: their own, all for staff), read from the evals and serving models, with each gate's
+thresholds and decision."""
 
 from __future__ import annotations
 
-from kiln_web.evals.models import EvalRun
+from kiln_web.core.http import ActionRefused
+from kiln_web.evals.models import EvalPurpose, EvalRun
 from kiln_web.serving.models import PromotionRecord
+from kiln_web.serving.promotion_request import requested_promotion
+
+LIST_LIMIT = 200  # rows per list page, newest first
 
 
 def visible_runs(user):
@@ -14,3 +19,59 @@ def visible_runs(user):
 def visible_promotions(user):
     return PromotionRecord.objects.visible_to(user).select_related("adapter", "adapter__owner", "job", "evaluation",
                                                                     "user")
+
+
+def accuracy(summary) -> float | None:
+    return summary.get("accuracy") if isinstance(summary, dict) else None
+
+
+def run_row(run: EvalRun) -> dict:
+    """One run as the list shows it."""
+    candidate, baseline = accuracy(run.candidate_summary), accuracy(run.baseline_summary)
+    return {"run": run, "candidate_accuracy": candidate, "baseline_accuracy": baseline,
+            "gain": candidate - baseline if candidate is not None and baseline is not None else None}
+
+
+def gate(run: EvalRun) -> dict | None:
+    """A gate run's thresholds (as its job asked) and the promotion decided on it; None for a manual run."""
+    if run.purpose != EvalPurpose.GATE:
+        return None
+    out = {"suite": None, "min_accuracy": None, "min_improvement": None, "error": None, "decision": None}
+    if run.training_job is not None:
+        try:
+            wanted = requested_promotion(run.training_job.request)
+        except ActionRefused as refused:  # written before the fields were checked
+            out["error"] = refused.message
+        else:
+            out |= {"suite": wanted.suite, "min_accuracy": wanted.min_accuracy,
+                    "min_improvement": wanted.min_improvement}
+    out["decision"] = run.promotions.order_by("-decided_at", "-id").first()
+    return out
+
+
+def run_detail(run: EvalRun) -> dict:
+    """The run's facts, per-example results, and for a gate its thresholds and decision."""
+    texts = prompts(run)
+    examples = [{"result": example, "prompt": texts[example.index] if example.index < len(texts) else None}
+                for example in run.examples.all()]
+    return run_row(run) | {"examples": examples, "gate": gate(run),
+                           "promotions": list(run.promotions.select_related("adapter", "job")
+                                              .order_by("-decided_at", "-id"))}
+
+
+def prompts(run: EvalRun) -> list[str]:
+    """Each example's prompt as the suite holds it, by index: the text, or a chat's turns as "role: content"
+    lines. Empty when the stored suite no longer parses (the per-example results still show)."""
+    from kiln_web.evals import runtime
+
+    try:
+        suite = runtime.parse(run.suite.name, run.suite.content, run.suite.default_metric)
+    except runtime.SuiteError:
+        return []
+    return [_prompt_text(example.messages) for example in suite.examples]
+
+
+def _prompt_text(messages: tuple) -> str:
+    if len(messages) == 1 and messages[0][0] == "user":
+        return messages[0][1]
+    return "\n".join(f"{role}: {content}" for role, content in messages)
