@@ -106,6 +106,15 @@ def add_checkpoint(parser: argparse.ArgumentParser) -> None:
                        help="only those untouched this long (default 3600; a live publication is younger)")
     clean.add_argument("--registry", default=None, metavar="DIR",
                        help="the adapter registry (default: KILN_HOME's, as the server uses)")
+    prune = commands.add_parser("prune", help="delete all but an adapter's newest N valid checkpoints",
+                                description="list (and with --yes delete) an adapter's checkpoints beyond its newest "
+                                "N valid ones, on this machine's registry and database. Never deleted: the newest "
+                                "valid checkpoint, a checkpoint of a queued, running or cancelling job or one such a "
+                                "job resumes from, one that cannot be read. Nothing is pruned on a timer.")
+    prune.add_argument("--adapter", required=True, help="the adapter whose checkpoints to prune")
+    prune.add_argument("--keep", type=int, required=True, metavar="N", help="valid checkpoints to keep, newest "
+                       "first (1 or more)")
+    prune.add_argument("--yes", action="store_true", help="delete; without it the plan is only listed (dry run)")
 
 
 def _manifest_fields(checkpoint_dir, path) -> set | None:
@@ -126,6 +135,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
     if args.checkpoint_command == "clean-orphans":
         return _clean_orphans(checkpoint_dir, args)
+    if args.checkpoint_command == "prune":
+        return _prune(args)
     path = Path(args.path).expanduser()
     try:
         fields = _manifest_fields(checkpoint_dir, path)
@@ -181,6 +192,33 @@ def _clean_orphans(checkpoint_dir, args: argparse.Namespace) -> int:
     print(f"{len(removed)} staging orphan(s) removed from {registry}", file=sys.stderr)
     return 0
 
+
+
+def _prune(args: argparse.Namespace) -> int:
+    setup_django()
+    from kiln_web.adapters.actions import do_prune_checkpoints
+    from kiln_web.core.http import ActionRefused
+
+    try:
+        plan = do_prune_checkpoints(None, args.adapter, args.keep, apply=args.yes)
+    except ActionRefused as exc:
+        print(f"kiln checkpoint prune: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    verbs = {"keep": "keep", "delete": "deleted" if args.yes else "would delete", "failed": "FAILED"}
+    for item in plan:
+        print(f"{verbs[item['action']]:<12}  {item['basename']}  ({item['state']}: {item['reason']})")
+    deleted = sum(item["action"] == "delete" for item in plan)
+    failed = sum(item["action"] == "failed" for item in plan)
+    kept = len(plan) - deleted - failed
+    if not plan:
+        print(f"{args.adapter} has no checkpoints in the registry", file=sys.stderr)
+    elif args.yes:
+        print(f"{deleted} checkpoint(s) deleted, {kept} kept" + (f", {failed} failed" if failed else ""),
+              file=sys.stderr)
+    else:
+        print(f"dry run: {deleted} checkpoint(s) would be deleted, {kept} kept; run again with --yes to delete",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def add_qualify(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from kiln_web import cli_serving
 from kiln_web.cli_server import add_subcommand, subcommands
 
 TERMINAL = {"succeeded", "cancelled", "failed", "lost"}
+JOB_ID_HELP = "the job's id, or a unique prefix of it (at least 8 hex digits)"
 
 
 def add_train(parser: argparse.ArgumentParser) -> None:
@@ -76,12 +77,26 @@ def add_train(parser: argparse.ArgumentParser) -> None:
         kind.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
         kind.add_argument("--wait", action="store_true", help="follow the job until it ends")
         kind.add_argument("--json", action="store_true", help="print the job as JSON")
+    resume = commands.add_parser("resume", help="continue an ended job from its latest checkpoint",
+                                 description="resubmit a cancelled, failed or lost job's effective configuration and "
+                                 "seed with config.resume_checkpoint set to its latest checkpoint (as the dashboard's "
+                                 "Prepare resume does); its dataset_path is kept, inline data must be given again "
+                                 "with --file")
+    resume.add_argument("--job-id", required=True, help=JOB_ID_HELP)
+    resume.add_argument("--file", help="the job's data again (required when it trained on inline data): SFT records, "
+                        "GRPO groups or OPD prompts; a file inside a data root is sent as dataset_path")
+    resume.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
+    resume.add_argument("--wait", action="store_true", help="follow the job until it ends")
+    resume.add_argument("--json", action="store_true", help="print the job as JSON")
     status = commands.add_parser("status", help="show a job: status, progress, latest checkpoint")
-    status.add_argument("--job-id", required=True)
+    status.add_argument("--job-id", required=True, help=JOB_ID_HELP)
     status.add_argument("--json", action="store_true", help="print the job as JSON")
     cancel = commands.add_parser("cancel", help="cancel a job (a running one publishes a checkpoint first)")
-    cancel.add_argument("--job-id", required=True)
+    cancel.add_argument("--job-id", required=True, help=JOB_ID_HELP)
     cancel.add_argument("--wait", action="store_true", help="wait until the job has ended")
+    events = commands.add_parser("events", help="a job's log: claims, checkpoints, warnings, errors")
+    events.add_argument("--job-id", required=True, help=JOB_ID_HELP)
+    events.add_argument("--json", action="store_true", help="print the events as JSON")
     jobs = commands.add_parser("list", help="list your jobs, newest first")
     jobs.add_argument("--status")
     jobs.add_argument("--limit", type=int, default=20)
@@ -169,6 +184,29 @@ def _opd_body(args: argparse.Namespace) -> dict:
 
 
 BODIES = {"sft": cli_serving.with_promotion(_sft_body), "grpo": _grpo_body, "opd": _opd_body}
+INLINE = {"sft": "data", "grpo": "groups", "opd": "prompts"}  # each kind's inline data field
+
+
+def _resume_source(args: argparse.Namespace, kind: str) -> dict:
+    """The data of a resumed run: {} (the job's own dataset_path), {dataset_path} for a file in a data root,
+    else the file's records as the kind's inline field (OPD prompts: a JSON list or JSONL)."""
+    import json
+
+    from kiln_web.client import read_jsonl, within_data_root
+
+    if not args.file:
+        return {}
+    path = _input_file(args.file)
+    if not args.upload and within_data_root(path):
+        return {"dataset_path": str(path.resolve())}
+    if kind == "opd":
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            document = None
+        if isinstance(document, list):
+            return {"prompts": document}
+    return {INLINE.get(kind, "data"): read_jsonl(path)}
 
 
 def _print_job(job: dict) -> None:
@@ -217,24 +255,40 @@ def _follow(client, job_id: str) -> dict:
         time.sleep(1.0)
 
 
+def _submitted(client, job: dict, args: argparse.Namespace) -> int:
+    """Report a job just submitted (or resumed); with --wait, follow it until it ends."""
+    if args.json and not args.wait:
+        cli_serving.show(job, True, None)
+        return 0
+    resumed = f", resuming from {job['resume_from']}" if job.get("resume_from") else ""
+    print(f"job {job['id']} {job['status']} ({job['adapter']}, {job['progress']['total_steps']} steps, "
+          f"seed {job['effective_seed']}{resumed})", flush=True)
+    if not args.wait:
+        print(f"follow it with: kiln train status --job-id {job['id']}")
+        return 0
+    job = _follow(client, job["id"])
+    cli_serving.show(job, args.json, _print_job)
+    return 0 if job["status"] in ("succeeded", "cancelled") else 1
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from kiln_web.client import ApiError, Client
 
     try:
         client = Client()
         if args.train_command in BODIES:
-            job = client.submit(args.train_command, BODIES[args.train_command](args))
-            if args.json and not args.wait:
-                cli_serving.show(job, True, None)
+            return _submitted(client, client.submit(args.train_command, BODIES[args.train_command](args)), args)
+        if args.train_command == "resume":
+            ended = client.job(args.job_id)
+            return _submitted(client, client.resume(ended["id"], _resume_source(args, ended["kind"])), args)
+        if args.train_command == "events":
+            listing = client.events(args.job_id)
+            if args.json:
+                cli_serving.show(listing, True, None)
                 return 0
-            print(f"job {job['id']} {job['status']} ({job['adapter']}, {job['progress']['total_steps']} steps, "
-                  f"seed {job['effective_seed']})", flush=True)
-            if not args.wait:
-                print(f"follow it with: kiln train status --job-id {job['id']}")
-                return 0
-            job = _follow(client, job["id"])
-            cli_serving.show(job, args.json, _print_job)
-            return 0 if job["status"] in ("succeeded", "cancelled") else 1
+            for event in listing["items"]:
+                print(f"{event['time']}  {event['level']:<7}  {event['message']}")
+            return 0
         if args.train_command == "status":
             job = client.job(args.job_id)
             cli_serving.show(job, args.json, _print_job)
@@ -247,10 +301,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                 _print_job(job)
             return 0
         listing = client.jobs(status=args.status, limit=args.limit)
+        print(f"{'ID':<36}  {'STATUS':<10}  {'KIND':<4}  {'ADAPTER':<24}  {'STEPS':<11}  LATEST CHECKPOINT")
         for job in listing["items"]:
             progress = job["progress"]
-            print(f"{job['id']}  {job['status']:<10}  {job['kind']:<4}  {job['adapter']:<24}  "
-                  f"{progress['committed_step']}/{progress.get('total_steps')}  {job.get('latest_checkpoint') or ''}")
+            steps = f"{progress['committed_step']}/{progress.get('total_steps')}"
+            print(f"{job['id']}  {job['status']:<10}  {job['kind']:<4}  {job['adapter']:<24}  {steps:<11}  "
+                  f"{job.get('latest_checkpoint') or ''}")
+        if not listing["items"]:
+            print("(no jobs" + (f" with status {args.status})" if args.status else ")"))
         return 0
     except ApiError as exc:
         return cli_serving.print_api_error(f"train {args.train_command}", exc)

@@ -26,8 +26,15 @@ def print_api_error(command: str, exc) -> int:
     for difference in exc.error.get("differences") or []:
         print(f"  {difference.get('field')}: checkpoint {difference.get('checkpoint')!r}, "
               f"request {difference.get('request')!r}", file=sys.stderr)
-    if exc.status == 401:
-        print("  check KILN_TOKEN (create a token with: kiln token create --user NAME)", file=sys.stderr)
+    if exc.status == 401:  # the server's message says how to create a token; say where the CLI found this one
+        from kiln_web.client import config_path
+
+        print(f"  check KILN_TOKEN (or \"token\" in {config_path()})"
+              + ("" if "kiln token create" in exc.message else "; create one with: kiln token create --user NAME"),
+              file=sys.stderr)
+    if exc.code == "ambiguous_job_id" and exc.error.get("matches"):
+        for job_id in exc.error["matches"]:
+            print(f"  {job_id}", file=sys.stderr)
     return 1
 
 
@@ -198,10 +205,13 @@ def _print_run(run: dict, examples: bool = False) -> None:
         print(f"job        {run['training_job']}")
     if run.get("error"):
         print(f"error      {run['error']['code']}: {run['error']['message']}")
-    for example in (run.get("examples") or []) if examples else []:
-        mark = lambda ok: "+" if ok else "-"  # noqa: E731
-        print(f"  #{example['index']:<4} {mark(example['candidate']['correct'])}"
-              f"{mark(example['baseline']['correct'])} expected {example['expected']!r} "
+    shown = (run.get("examples") or []) if examples else []
+    if shown:
+        print(f"  {'#':<5} {'CANDIDATE':<9} {'BASELINE':<8} EXPECTED, CANDIDATE'S OUTPUT")
+    for example in shown:
+        mark = lambda ok: "pass" if ok else "fail"  # noqa: E731
+        print(f"  {example['index']:<5} {mark(example['candidate']['correct']):<9} "
+              f"{mark(example['baseline']['correct']):<8} expected {example['expected']!r} "
               f"got {example['candidate']['output']!r}")
 
 

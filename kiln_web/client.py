@@ -88,17 +88,30 @@ class Client:
         """Submit a run of training KIND (sft, grpo, opd)."""
         return self.request("POST", f"/train/{kind}", body)
 
+    @staticmethod
+    def _job_path(job_id: str, action: str = "") -> str:
+        """/train/jobs/<id>[/ACTION]; the id (a full id or a prefix of 8+ hex digits) is quoted whole."""
+        return f"/train/jobs/{urllib.parse.quote(job_id, safe='')}" + (f"/{action}" if action else "")
+
     def job(self, job_id: str) -> dict:
-        return self.request("GET", f"/train/jobs/{job_id}")
+        return self.request("GET", self._job_path(job_id))
 
     def jobs(self, **query) -> dict:
         return self.request("GET", "/train/jobs", query=query)
 
     def cancel(self, job_id: str) -> dict:
-        return self.request("POST", f"/train/jobs/{job_id}/cancel")
+        return self.request("POST", self._job_path(job_id, "cancel"))
+
+    def resume(self, job_id: str, source: dict) -> dict:
+        """Resume an ended job from its latest checkpoint; SOURCE is {} (its own dataset_path), {dataset_path}
+        or the kind's inline field."""
+        return self.request("POST", self._job_path(job_id, "resume"), source)
+
+    def events(self, job_id: str) -> dict:
+        return self.request("GET", self._job_path(job_id, "events"))
 
     def metrics(self, job_id: str, **query) -> dict:
-        return self.request("GET", f"/train/jobs/{job_id}/metrics", query=query)
+        return self.request("GET", self._job_path(job_id, "metrics"), query=query)
 
     def teachers(self) -> dict:
         return self.request("GET", "/teachers")

@@ -99,6 +99,10 @@ def _record_load(adapter: Adapter, base: str, sha: str, loaded_by: str) -> Serve
 def do_load_adapter(user, name: str, base: str | None = None) -> ServedAdapter:
     """Load the adapter's PEFT snapshot over its base here, then record that every process serves it."""
     adapter = adapter_for(user, name)
+    if not runtime.has_snapshot(name):  # before the base: without a snapshot there is nothing to load over it
+        raise ActionRefused(409, "no_snapshot", f"adapter {name!r} has no PEFT snapshot: its run has not finished "
+                                                "(a run publishes the snapshot when it succeeds); wait for it, or "
+                                                "resume a stopped run (kiln train resume --job-id ID) to finish it")
     base = _base_for(adapter, base)
     serving = runtime.serving()
     with serving.exclusive():

@@ -17,6 +17,7 @@ EXPECTED_OPERATIONS = {
     ("get", "/v1/train/jobs"),
     ("get", "/v1/train/jobs/{job_id}"),
     ("post", "/v1/train/jobs/{job_id}/cancel"),
+    ("post", "/v1/train/jobs/{job_id}/resume"),
     ("get", "/v1/train/jobs/{job_id}/checkpoints"),
     ("get", "/v1/train/jobs/{job_id}/metrics"),
     ("get", "/v1/train/jobs/{job_id}/events"),

@@ -250,3 +250,110 @@ def test_checkpoint_clean_orphans(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert not orphan.exists() and out == f"removed {orphan.name}\n" and "1 staging orphan(s) removed" in err
     assert main(["checkpoint", "clean-orphans", "--registry", str(registry), "--older-than", "-1"]) == 2
+
+
+# -- resume, job-id prefixes and small fixes --
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_cancelled_mid_run_resumes_by_prefix_from_its_latest_checkpoint(cli, settings, tmp_path, adapter_name,
+                                                                              monkeypatch):
+    from .test_resume_and_ids import cancel_at_step
+
+    settings.KILN_CHECKPOINT_INTERVAL = 50  # the server default: the cancellation publishes the only checkpoint
+    data = jsonl(tmp_path / "data.jsonl", records=6)
+    code, out, err = cli("train", "sft", "--file", str(data), "--adapter", adapter_name)  # no --checkpoint-interval
+    assert code == 0, err
+    job_id = out.split()[1]
+    with monkeypatch.context() as patch:
+        cancel_at_step(patch)
+        assert EmbeddedWorker().run_once()
+    code, out, err = cli("train", "status", "--job-id", job_id[:8])
+    basename = f"{adapter_name}-checkpoint-step-00000003.kiln-checkpoint"
+    assert code == 0 and "status     cancelled" in out and f"resume_checkpoint {basename}" in out
+
+    code, out, err = cli("train", "resume", "--job-id", job_id[:8])  # trained on inline data: --file needed
+    assert code == 1 and "source_required" in err and "--file" in err
+    code, out, err = cli("train", "resume", "--job-id", job_id[:8], "--file", str(data))
+    assert code == 0, err
+    new = TrainingJob.objects.get(pk=out.split()[1])
+    assert new.resume_from == basename and new.committed_step == 3 and str(new.pk) != job_id
+    assert f"resuming from {basename}" in out
+    assert new.request["config"]["resume_checkpoint"] == basename and new.request["data"] == json.loads(
+        "[" + ",".join(data.read_text().splitlines()) + "]")
+    assert EmbeddedWorker().run_once()
+    code, out, _ = cli("train", "status", "--job-id", str(new.pk)[:12])
+    assert "status     succeeded" in out and "progress   6/6 steps" in out
+
+    code, out, _ = cli("train", "events", "--job-id", job_id[:8])
+    assert code == 0 and "claimed by worker" in out and "cancelled by the test" in out
+    code, out, _ = cli("train", "list")
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "STATUS", "KIND", "ADAPTER", "STEPS", "LATEST", "CHECKPOINT"]
+    assert lines[1].startswith(str(new.pk)) and lines[2].startswith(job_id)
+
+    code, _, err = cli("train", "status", "--job-id", "abc")
+    assert code == 1 and "invalid_job_id" in err and "at least 8 hex digits" in err
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ambiguous_prefix_lists_the_matching_jobs(cli, tmp_path, adapter_name, monkeypatch):
+    import uuid
+
+    field = TrainingJob._meta.get_field("id")
+    ids = iter(["feedf00d-0000-4000-8000-000000000001", "feedf00d-0000-4000-8000-000000000002"])
+    data = str(jsonl(tmp_path / "d.jsonl"))
+    with monkeypatch.context() as patch:
+        patch.setattr(field, "default", lambda: uuid.UUID(next(ids)))
+        patch.delitem(field.__dict__, "_get_default", raising=False)  # Django caches the default's callable
+        for name in (adapter_name, adapter_name + "-2"):
+            assert cli("train", "sft", "--file", data, "--adapter", name)[0] == 0
+    field.__dict__.pop("_get_default", None)
+    code, _, err = cli("train", "cancel", "--job-id", "feedf00d")
+    assert code == 1 and "ambiguous_job_id" in err
+    assert "  feedf00d-0000-4000-8000-000000000001" in err and "  feedf00d-0000-4000-8000-000000000002" in err
+    code, out, _ = cli("train", "cancel", "--job-id", "feedf00d-0000-4000-8000-00000000000")
+    assert code == 1  # still both
+    code, out, err = cli("train", "cancel", "--job-id", "feedf00d000040008000000000000002")  # a full id
+    assert code == 0 and "job feedf00d-0000-4000-8000-000000000002 cancelled" in out, err
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_wrong_token_hint_is_given_once(cli, monkeypatch):
+    monkeypatch.setenv("KILN_TOKEN", "kiln_wrong")
+    code, _, err = cli("train", "list")
+    assert code == 1 and err.count("kiln token create") == 1 and "check KILN_TOKEN" in err
+
+
+@pytest.mark.django_db(transaction=True)
+def test_loading_an_adapter_without_a_snapshot_says_so(cli, tmp_path, adapter_name):
+    code, out, err = cli("train", "sft", "--file", str(jsonl(tmp_path / "d.jsonl")), "--adapter", adapter_name)
+    assert code == 0, err
+    code, _, err = cli("adapter", "load", adapter_name)
+    assert code == 1 and "no_snapshot" in err and "has no PEFT snapshot" in err and "base_required" not in err
+
+
+def test_eval_status_marks_pass_and_fail_with_a_header(capsys):
+    from kiln_web.cli_serving import _print_run
+
+    side = {"summary": {"correct": 1, "total": 2, "accuracy": 0.5}}
+    run = {"id": "e1", "status": "succeeded", "suite": "s", "purpose": "manual",
+           "candidate": {"adapter": "a", "base": "b", **side}, "baseline": {"kind": "base", "name": "b", **side},
+           "examples": [{"index": 0, "expected": "4", "candidate": {"correct": True, "output": "4"},
+                         "baseline": {"correct": False}},
+                        {"index": 1, "expected": "5", "candidate": {"correct": False, "output": "6"},
+                         "baseline": {"correct": True}}]}
+    _print_run(run, examples=True)
+    lines = capsys.readouterr()[0].splitlines()
+    assert lines[3].split()[:3] == ["#", "CANDIDATE", "BASELINE"]
+    assert lines[4].split()[:3] == ["0", "pass", "fail"] and lines[5].split()[:3] == ["1", "fail", "pass"]
+
+
+def test_the_outside_the_data_roots_refusal_names_each_root_once(tmp_path):
+    from trainer.runs.admission import AdmissionError, confined
+
+    root = tmp_path / "datasets"
+    root.mkdir()
+    with pytest.raises(AdmissionError) as refused:
+        confined("/etc/hostname", (root, str(root) + "/", tmp_path / "other"))
+    assert refused.value.message.count(str(root)) == 1 and str(tmp_path / "other") in refused.value.message

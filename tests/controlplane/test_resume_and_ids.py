@@ -12,26 +12,40 @@ from .conftest import ApiClient, sft_body
 pytestmark = pytest.mark.django_db
 
 
-def _cancelled_mid_run(api, adapter_name, monkeypatch, body=None, **config) -> TrainingJob:
-    """A job submitted without checkpoint_interval and cancelled after its third step (the fake run checks
-    should_cancel after each step): it publishes a checkpoint at that boundary."""
+def cancel_at_step(monkeypatch, step: int = 3) -> None:
+    """Make the next fake SFT run cancelled (do_cancel_job, as `kiln train cancel` does) once it has committed
+    STEP; the run then publishes a checkpoint at that boundary and ends cancelled."""
+    from django.conf import settings
+
+    from kiln_web.jobs import actions
+
     from . import fake_sft
 
-    response = api.post("/v1/train/sft", body or sft_body(adapter_name, records=6, **config))
-    assert response.status_code == 201, response.content
-    job_id = response.json()["id"]
+    monkeypatch.setattr(settings, "KILN_CANCEL_POLL_SECONDS", 0)  # the run reads the status at every boundary
     real_run = fake_sft.run_sft
 
-    def run_then_cancel(admission, settings, hooks):
-        should_cancel = hooks.should_cancel
-        calls = iter(range(10**6))
-        hooks.should_cancel = lambda: next(calls) >= 2 or should_cancel()
-        return real_run(admission, settings, hooks)
+    def run(admission, run_settings, hooks):
+        on_step = hooks.on_step
 
-    monkeypatch.setattr(fake_sft, "run_sft", run_then_cancel)
-    assert EmbeddedWorker().run_once()
-    monkeypatch.setattr(fake_sft, "run_sft", real_run)
-    job = TrainingJob.objects.get(pk=job_id)
+        def step_then_cancel(metrics):
+            on_step(metrics)
+            if metrics["step"] == step:
+                actions.do_cancel_job(hooks.job_id, reason="cancelled by the test")
+
+        hooks.on_step = step_then_cancel
+        return real_run(admission, run_settings, hooks)
+
+    monkeypatch.setattr(fake_sft, "run_sft", run)
+
+
+def _cancelled_mid_run(api, adapter_name, monkeypatch, body=None, **config) -> TrainingJob:
+    """A job submitted without checkpoint_interval (the server's is 50) and cancelled after its third step."""
+    response = api.post("/v1/train/sft", body or sft_body(adapter_name, records=6, **config))
+    assert response.status_code == 201, response.content
+    with monkeypatch.context() as patch:
+        cancel_at_step(patch)
+        assert EmbeddedWorker().run_once()
+    job = TrainingJob.objects.get(pk=response.json()["id"])
     assert job.status == JobStatus.CANCELLED and job.committed_step == 3
     return job
 

@@ -116,7 +116,7 @@ def confined(path_text, roots) -> Path:
     if resolved is None:
         raise AdmissionError("dataset_outside_roots",
                              f"{path_text} is outside the configured data roots "
-                             f"({', '.join(str(r) for r in roots) or 'none'})")
+                             f"({', '.join(dict.fromkeys(str(Path(r).resolve()) for r in roots)) or 'none'})")
     if not resolved.is_file():
         raise AdmissionError("dataset_not_found", f"{path_text} is not a file")
     return resolved
