@@ -141,13 +141,14 @@ def cancel_job(request: HttpRequest, job_id: str = JobId):
 
 @router.post("/jobs/{job_id}/resume", response={201: JobOut, **SUBMIT_REFUSALS},
              summary="Resume an ended job from its latest checkpoint", operation_id="resume_job")
-def resume_job(request: HttpRequest, payload: ResumeIn, job_id: str = JobId):
+def resume_job(request: HttpRequest, job_id: str = JobId, payload: ResumeIn = None):
     """Submits the job's effective configuration and seed with `resume_checkpoint` set to its latest checkpoint
     (what the dashboard's "Prepare resume" fills in). The job's dataset_path is kept unless the body names the
     data again; a job that trained on inline data needs it again (400 source_required). 409 not_resumable when
     the job is active, its run completed, or it has no valid checkpoint; admission then refuses drift as for
     any submission."""
-    job = resume.do_resume_job(request.auth, _job(request, job_id), payload.model_dump(exclude_unset=True))
+    source = payload.model_dump(exclude_unset=True) if payload is not None else {}
+    job = resume.do_resume_job(request.auth, _job(request, job_id), source)
     return Status(201, _detail(job))
 
 

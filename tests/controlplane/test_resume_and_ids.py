@@ -120,6 +120,8 @@ def test_resume_refusals(interval, api, bob, adapter_name, monkeypatch):
     assert wrong.status_code == 400 and "give dataset_path or data" in wrong.json()["error"]["message"]
     unknown = api.post(path, {"config": {}})
     assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "invalid_request"
+    bodiless = api.client.post(path, content_type="application/json")
+    assert bodiless.status_code == 400 and bodiless.json()["error"]["code"] == "source_required"  # no body: {}
 
     response = api.post("/v1/train/sft", sft_body(adapter_name + "-none", records=2))  # interval 50: none published
     assert EmbeddedWorker().run_once()
@@ -171,3 +173,51 @@ def test_every_job_path_takes_a_unique_prefix(fake_runner, api, bob, adapter_nam
     cancelled = api.post("/v1/train/jobs/abcdef012399/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["id"] == second
     assert api.get(f"/v1/train/jobs/{first}").status_code == 200  # a full id still answers as before
+
+
+# -- the request resume_request builds, for GRPO and OPD (rows and a checkpoint made by hand: nothing runs) --
+
+
+def _ended_job(user, kind: str, adapter: str, request: dict, effective: dict, registry) -> TrainingJob:
+    from trainer.runs import checkpoint_dir
+
+    from kiln_web.adapters.models import Adapter
+
+    manifest = {"config": effective, "seed": 9, "progress": {"committed_step": 2, "total_steps": 5,
+                                                             "complete": False}}
+    path = checkpoint_dir.publish_checkpoint(registry, adapter, 2, checkpoint_type=kind, files={"s.json": b"{}"},
+                                             manifest=manifest)
+    return TrainingJob.objects.create(
+        owner=user, kind=kind, status=JobStatus.CANCELLED, adapter=Adapter.objects.create(name=adapter, owner=user),
+        request=request, admission={}, effective_config=effective, effective_seed=9, committed_step=2,
+        latest_checkpoint={"resume_checkpoint": path.name}, identities={"teacher": {"alias": "tutor@native"}})
+
+
+def test_opd_resubmits_the_teacher_alias_and_grpo_its_groups(ada, adapter_name, settings):
+    from kiln_web.jobs.resume import resume_request
+
+    resolved = {"alias": "tutor@native", "route": "native", "base": "kiln-tiny", "identity_revision": "ab" * 32}
+    opd = _ended_job(ada, "opd", adapter_name, {"dataset_path": "/data/prompts.jsonl", "config": {
+        "output_name": adapter_name, "teacher": "tutor@native", "steps": 5}},
+        {"output_name": adapter_name, "teacher": resolved, "steps": 5, "max_grad_norm": None, "top_k": None,
+         "lora": {"rank": 8, "alpha": 16.0, "targets": ["q_proj"], "use_rslora": False, "dropout": 0.0},
+         "checkpoint_interval": 1, "not_a_request_field": 3}, settings.KILN_ADAPTERS_DIR)
+    body = resume_request(opd, {})
+    assert body == {"dataset_path": "/data/prompts.jsonl", "config": {
+        "output_name": adapter_name, "teacher": "tutor@native", "steps": 5, "max_grad_norm": None,
+        "lora": {"rank": 8, "alpha": 16.0, "targets": ["q_proj"], "use_rslora": False}, "checkpoint_interval": 1,
+        "seed": 9, "resume_checkpoint": f"{adapter_name}-checkpoint-step-00000002.kiln-checkpoint"}}
+
+    grpo = _ended_job(ada, "grpo", adapter_name + "-g", {"groups": [{"prompt": "p"}], "config": {
+        "output_name": adapter_name + "-g"}}, {"output_name": adapter_name + "-g", "loss_type": "dapo"},
+        settings.KILN_ADAPTERS_DIR)
+    from kiln_web.core.http import ActionRefused
+
+    with pytest.raises(ActionRefused) as refused:
+        resume_request(grpo, {})
+    assert refused.value.code == "source_required" and "inline groups" in refused.value.message
+    groups = [{"prompt": "p", "completions": [{"text": "a", "reward": 1.0}]}]
+    assert resume_request(grpo, {"groups": groups})["groups"] == groups
+    with pytest.raises(ActionRefused) as refused:
+        resume_request(grpo, {"data": groups})
+    assert refused.value.status == 400 and refused.value.extra["field"] == "data"
