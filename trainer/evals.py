@@ -26,10 +26,11 @@ class SuiteError(ValueError):
 
 @dataclass(frozen=True)
 class EvalExample:
-    messages: tuple  # ((role, content), ...)
+    messages: tuple  # ((role, content), ...); a plain prompt is (("user", text),)
     expected: str
     metric: str
     tolerance: float
+    plain: bool = False  # a text prompt: sent as it is (as /v1/completions and plain SFT records), no chat template
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
             raise SuiteError(f"line {number}: not JSON ({error.msg})") from None
         if not isinstance(record, dict) or "expected" not in record:
             raise SuiteError(f"line {number}: needs an object with prompt or messages and expected")
+        plain = False
         if isinstance(record.get("messages"), list):
             messages = record["messages"]
             if not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -59,7 +61,7 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
                 raise SuiteError(f"line {number}: messages must be {{role, content}} objects")
             messages = tuple((m["role"], m["content"]) for m in messages)
         elif isinstance(record.get("prompt"), str):
-            messages = (("user", record["prompt"]),)
+            messages, plain = (("user", record["prompt"]),), True
         else:
             raise SuiteError(f"line {number}: needs prompt (text) or messages")
         metric = record.get("metric", default_metric)
@@ -84,7 +86,7 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0 \
                 or not math.isfinite(tolerance):
             raise SuiteError(f"line {number}: tolerance must be a finite number >= 0")
-        examples.append(EvalExample(messages, str(expected), metric, float(tolerance)))
+        examples.append(EvalExample(messages, str(expected), metric, float(tolerance), plain))
     if not examples:
         raise SuiteError("the suite has no examples")
     canonical = json.dumps([asdict(e) for e in examples], sort_keys=True).encode()
@@ -131,8 +133,11 @@ def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -
     result = EvalResult(suite=suite.name, suite_digest=suite.digest, correct=0, total=len(suite.examples))
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     for index, example in enumerate(suite.examples):
-        messages = [{"role": role, "content": content} for role, content in example.messages]
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if example.plain:
+            prompt = tokenizer.encode(example.messages[0][1], add_special_tokens=True)
+        else:
+            messages = [{"role": role, "content": content} for role, content in example.messages]
+            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         budget = min(max_new_tokens, model.config.maximum_context - len(prompt))
         if budget < 1:
             output = ""

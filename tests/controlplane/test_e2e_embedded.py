@@ -60,7 +60,7 @@ def test_submit_run_succeed_with_metrics(real_runner, api, adapter_name):
     assert job["status"] == "succeeded", job["error"]
     assert job["progress"] == {"committed_step": 8, "total_steps": 8}
     assert job["effective_seed"] == 17 and job["effective_config"]["base_model"] == "kiln-tiny"
-    assert job["identities"]["planning"]["schema"] == "kiln.training-checkpoint-planning.v4"
+    assert job["identities"]["planning"]["schema"] == "kiln.training-checkpoint-planning.v5"
     assert job["latest_checkpoint"]["complete"] is True
     metrics = list(JobMetric.objects.filter(job_id=job["id"]).order_by("step"))
     assert [m.step for m in metrics] == list(range(1, 9))

@@ -24,7 +24,8 @@ def test_metrics():
     assert score(contains, "It is Paris.") and not score(contains, "paris")
     assert score(regex, "two cats") and not score(regex, "concatenate")
     assert score(numeric, "about 3.141 I think") and not score(numeric, "3.2") and not score(numeric, "pi")
-    assert chat.messages == (("user", "e"),)
+    assert chat.messages == (("user", "e"),) and not chat.plain
+    assert exact.messages == (("user", "a"),) and exact.plain  # a text prompt is sent as it is
 
 
 @pytest.mark.parametrize("line,fragment", [

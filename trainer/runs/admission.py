@@ -383,7 +383,7 @@ def check_planning_schema(manifest: dict, expected: str = PLANNING_SCHEMA_V3,
     if schema != expected:
         raise AdmissionError(
             "planning_schema", f"checkpoint planning identity {schema!r} cannot resume under "
-            f"{expected}: {reason}; start a new run or use base_adapter",
+            f"{expected}: {reason}; start a new run",
             [difference("planning.schema", schema, expected)])
 
 

@@ -36,7 +36,7 @@ from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publ
 from trainer.runs.step import NullHooks, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
-PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v4"
+PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v5"  # v5: plain prompt/completion without the chat template
 SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
 SPIKE_WINDOW = 20
 
@@ -96,7 +96,8 @@ def read_dataset(request: dict, settings: RunSettings):
     return data, raw, "inline"
 
 
-def _messages_of(record, index):
+def _parts_of(record, index):
+    """(messages, None) for a chat record, (None, (prompt, completion)) for a plain-text one."""
     where = f"data[{index}]"
     if not isinstance(record, dict):
         raise RequestError(where, "must be an object with messages or prompt/completion")
@@ -108,25 +109,46 @@ def _messages_of(record, index):
             raise RequestError(where, "messages must be a list of {role, content} with at least two entries")
         if messages[-1]["role"] != "assistant":
             raise RequestError(where, "the last message must be the assistant's (it is what is learnt)")
-        return messages
+        return messages, None
     if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return [{"role": "user", "content": record["prompt"]},
-                {"role": "assistant", "content": record["completion"]}]
+        return None, (record["prompt"], record["completion"])
     raise RequestError(where, "needs messages, or prompt and completion strings")
 
 
+def _chat_example(messages, tokenizer, index):
+    """The chat template's prompt (up to the generation prompt) and the final assistant turn after it."""
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    if not full.startswith(prompt):
+        raise RequestError(f"data[{index}]", "the chat template does not extend the prompt "
+                                             "with the assistant turn; cannot mask the prompt")
+    return tokenizer.encode(prompt), tokenizer.encode(full[len(prompt):])
+
+
+def _plain_example(prompt, completion, tokenizer, index):
+    """TRL's standard prompt-completion: the text prompt + completion as it is (no chat template), with the
+    base's special tokens (BOS where it adds one) and EOS after the completion; /v1/completions sends the
+    same prompt the same way."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    full_ids = tokenizer.encode(prompt + completion, add_special_tokens=True)
+    if full_ids[:len(prompt_ids)] != prompt_ids:
+        raise RequestError(f"data[{index}]", "the prompt's last tokens change when the completion follows it; "
+                                             "start the completion with a space or a newline")
+    if tokenizer.eos_token_id is not None and full_ids[-1:] != [tokenizer.eos_token_id]:
+        full_ids.append(tokenizer.eos_token_id)
+    return prompt_ids, full_ids[len(prompt_ids):]
+
+
 def tokenize_examples(records, tokenizer, max_length):
-    """[(tokens, loss_mask)] with loss on the final assistant turn only, truncated."""
+    """[(tokens, loss_mask)] with loss on the final assistant turn (chat records) or the completion and its EOS
+    (plain prompt/completion records) only, truncated."""
     examples = []
     for index, record in enumerate(records):
-        messages = _messages_of(record, index)
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-        if not full.startswith(prompt):
-            raise RequestError(f"data[{index}]", "the chat template does not extend the prompt "
-                                                 "with the assistant turn; cannot mask the prompt")
-        prompt_ids = tokenizer.encode(prompt)
-        completion_ids = tokenizer.encode(full[len(prompt):])
+        messages, plain = _parts_of(record, index)
+        if plain is None:
+            prompt_ids, completion_ids = _chat_example(messages, tokenizer, index)
+        else:
+            prompt_ids, completion_ids = _plain_example(*plain, tokenizer, index)
         tokens = (prompt_ids + completion_ids)[:max_length]
         mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_length]
         if sum(mask[1:]) == 0:
@@ -179,8 +201,9 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], "sft", settings)
-        check_planning_schema(loaded.manifest, PLANNING_SCHEMA_SFT, "it does not prove which loss route "
-                              "admission budgeted and execution used")
+        check_planning_schema(loaded.manifest, PLANNING_SCHEMA_SFT, "it was planned before plain prompt/completion "
+                              "records were tokenized as text (TRL's standard format) instead of through the chat "
+                              "template, or without proof of the loss route admission budgeted")
         resume = admit_resume(loaded, {"kind": "sft", "adapter": config["output_name"], "data_source_kind": kind},
                               config, identities)
     seed = settle_seed(config, resume)
