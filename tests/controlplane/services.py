@@ -85,7 +85,9 @@ class Stack:
         self.env |= {"KILN_HOME": str(home), "PYTHONUNBUFFERED": "1", "KILN_HEARTBEAT_SECONDS": "0.5",
                      "KILN_LOST_AFTER_SECONDS": "3", "KILN_CANCEL_POLL_SECONDS": "0.1",
                      "KILN_WORKER_POLL_SECONDS": "0.2", "KILN_TEST_PACE_DIR": str(self.pace_dir),
-                     "KILN_TRAINING_QUEUE": f"kiln-test-{secrets.token_hex(6)}", **env}
+                     "KILN_TRAINING_QUEUE": f"kiln-test-{secrets.token_hex(6)}",
+                     # the tests train kiln-tiny; naming the default also skips importing the packaged SmolLM2
+                     "KILN_DEFAULT_BASE": "kiln-tiny", **env}
         if redis_url is not None:
             self.env["REDIS_URL"] = redis_url
         self.web = Process([sys.executable, "-m", "kiln_web.cli", "up", "--port", str(self.port)], self.env)
