@@ -24,7 +24,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     sft.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints "
                      "(default: the server's training.checkpoint_interval)")
     sft.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
-    sft.add_argument("--base", dest="base_model", help="the base model (default: kiln-tiny)")
+    sft.add_argument("--base", dest="base_model", help="the base model (default: the server's default base)")
     sft.add_argument("--seed", type=int)
     sft.add_argument("--learning-rate", type=float)
     sft.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"))
@@ -51,7 +51,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     grpo.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
     grpo.add_argument("--streaming", action="store_true", help="the server reads the file lazily from a byte cursor "
                       "(the file must lie in a data root)")
-    grpo.add_argument("--base", dest="base_model", help="the base model (default: kiln-tiny)")
+    grpo.add_argument("--base", dest="base_model", help="the base model (default: the server's default base)")
     grpo.add_argument("--seed", type=int)
     grpo.add_argument("--learning-rate", type=float)
     grpo.add_argument("--epochs", type=int)
@@ -69,7 +69,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
                      "(kiln teacher list)")
     opd.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints (default: 25)")
     opd.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue the same run from this checkpoint")
-    opd.add_argument("--base", dest="base_model", help="the student base model (default: kiln-tiny)")
+    opd.add_argument("--base", dest="base_model", help="the student base model (default: the server's default base)")
     opd.add_argument("--seed", type=int)
     opd.add_argument("--steps", type=int)
     opd.add_argument("--learning-rate", type=float)

@@ -56,7 +56,8 @@ def add_promotion_arguments(parser: argparse.ArgumentParser) -> None:
                         "(needs --auto-load)")
     parser.add_argument("--gate-min-accuracy", type=float, metavar="A", help="gate: minimum accuracy, 0..1")
     parser.add_argument("--gate-min-improvement", type=float, metavar="D",
-                        help="gate: minimum accuracy gain over the active adapter (or the base), -1..1")
+                        help="gate: minimum accuracy gain over the active adapter of the same base (or that base), "
+                             "-1..1")
 
 
 def promotion_fields(args: argparse.Namespace) -> dict:

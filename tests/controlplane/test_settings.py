@@ -68,3 +68,23 @@ def test_bad_training_settings_stop_the_start(tmp_path, variable, value, words):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert words in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value, interval", [(None, "50"), ("off", "None"), ("7", "7")])
+def test_checkpoints_are_on_by_default_and_off_only_when_asked(tmp_path, value, interval):
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "KILN_CHECKPOINT_INTERVAL"}}
+    env |= {"KILN_HOME": str(tmp_path)} | ({"KILN_CHECKPOINT_INTERVAL": value} if value is not None else {})
+    result = subprocess.run([sys.executable, "manage.py", "shell", "-c",
+                             "from django.conf import settings; print(settings.KILN_CHECKPOINT_INTERVAL)"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == interval
+
+
+def test_the_default_base_is_the_setting_else_the_registry_s_choice(settings):
+    settings.KILN_DEFAULT_BASE = None
+    assert run_settings().default_base == "kiln-tiny"  # no packaged base registered in the test KILN_HOME
+    settings.KILN_DEFAULT_BASE = "my-llama"
+    assert run_settings().default_base == "my-llama"
