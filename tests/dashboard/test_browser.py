@@ -225,7 +225,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
 
     # reload: the same charts, now drawn from the database alone
     live_paths = chart_paths(page)
-    assert [series for series, _ in live_paths] == ["earlier", "run"]
+    assert [series for series, _ in live_paths] == ["earlier", "run"] * 4  # loss, LR, gradient norm, tokens/s
     page.reload()
     page.wait_for_selector("[data-chart=loss] path[data-series=run]")
     assert chart_paths(page) == live_paths
