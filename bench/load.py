@@ -339,7 +339,10 @@ def main() -> int:
         deployment.stop()
         errors = [line for line in deployment.web.lines if "Error" in line or "error" in line]
         if errors:
-            print("web process errors (last 5 kinds):", *sorted(set(errors))[-5:], sep="\n  ", file=sys.stderr)
+            log = Path(tempfile.mkstemp(prefix="kiln-load-web-", suffix=".log")[1])
+            log.write_text("".join(deployment.web.lines))
+            print(f"web process errors (last 5 kinds; its whole output is in {log}):", *sorted(set(errors))[-5:],
+                  sep="\n  ", file=sys.stderr)
 
     polls, sockets = result["polls"], result["sockets"]
     latencies, delivery = polls["latencies"], sockets["delivery"]

@@ -172,7 +172,12 @@ def broker_config(url: str | None) -> tuple[str, dict]:
         raise ImproperlyConfigured(f"REDIS_URL must be a redis:// or rediss:// URL, not {scheme or 'a scheme-less'}:// one")
     # redis-py caps an asyncio pool at 100 connections and raises past it; a web process with a
     # hundred dashboards open joins groups and relays events on more than that at once
-    host = {"address": url, "max_connections": env_int("KILN_REDIS_MAX_CONNECTIONS", 1000, minimum=10)}
+    host = {"address": url, "max_connections": env_int("KILN_REDIS_MAX_CONNECTIONS", 1000, minimum=10),
+            # a consumer waits for its next message with BZPOPMIN for up to 5 s (channels_redis' brpop_timeout);
+            # redis-py 8 reads every reply within a default 5 s socket timeout, so an idle wait raced it and
+            # failed with "Timeout reading from ...", closing the dashboard's WebSocket. The read may take longer
+            # than the wait; a Redis that stops answering is still noticed after this many seconds
+            "socket_timeout": 30}
     return url, {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}}
 
 

@@ -61,6 +61,36 @@ def test_redis_channel_layer_round_trip():
     assert asyncio.run(round_trip()) == {"type": "kiln.ping", "n": 1}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(REDIS_URL is None, reason="KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
+def test_an_idle_consumer_keeps_waiting_on_the_redis_channel_layer():
+    """A WebSocket consumer with nothing to relay waits in the channel layer's receive; a message sent after the
+    layer's 5 s blocking pop has come back empty at least once still arrives (redis-py 8's default 5 s read
+    timeout once raised TimeoutError there, which closed every idle dashboard socket)."""
+    from django.utils.module_loading import import_string
+
+    from kiln_web.settings import broker_config
+
+    _, layers = broker_config(REDIS_URL)
+    config = layers["default"]
+    layer = import_string(config["BACKEND"])(**config["CONFIG"])
+
+    async def idle_then_message():
+        channel = await layer.new_channel()
+        waiting = asyncio.create_task(layer.receive(channel))
+        # idle past one whole blocking pop: the failure needed that much idle time, and nothing but an error
+        # can end the wait before the message is sent, however busy the machine
+        await asyncio.sleep(layer.brpop_timeout + 1.5)
+        assert not waiting.done(), waiting.exception()
+        await layer.send(channel, {"type": "kiln.ping", "n": 2})
+        message = await asyncio.wait_for(waiting, 30)
+        await layer.flush()
+        return message
+
+    assert asyncio.run(idle_then_message()) == {"type": "kiln.ping", "n": 2}
+    assert config["CONFIG"]["hosts"][0]["socket_timeout"] > layer.brpop_timeout
+
+
 @pytest.mark.skipif(REDIS_URL is None, reason="KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
 def test_job_events_reach_a_redis_channel_layer_in_order():
     """A worker's events go out from one long-lived loop (kiln_web.jobs.events._Sender), in the order
