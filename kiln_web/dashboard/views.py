@@ -16,7 +16,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from kiln_web.core.http import ActionRefused, refusal_for
 from kiln_web.dashboard import readers
 from kiln_web.dashboard.forms import JOB_FORMS, TeacherForm
-from kiln_web.jobs import actions
+from kiln_web.jobs import actions, resume
 from kiln_web.jobs.models import InvalidTransition, JobKind, JobStatus, TrainingJob
 
 # The parts of job detail the page swaps in from the snapshot view: [data-panel=NAME] <- template.
@@ -184,14 +184,13 @@ def resume_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
     """Prepare resume: the job's effective request with resume_checkpoint = its latest checkpoint; inline data
     is left out (the checkpoint cannot reconstruct it), so the form refuses until the source is supplied."""
     form_class = JOB_FORMS.get(job.kind)
-    panel = readers.checkpoint_panel(job)
-    if form_class is None or not panel["resumable"]:
-        messages.error(request, "This job has no checkpoint to resume from: it is still active, its run "
-                                "completed, or its latest checkpoint is missing or invalid.")
+    try:
+        config = resume.resume_config(job)  # the same configuration `kiln train resume` and the API resubmit
+    except ActionRefused as refusal:
+        messages.error(request, refusal.message)
         return redirect("dashboard:job", job_id=job.pk)
-    basename = panel["checkpoint"].basename
+    basename = config["resume_checkpoint"]
     if request.method == "GET":
-        config = dict(job.effective_config or {}, seed=job.effective_seed)
         initial = form_class.initial_from(config, job.request if isinstance(job.request, dict) else {}, basename)
         return _form_page(request, form_class(initial=initial, resume_from=basename), kind=job.kind, source_job=job)
     form = form_class(request.POST, request.FILES, resume_from=basename)

@@ -76,11 +76,24 @@ def _known(values: dict, schema: type[pydantic.BaseModel]) -> dict:
     return out
 
 
+def resume_config(job: TrainingJob) -> dict:
+    """The `config` that continues JOB: its effective configuration as the request schema takes it, its effective
+    seed, `resume_checkpoint` (resume_checkpoint(job)) and, for OPD, the teacher alias as submitted. The API's
+    resume and the dashboard's Prepare resume both start from it."""
+    basename = resume_checkpoint(job)
+    original = job.request if isinstance(job.request, dict) else {}
+    config = _known(dict(job.effective_config or {}), REQUESTS[job.kind].model_fields["config"].annotation)
+    config.update(output_name=job.adapter.name, seed=job.effective_seed, resume_checkpoint=basename)
+    if job.kind == JobKind.OPD:  # the alias as submitted; the effective configuration holds the resolved spec
+        config["teacher"] = (original.get("config") or {}).get("teacher") or (job.teacher or {}).get("alias")
+    return config
+
+
 def resume_request(job: TrainingJob, source: dict | None = None) -> dict:
     """The request body that continues JOB from its latest checkpoint. SOURCE may name the data again:
     {"dataset_path": ...} or the kind's inline field (data, groups, prompts); without it the job's own
     dataset_path is kept, and a job that trained on inline data is refused (400 source_required)."""
-    basename = resume_checkpoint(job)
+    config = resume_config(job)
     inline = INLINE[job.kind]
     source = {key: value for key, value in (source or {}).items() if value is not None}
     wrong = sorted(set(source) - {"dataset_path", inline})
@@ -97,11 +110,6 @@ def resume_request(job: TrainingJob, source: dict | None = None) -> dict:
                                 f"checkpoint cannot reconstruct: send the same {inline} again (kiln train resume "
                                 f"--job-id {str(job.pk)[:8]} --file FILE)", field=inline)
         source = {"dataset_path": original["dataset_path"]}
-    config = _known(dict(job.effective_config or {}), REQUESTS[job.kind].model_fields["config"].annotation)
-    config.update(output_name=job.adapter.name, seed=job.effective_seed, resume_checkpoint=basename)
-    if job.kind == JobKind.OPD:  # the alias as submitted; the effective configuration holds the resolved spec
-        teacher = (original.get("config") or {}).get("teacher") or (job.teacher or {}).get("alias")
-        config["teacher"] = teacher
     return {**source, "config": config}
 
 

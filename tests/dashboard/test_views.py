@@ -588,3 +588,25 @@ def test_base_adapter_advice_only_for_kinds_that_take_it(signed_in, ada, kind, a
     assert "data-snapshot-advice" in page
     assert ("base_adapter" in page) is advised
     assert ("Weights-only warm start" in page) is advised
+
+
+def test_prepared_opd_resume_fills_the_teacher_alias_not_its_resolved_spec(ada, signed_in, monkeypatch):
+    # the effective configuration holds the resolved teacher spec (a dict); the form must get the alias as
+    # submitted, so the prepared request validates (it once showed the dict's Python repr)
+    from kiln_web.jobs import runtime
+
+    job = job_asking(ada, "distilled", {"prompts": ["p"], "config": {"output_name": "distilled",
+                                                                     "teacher": "big@native"}},
+                     status=JobStatus.CANCELLED, kind="opd")
+    job.effective_config = {"output_name": "distilled", "steps": 10, "checkpoint_interval": 5,
+                            "teacher": {"alias": "big@native", "route": "native", "base": "kiln-tiny"}}
+    job.effective_seed = 9
+    job.latest_checkpoint = {"resume_checkpoint": "distilled-checkpoint-step-00000005.kiln-checkpoint"}
+    job.save()
+    monkeypatch.setattr(runtime, "read_checkpoint_summary",
+                        lambda basename, kind, adapter, digest="": ({"complete": False, "committed_step": 5}, None))
+    page = signed_in.get(f"/jobs/{job.pk}/resume/").content.decode()
+    teacher = re.search(r'name="teacher"[^>]*value="([^"]*)"|value="([^"]*)"[^>]*name="teacher"', page)
+    assert teacher is not None and "big@native" in teacher.group(0), page[:2000]
+    assert "{&#x27;alias&#x27;" not in page and "'alias'" not in page
+    assert "distilled-checkpoint-step-00000005.kiln-checkpoint" in page
