@@ -55,6 +55,8 @@ def add_promotion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-suite", metavar="SUITE", help="promotion gate: evaluate on this suite first "
                         "(needs --auto-load)")
     parser.add_argument("--gate-min-accuracy", type=float, metavar="A", help="gate: minimum accuracy, 0..1")
+    parser.add_argument("--gate-min-examples", type=int, metavar="N",
+                        help="gate: decide only on a suite of at least N examples (default: the server's, 20)")
     parser.add_argument("--gate-min-improvement", type=float, metavar="D",
                         help="gate: minimum accuracy gain over the active adapter of the same base (or that base), "
                              "-1..1")
@@ -68,6 +70,8 @@ def promotion_fields(args: argparse.Namespace) -> dict:
             gate["min_accuracy"] = args.gate_min_accuracy
         if args.gate_min_improvement is not None:
             gate["min_improvement"] = args.gate_min_improvement
+        if getattr(args, "gate_min_examples", None) is not None:
+            gate["min_examples"] = args.gate_min_examples
         fields["gate"] = gate
     return fields
 

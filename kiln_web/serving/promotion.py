@@ -120,13 +120,21 @@ def decide_after_evaluation(run_id) -> PromotionRecord | None:
                        run)
     outcome, reason = evals_runtime.gate_decision(run.candidate_summary, run.baseline_summary,
                                                   min_accuracy=wanted.min_accuracy,
-                                                  min_improvement=wanted.min_improvement)
+                                                  min_improvement=wanted.min_improvement,
+                                                  min_examples=minimum_examples(wanted))
     if outcome != PromotionOutcome.PROMOTED:
         return _record(job, outcome, reason, GATE, run, run.candidate_sha256)
     accuracy = run.candidate_summary["accuracy"]
     gain = accuracy - run.baseline_summary["accuracy"]
     return _canary_then_activate(job, GATE, f"the gate passed on {run.suite.name!r}: accuracy {accuracy:.4f}, "
                                             f"{gain:+.4f} over {baseline_label(run)}", evaluation=run)
+
+
+def minimum_examples(wanted) -> int:
+    """The fewest suite examples the gate decides on: the request's gate.min_examples, else the server's."""
+    from django.conf import settings
+
+    return wanted.min_examples or settings.KILN_GATE_MIN_EXAMPLES
 
 
 def baseline_label(run) -> str:

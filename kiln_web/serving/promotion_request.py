@@ -16,12 +16,14 @@ class PromotionRequest:
     suite: str | None = None
     min_accuracy: float | None = None
     min_improvement: float | None = None
+    min_examples: int | None = None  # None: the server's KILN_GATE_MIN_EXAMPLES
 
     @property
     def gate(self) -> dict | None:
         if self.suite is None:
             return None
-        return {"suite": self.suite, "min_accuracy": self.min_accuracy, "min_improvement": self.min_improvement}
+        asked = {"suite": self.suite, "min_accuracy": self.min_accuracy, "min_improvement": self.min_improvement}
+        return asked | ({"min_examples": self.min_examples} if self.min_examples is not None else {})
 
 
 def _threshold(gate: dict, key: str, low: float) -> float | None:
@@ -34,6 +36,15 @@ def _threshold(gate: dict, key: str, low: float) -> float | None:
     return float(value)
 
 
+def _count(gate: dict, key: str) -> int | None:
+    value = gate.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ActionRefused(400, "invalid_request", f"gate.{key} must be an integer of at least 1", field=f"gate.{key}")
+    return value
+
+
 def requested_promotion(body) -> PromotionRequest:
     """The promotion a request body asks for; ActionRefused (400) names a malformed field."""
     body = body if isinstance(body, dict) else {}
@@ -44,14 +55,16 @@ def requested_promotion(body) -> PromotionRequest:
     if gate is None:
         return PromotionRequest(auto_load=bool(auto_load))
     if not isinstance(gate, dict) or not isinstance(gate.get("suite"), str) or not gate["suite"]:
-        raise ActionRefused(400, "invalid_request", "gate must be {suite, min_accuracy?, min_improvement?}",
+        raise ActionRefused(400, "invalid_request", "gate must be {suite, min_accuracy?, min_improvement?, "
+                                                    "min_examples?}",
                             field="gate")
-    unknown = sorted(set(gate) - {"suite", "min_accuracy", "min_improvement"})
+    unknown = sorted(set(gate) - {"suite", "min_accuracy", "min_improvement", "min_examples"})
     if unknown:
         raise ActionRefused(400, "invalid_request", f"unknown field 'gate.{unknown[0]}'", field=f"gate.{unknown[0]}")
     wanted = PromotionRequest(auto_load=bool(auto_load), suite=gate["suite"],
                               min_accuracy=_threshold(gate, "min_accuracy", 0.0),
-                              min_improvement=_threshold(gate, "min_improvement", -1.0))
+                              min_improvement=_threshold(gate, "min_improvement", -1.0),
+                              min_examples=_count(gate, "min_examples"))
     if wanted.min_accuracy is None and wanted.min_improvement is None:
         raise ActionRefused(400, "invalid_request", "a gate needs min_accuracy, min_improvement or both", field="gate")
     if not wanted.auto_load:

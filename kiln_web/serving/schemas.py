@@ -20,6 +20,9 @@ class PromotionGate(Schema):
 
     suite: str = Field(min_length=1, description="an evaluation suite's name (GET /v1/evals/suites)")
     min_accuracy: float | None = Field(None, ge=0, le=1, description="the candidate's accuracy must reach this")
+    min_examples: int | None = Field(None, ge=1, description="a suite with fewer examples decides nothing "
+                                                             "(inconclusive); absent: the server's "
+                                                             "KILN_GATE_MIN_EXAMPLES (20)")
     min_improvement: float | None = Field(None, ge=-1, le=1, description="the candidate's accuracy minus that of "
                                                                         "the active adapter (or the base) must "
                                                                         "reach this")

@@ -88,3 +88,15 @@ def test_the_default_base_is_the_setting_else_the_registry_s_choice(settings):
     assert run_settings().default_base == "kiln-tiny"  # no packaged base registered in the test KILN_HOME
     settings.KILN_DEFAULT_BASE = "my-llama"
     assert run_settings().default_base == "my-llama"
+
+
+@pytest.mark.slow
+def test_a_gate_needs_twenty_examples_unless_the_server_says_otherwise(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "KILN_GATE_MIN_EXAMPLES"}}
+    result = subprocess.run([sys.executable, "manage.py", "shell", "-c",
+                             "from django.conf import settings; print(settings.KILN_GATE_MIN_EXAMPLES)"],
+                            cwd=ROOT, env=env | {"KILN_HOME": str(tmp_path)}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "20"

@@ -62,8 +62,8 @@ def test_evaluate_is_repeatable_on_a_real_model(tmp_path):
 
 
 def test_gate_outcomes():
-    passing = {"accuracy": 0.9, "total": 10, "suite_digest": "d"}
-    baseline = {"accuracy": 0.8, "total": 10, "suite_digest": "d"}
+    passing = {"accuracy": 0.9, "total": 20, "suite_digest": "d"}
+    baseline = {"accuracy": 0.8, "total": 20, "suite_digest": "d"}
     assert gate_decision(passing, baseline)[0] == "not_requested"
     assert gate_decision(None, baseline, min_accuracy=0.5)[0] == "unavailable"
     assert gate_decision(passing, baseline, min_accuracy=0.95)[0] == "gate_failed"
@@ -72,3 +72,12 @@ def test_gate_outcomes():
     assert gate_decision(passing, None, min_improvement=0.05)[0] == "inconclusive"
     assert gate_decision(passing, {**baseline, "suite_digest": "other"}, min_improvement=0.0)[0] == "inconclusive"
     assert gate_decision({**passing, "total": 0}, baseline, min_accuracy=0.0)[0] == "inconclusive"
+
+
+def test_a_gate_decides_only_on_enough_examples():
+    few = {"accuracy": 1.0, "total": 19, "suite_digest": "d"}
+    outcome, reason = gate_decision(few, None, min_accuracy=0.5)  # the default minimum: 20 examples
+    assert outcome == "inconclusive" and "19 examples" in reason and "at least 20" in reason
+    assert gate_decision({**few, "total": 20}, None, min_accuracy=0.5)[0] == "promoted"
+    assert gate_decision(few, None, min_accuracy=0.5, min_examples=5)[0] == "promoted"
+    assert gate_decision({**few, "total": 4}, None, min_accuracy=0.5, min_examples=5)[0] == "inconclusive"

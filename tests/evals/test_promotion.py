@@ -187,6 +187,30 @@ def test_without_auto_load_nothing_is_promoted(publishing_runner, api, previous,
     assert active_name() == previous
 
 
+def test_a_gate_on_too_few_examples_is_inconclusive(publishing_runner, api, settings, previous, adapter_name,
+                                                    django_capture_on_commit_callbacks):
+    settings.KILN_GATE_MIN_EXAMPLES = 20  # the server's default (the test run lowers it for its small suites)
+    expected = greedy_answer(settings.KILN_HOME, CANDIDATE_SEED, PROMPT)
+    suite(api, "small", [{"prompt": PROMPT, "expected": expected}, {"prompt": "2+2?", "expected": "4"}])
+    job = train(api, django_capture_on_commit_callbacks,
+                body(adapter_name, auto_load=True, gate={"suite": "small", "min_accuracy": 0.0}))
+    assert run_worker(django_capture_on_commit_callbacks)
+    job = api.get(f"/v1/train/jobs/{job['id']}").json()
+    assert job["promotion"]["outcome"] == "inconclusive"
+    assert "2 examples" in job["promotion"]["reason"] and "at least 20" in job["promotion"]["reason"]
+    assert active_name() == previous  # nothing was activated on a suite too small to decide
+    refused = api.post("/v1/train/sft", body(f"{adapter_name}-2", auto_load=True,
+                                             gate={"suite": "small", "min_accuracy": 0.0, "min_examples": 0}))
+    assert refused.status_code == 400 and refused.json()["error"]["field"].endswith("min_examples")
+    # the request's own minimum wins over the server's
+    job = train(api, django_capture_on_commit_callbacks,
+                body(f"{adapter_name}-3", auto_load=True, gate={"suite": "small", "min_accuracy": 0.0,
+                                                                 "min_examples": 2}))
+    assert job["promotion"]["gate"]["min_examples"] == 2
+    assert run_worker(django_capture_on_commit_callbacks)
+    assert api.get(f"/v1/train/jobs/{job['id']}").json()["promotion"]["outcome"] == "promoted"
+
+
 def test_promotion_fields_are_checked_and_never_admitted(publishing_runner, api, adapter_name,
                                                          django_capture_on_commit_callbacks):
     refused = api.post("/v1/train/sft", body(adapter_name, gate={"suite": "missing", "min_accuracy": 0.5}))
