@@ -326,8 +326,8 @@ def add_teacher(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--base", help="native: a registered base (kiln base list)")
     add.add_argument("--adapter", metavar="PATH", help="native: a PEFT adapter directory in the adapter registry "
                      "or a data root")
-    add.add_argument("--endpoint", metavar="URL", help="openai: the server root, e.g. http://gpu-1:8000")
-    add.add_argument("--model", help="openai: the served model id")
+    add.add_argument("--endpoint", metavar="URL", help="openai, vllm: the server root, e.g. http://gpu-1:8000")
+    add.add_argument("--model", help="openai, vllm: the served model id")
     add.add_argument("--replace", action="store_true", help="change an existing alias (its identity revision "
                      "changes, so its OPD checkpoints no longer resume)")
     commands.add_parser("list", help="list the teacher aliases")

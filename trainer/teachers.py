@@ -27,7 +27,13 @@ import numpy as np
 
 from trainer.jsonio import canonical_bytes
 
-ROUTES = ("native", "openai")
+ROUTES = ("native", "openai", "vllm")
+ENDPOINT_ROUTES = ("openai", "vllm")  # OpenAI-compatible servers (vLLM is one): /v1/completions with echo + logprobs
+# the numeric content probe: fixed token-id prompts whose echoed log-probabilities (rounded to PROBE_DECIMALS, so a
+# server's run-to-run noise does not count) are hashed into the content revision; other weights behind the same
+# model id give other numbers. Small ids, so they exist in every vocabulary.
+PROBES = ((1, 2, 3, 4, 5, 6, 7, 8), (72, 101, 108, 108, 111, 44, 32, 119), (50, 43, 50, 61, 52, 10, 81, 58))
+PROBE_DECIMALS = 3
 IDENTITY_FIELDS = ("alias", "route", "base", "adapter", "endpoint", "model")
 DIGEST_HEADER = "X-Kiln-Content-Digest"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -56,8 +62,8 @@ class TeacherSpec:
     route: str
     base: str | None = None  # native: a registered base name
     adapter: str | None = None  # native: a PEFT adapter directory, or None
-    endpoint: str | None = None  # openai: the server root, e.g. http://host:8000 (…/v1 is appended)
-    model: str | None = None  # openai: the served model id
+    endpoint: str | None = None  # openai, vllm: the server root, e.g. http://host:8000 (…/v1 is appended)
+    model: str | None = None  # openai, vllm: the served model id
 
     def config(self) -> dict:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}
@@ -104,11 +110,11 @@ def parse_teacher(value) -> TeacherSpec:
     else:
         endpoint = value.get("endpoint")
         if not endpoint or not re.match(r"https?://[^\s/]+", endpoint):
-            raise ValueError("an openai teacher needs endpoint, an http(s) URL")
+            raise ValueError(f"a {route} teacher needs endpoint, an http(s) URL")
         if not value.get("model"):
-            raise ValueError("an openai teacher needs model (the served model id)")
+            raise ValueError(f"a {route} teacher needs model (the served model id)")
         if value.get("base") or value.get("adapter"):
-            raise ValueError("an openai teacher has no base or adapter")
+            raise ValueError(f"a {route} teacher has no base or adapter")
     spec = TeacherSpec(alias=alias, route=route, base=value.get("base"), adapter=value.get("adapter"),
                        endpoint=value.get("endpoint"), model=value.get("model"))
     given = value.get("identity_revision")
@@ -176,19 +182,26 @@ def _v1(spec: TeacherSpec) -> str:
     return root if root.endswith("/v1") else root + "/v1"
 
 
-def openai_content(spec: TeacherSpec) -> dict:
-    """{"revision", "evidence"}: what `/v1/models/{model}` reports (id, root, digest)."""
+def endpoint_content(spec: TeacherSpec) -> dict:
+    """{"revision", "evidence"} of a served teacher: what `/v1/models/{model}` reports (id, root, digest) and
+    the numbers it computes, the SHA-256 of its rounded log-probabilities of PROBES, so that other weights
+    behind the same name and metadata are told apart."""
     body, headers = _request(f"{_v1(spec)}/models/{spec.model}")
     if not isinstance(body, dict) or body.get("id") != spec.model:
         raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: the endpoint does not serve model "
                                                   f"{spec.model!r}")
     digest = headers.get(DIGEST_HEADER) or body.get("digest")
-    return _revision({"route": "openai", "model": body["id"], "root": body.get("root"), "digest": digest})
+    scorer = OpenAITeacher(spec)
+    probes = [[round(float(v), PROBE_DECIMALS) for v in scorer.score(probe[:4], probe[4:])] for probe in PROBES]
+    numbers = hashlib.sha256(canonical_bytes({"decimals": PROBE_DECIMALS, "probes": [list(p) for p in PROBES],
+                                              "logprobs": probes})).hexdigest()
+    return _revision({"route": spec.route, "model": body["id"], "root": body.get("root"), "digest": digest,
+                      "probe_logprobs": numbers})
 
 
 def content_revision(spec: TeacherSpec, bases_root) -> dict:
     """Reconstruct the teacher's content revision now: {"revision", "evidence"}."""
-    return native_content(spec, bases_root) if spec.route == "native" else openai_content(spec)
+    return native_content(spec, bases_root) if spec.route == "native" else endpoint_content(spec)
 
 
 # -- scoring ---------------------------------------------------------------------------------

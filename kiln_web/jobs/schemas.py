@@ -19,7 +19,7 @@ from kiln_web.jobs.runtime import request_default
 from kiln_web.serving.schemas import JobPromotionOut, PromotionGate
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$"
-TEACHER_ALIAS = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}@(native|openai)$"
+TEACHER_ALIAS = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}@(native|openai|vllm)$"
 
 
 def absent(kind: str, path: str, before: str = "", after: str = "") -> str:

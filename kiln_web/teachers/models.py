@@ -14,7 +14,7 @@ from django.db import models
 
 from kiln_web.core.models import Owned, OwnedQuerySet
 
-ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,99}@(native|openai)$"
+ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,99}@(native|openai|vllm)$"
 ALIAS_RE = re.compile(ALIAS_PATTERN)
 SPEC_FIELDS = ("base", "adapter", "endpoint", "model")  # the configuration beside the name
 
@@ -22,6 +22,7 @@ SPEC_FIELDS = ("base", "adapter", "endpoint", "model")  # the configuration besi
 class TeacherRoute(models.TextChoices):
     NATIVE = "native", "native"  # a registered base, optionally with a PEFT adapter, run in the worker
     OPENAI = "openai", "OpenAI-compatible"  # a /v1/completions endpoint returning prompt log-probabilities
+    VLLM = "vllm", "vLLM"  # a vLLM server: the same OpenAI-compatible protocol
 
 
 class TeacherAlias(Owned, models.Model):
@@ -31,9 +32,9 @@ class TeacherAlias(Owned, models.Model):
     adapter = models.CharField(max_length=1000, blank=True,
                                help_text="native, optional: a PEFT adapter directory in the adapter registry or a "
                                          "data root (absolute)")
-    endpoint = models.CharField(max_length=1000, blank=True, help_text="openai: the server root, e.g. "
+    endpoint = models.CharField(max_length=1000, blank=True, help_text="openai, vllm: the server root, e.g. "
                                                                       "http://gpu-1:8000")
-    model = models.CharField(max_length=200, blank=True, help_text="openai: the served model id")
+    model = models.CharField(max_length=200, blank=True, help_text="openai, vllm: the served model id")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="teacher_aliases")
     identity_revision = models.CharField(max_length=64, help_text="SHA-256 of the configuration; set by Kiln")
     content_revision = models.CharField(max_length=64, blank=True,

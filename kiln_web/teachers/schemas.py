@@ -12,15 +12,15 @@ from kiln_web.teachers.models import ALIAS_PATTERN
 
 
 class TeacherConfig(Strict):
-    """native: base (and optionally adapter); openai: endpoint and model."""
+    """native: base (and optionally adapter); openai and vllm: endpoint and model."""
 
     base: str | None = Field(None, min_length=1, description="native: a registered base with the student's "
                                                              "tokenizer (kiln base list)")
     adapter: str | None = Field(None, min_length=1, description="native, optional: an absolute PEFT adapter "
                                                                 "directory in the adapter registry or a data root")
-    endpoint: str | None = Field(None, min_length=1, description="openai: the root URL of an OpenAI-compatible "
+    endpoint: str | None = Field(None, min_length=1, description="openai, vllm: the root URL of an OpenAI-compatible "
                                                                  "server that returns prompt log-probabilities")
-    model: str | None = Field(None, min_length=1, description="openai: the served model id")
+    model: str | None = Field(None, min_length=1, description="openai, vllm: the served model id")
 
 
 class TeacherIn(TeacherConfig):

@@ -41,12 +41,15 @@ def test_create_list_show_with_the_trainers_identity_revision(api, teacher_adapt
     assert api.get("/v1/teachers/tutor@native").json() == alias
     remote = create(api, "qwen@openai", endpoint="http://gpu-1:8000", model="qwen35")
     assert remote["route"] == "openai" and remote["identity_revision"] != alias["identity_revision"]
+    served = create(api, "qwen35@vllm", endpoint="http://gpu-1:8000", model="qwen35")
+    assert served["route"] == "vllm" and served["identity_revision"] != remote["identity_revision"]
     assert create(api, base="kiln-tiny", status=409)["code"] == "teacher_exists"
 
 
 @pytest.mark.parametrize("name, config, code, words", [
     ("tutor", {"base": "kiln-tiny"}, "invalid_request", "pattern"),
-    ("tutor@vllm", {"base": "kiln-tiny"}, "invalid_request", "pattern"),
+    ("tutor@remote", {"base": "kiln-tiny"}, "invalid_request", "pattern"),
+    ("tutor@vllm", {"endpoint": "http://x:1"}, "invalid_request", "needs model"),
     ("tutor@native", {}, "invalid_request", "needs base"),
     ("tutor@native", {"base": "no-such-base"}, "base_not_found", "kiln base import"),
     ("tutor@native", {"base": "kiln-tiny", "endpoint": "http://x:1"}, "invalid_request", "no endpoint"),

@@ -368,7 +368,7 @@ def server(bases):
 
 
 def openai_teacher(served):
-    spec = {"alias": "tutor@vllm", "route": "openai", "endpoint": served.endpoint, "model": "sharp-tutor"}
+    spec = {"alias": "tutor@openai", "route": "openai", "endpoint": served.endpoint, "model": "sharp-tutor"}
     return {**spec, "identity_revision": teachers.identity_revision(spec)}
 
 
@@ -381,8 +381,10 @@ def test_openai_route_scores_like_the_native_teacher(server, bases):
                                   score_completion(native.model, prompt, completion))
     native.close()
     content = teachers.content_revision(teachers.parse_teacher(openai_teacher(server)), bases)
-    assert content["evidence"] == {"route": "openai", "model": "sharp-tutor", "root": "kiln-sharp",
-                                   "digest": "sha256:aaaa"}
+    evidence = content["evidence"]
+    assert {k: evidence[k] for k in ("route", "model", "root", "digest")} == {
+        "route": "openai", "model": "sharp-tutor", "root": "kiln-sharp", "digest": "sha256:aaaa"}
+    assert len(evidence["probe_logprobs"]) == 64  # the served numbers, hashed
 
 
 def test_openai_teacher_run_and_content_change_refusal(server, bases, tmp_path):
