@@ -2,9 +2,9 @@
 SEPARATE Celery worker process, Redis as broker and channel layer, the real trainer on kiln-tiny.
 
 One story, a screenshot per step under test-output/dashboard/: sign in; submit an SFT job from the
-form; watch progress advance without reloading (detail page and jobs list), through a dropped and
-re-established WebSocket; stop and save; see the
-confirmed checkpoint; prepare resume; see the form refuse without data; supply it; submit; see the
+form (no checkpoint interval: the server's default); watch progress advance without reloading (detail
+page and jobs list), through a dropped and re-established WebSocket; stop and save; see the confirmed
+checkpoint; prepare resume; see the form refuse without data; supply it; submit; see the
 job succeed; reload and see the same charts. Then every page at 1280x800 and 390x844 without
 horizontal scrolling.
 """
@@ -29,7 +29,6 @@ DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 WORDS = ("kiln", "clay", "glaze", "fire")
 EPOCHS = 50  # 4 records x 50 epochs = 200 steps: long enough to watch and stop, short enough for CI
-INTERVAL = 5  # a checkpoint every 5 committed steps
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +116,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     page.click("nav >> text=New job")
     page.fill("input[name=output_name]", "dash-bot")
     page.fill("input[name=epochs]", str(EPOCHS))
-    page.fill("input[name=checkpoint_interval]", str(INTERVAL))
+    # no checkpoint interval: the server's default (50) applies, so Stop and save saves without asking
     page.fill("input[name=seed]", "29")
     page.set_input_files("input[name=data]", str(dataset))
     shot(page, "03-new-job")
@@ -191,6 +190,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     assert page.inner_text("[data-basename]") == basename
     assert page.inner_text("[data-resume-kind]") == "Exact resume"
     assert f"Stopped and saved at step {stopped_at} of 200" in page.inner_text("[data-panel=stop]")
+    assert job["effective_config"]["checkpoint_interval"] == 50 and stopped_at < 50  # saved by the stop itself
     shot(page, "06-stopped-and-saved")
     stack.release("dash-bot")  # the resumed run goes to its end
 
