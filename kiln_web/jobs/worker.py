@@ -4,6 +4,10 @@
 number may poll the same database: the conditional claim gives each job to exactly one.
 Stopping cancels the running job cooperatively (it publishes a checkpoint at its next safe
 boundary and ends cancelled) and waits for it.
+
+At start a worker computes its execution identity (trainer.runs.execution, through
+kiln_web.jobs.runtime) and registers it (WorkerRecord), then beats with its housekeeping; the jobs
+it claims carry that identity and a resume whose checkpoint holds another is refused at dequeue.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from kiln_web.core import dispatch
-from kiln_web.jobs import actions
+from kiln_web.jobs import actions, runtime
 from kiln_web.jobs.execution import execute_training_job
 from kiln_web.jobs.models import JobStatus, TrainingJob
 
 logger = logging.getLogger("kiln.jobs")
+
 
 class EmbeddedWorker:
     def __init__(self, poll_seconds: float | None = None, housekeeping_seconds: float | None = None):
@@ -35,8 +40,22 @@ class EmbeddedWorker:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.identity: dict | None = None  # this process's execution identity, once computed (at start)
 
     # -- running --
+
+    def compute_identity(self) -> dict:
+        """This process's execution identity (computed once per process; RunnerUnavailable when the trainer
+        cannot be imported)."""
+        if self.identity is None:
+            self.identity = runtime.execution_identity()
+        return self.identity
+
+    def _register(self) -> None:
+        try:
+            actions.do_register_worker(self.worker_id, self.compute_identity())
+        except Exception:  # the jobs it claims still carry the identity (or fail with why it cannot be had)
+            logger.warning("worker %s could not register its execution identity", self.worker_id, exc_info=True)
 
     def start(self) -> "EmbeddedWorker":
         self._thread = threading.Thread(target=self.run, name="kiln-embedded-worker", daemon=True)
@@ -46,6 +65,7 @@ class EmbeddedWorker:
     def run(self) -> None:
         dispatch.EMBEDDED_WORKERS.register(self._wake)  # a submission in this process wakes it at once
         logger.info("embedded worker %s started", self.worker_id)
+        self._register()
         last_housekeeping = None
         try:
             while not self._stop.is_set():
@@ -60,6 +80,10 @@ class EmbeddedWorker:
                 self._wake.clear()
         finally:
             dispatch.EMBEDDED_WORKERS.unregister(self._wake)
+            try:
+                actions.do_worker_stopped(self.worker_id)
+            except Exception:
+                logger.warning("worker %s could not record that it stopped", self.worker_id, exc_info=True)
             connection.close()
             logger.info("embedded worker %s stopped", self.worker_id)
 
@@ -100,6 +124,11 @@ class EmbeddedWorker:
             return False
 
     def _housekeeping(self) -> None:
+        try:
+            if not actions.do_worker_heartbeat(self.worker_id):
+                self._register()  # its row was lost (a database restored from before it started)
+        except Exception:
+            logger.warning("worker %s heartbeat failed", self.worker_id, exc_info=True)
         try:
             actions.do_mark_lost()
         except Exception:

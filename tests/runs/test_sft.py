@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from run_worker import run_until_killed
-from trainer.runs import admission, checkpoint_dir, sft
+from trainer.runs import checkpoint_dir, sft
 from trainer.runs.sft import AdmissionError, RequestError, RunSettings, admit_sft, revalidate_sft, run_sft
 
 RECORDS = [
@@ -168,13 +168,19 @@ def test_inline_data_route_drift_is_refused(cancelled):
     assert "training.data_source_kind" in {d["field"] for d in info.value.differences}
 
 
-def test_execution_drift_is_refused(cancelled, monkeypatch):
+def test_execution_drift_is_refused_at_dequeue(cancelled):
+    """Admission leaves the execution identity to the process that trains: revalidate (at dequeue, with the
+    worker's identity in the admission) refuses a checkpoint written under another, field by field."""
     settings, req, basename = cancelled
-    real = admission.execution_identity
-    monkeypatch.setattr(admission, "execution_identity", lambda backend: {**real(backend), "threads": 99})
+    admitted = admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
+    revalidate_sft(admitted, settings)  # the same process: the same identity
+    execution = admitted.identities["execution"]
+    admitted.identities["execution"] = {**execution, "blas": {**execution["blas"], "threads": 99}}
     with pytest.raises(AdmissionError) as info:
-        admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
-    assert "execution.threads" in {d["field"] for d in info.value.differences}
+        revalidate_sft(admitted, settings)
+    assert info.value.code == "execution_drift"
+    assert {"field": "execution.blas.threads", "checkpoint": execution["blas"]["threads"], "request": 99} \
+        in info.value.differences
 
 
 @pytest.mark.parametrize("reference_text", [

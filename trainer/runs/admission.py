@@ -9,27 +9,24 @@ import copy
 import hashlib
 import json
 import math
-import os
-import platform
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
-import trainer
 from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
+from trainer.runs.execution import KERNEL_CONTRACT, execution_identity  # noqa: F401  (re-exported)
 
 PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
 NULLABLE = ("seed", "checkpoint_interval", "resume_checkpoint", "max_grad_norm")
-KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
 MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "dataset", "config",
                    "seed", "progress"}
-IDENTITY_FIELDS = ("base", "tokenizer", "dataset", "execution", "planning")  # compared at resume
+IDENTITY_FIELDS = ("base", "tokenizer", "dataset", "execution", "planning")  # bound into every checkpoint
+# compared at admission; "execution" is compared at dequeue by the worker that will train (revalidate)
+ADMISSION_FIELDS = ("base", "tokenizer", "dataset", "planning")
 # capability-derived loss routes of each backend, in order of preference
 BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits")}
 
@@ -287,39 +284,13 @@ def planning_identity(objective: str, config: dict, loss_route: str) -> dict:
     }
 
 
-def execution_identity(backend: str) -> dict:
-    """What must be the same for bit-for-bit continuation on this backend."""
-    from threadpoolctl import threadpool_info
-
-    import native_ext
-    from native_ext import blas as engine_blas
-    native = Path(native_ext.__file__).parent
-    builds = {p.name: file_sha256(p) for p in sorted(native.glob("_*.so"))}
-    # only the BLAS the engine computes with (numpy's): other libraries loaded in the same
-    # process (torch's, scipy's) do not touch training arithmetic
-    blas = sorted((i.get("internal_api"), str(i.get("version")), str(i.get("architecture")),
-                   i.get("num_threads")) for i in threadpool_info()
-                  if i.get("user_api") == "blas" and str(engine_blas.LIBRARY_PATH) == i.get("filepath"))
-    return {
-        "backend": backend,
-        "device": platform.machine(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "blas": [list(b) for b in blas],
-        "native_builds": builds,
-        "kiln": trainer.__version__ if hasattr(trainer, "__version__") else "0",
-        "precision": "float32",
-        "kernel_contract": KERNEL_CONTRACT,
-        "threads": os.cpu_count(),
-    }
-
-
 def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSettings, planning: dict) -> dict:
     """The identities every kind binds into its checkpoints (kinds may add their own)."""
     return {
         "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
         "tokenizer": tokenizer.identity(),
         "dataset": dataset,
+        # this process's identity; a worker replaces it with its own at claim (revalidate compares that one)
         "execution": execution_identity(settings.backend),
         "planning": planning,
     }
@@ -408,9 +379,10 @@ def resume_record(loaded) -> dict:
 
 
 def admit_resume(loaded, training: dict, config: dict, identities: dict) -> dict:
-    """Refuse any drift between the request and the checkpoint; the resume record of the job row."""
+    """Refuse any drift between the request and the checkpoint; the resume record of the job row.
+    The execution identity is not compared here: the process that trains compares its own at dequeue."""
     view = {"training": training, "config": comparable_config(config),
-            **{key: identities[key] for key in IDENTITY_FIELDS}}
+            **{key: identities[key] for key in ADMISSION_FIELDS}}
     refuse_drift(loaded.manifest, view, config["seed"])
     return resume_record(loaded)
 
@@ -436,9 +408,27 @@ def revalidate(admission: Admission, settings: RunSettings, route_field: str = "
     if differences:
         raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission; "
                              "checkpoints must stay immutable", differences)
+    refuse_execution_drift(loaded.manifest.get("execution"), admission.identities["execution"])
     route = admission.identities["planning"][route_field]
     if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
         raise AdmissionError("loss_route_unavailable", f"this worker cannot run the admitted loss route {route!r}")
+
+
+def refuse_execution_drift(checkpoint_identity, worker_identity: dict) -> None:
+    """AdmissionError("execution_drift") listing every field where the checkpoint's execution identity
+    differs from the training process's ("request" holds the worker's value, as in every drift table)."""
+    differences = []
+    if isinstance(checkpoint_identity, dict):
+        compare("execution", checkpoint_identity, worker_identity, differences)
+    else:
+        differences.append(difference("execution", checkpoint_identity, worker_identity))
+    if differences:
+        fields = ", ".join(d["field"] for d in differences[:4]) + (", ..." if len(differences) > 4 else "")
+        raise AdmissionError(
+            "execution_drift", f"this worker's execution identity differs from the checkpoint's in "
+            f"{len(differences)} field(s) ({fields}); exact resume needs the same backend, device, BLAS and "
+            "thread count, builds and code: run it on a worker that matches (or set its environment, e.g. "
+            "OPENBLAS_NUM_THREADS, to match), or start a new run", differences)
 
 
 def reopen_resume(admission: Admission, settings: RunSettings):

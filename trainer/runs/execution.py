@@ -1,0 +1,136 @@
+"""The execution identity: what must be the same for a resumed run to continue bit for bit.
+
+It is computed by the process that trains (each worker, once at start, cached per process) and
+recorded in every checkpoint that process writes; at dequeue a worker refuses to resume a
+checkpoint whose identity differs from its own, field by field. Fields:
+
+backend        the training backend (cpu, cuda)
+device         the machine, and the CPU's model and instruction-set flags (/proc/cpuinfo where present)
+blas           numpy's BLAS: library, version, kernel architecture and its thread count
+numpy, python  their versions
+native_builds  SHA-256 of each built native_ext library
+kiln           the installed distribution's version
+code           SHA-256 over the trainer/ and native_ext/ sources and built libraries that run
+precision, kernel_contract
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from importlib import metadata
+from pathlib import Path
+
+KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
+CPUINFO = Path("/proc/cpuinfo")
+# instruction-set flags whose presence changes which kernels BLAS and numpy dispatch to (shown in full;
+# every flag is also bound through cpu_flags_sha256)
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+              "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve", "sve2")
+CODE_SUFFIXES = (".py", ".so", ".pyd", ".dylib")  # the sources and the built libraries that run
+
+
+def execution_identity(backend: str) -> dict:
+    """This process's identity for BACKEND, computed once (a worker computes it at start)."""
+    return dict(_cached(backend))
+
+
+@functools.cache
+def _cached(backend: str) -> dict:
+    return compute_execution_identity(backend)
+
+
+def compute_execution_identity(backend: str) -> dict:
+    """The identity as it is now (not cached): tests and `kiln doctor`-like checks read it fresh."""
+    import numpy as np
+
+    import native_ext
+    import trainer
+
+    native = Path(native_ext.__file__).parent
+    return {
+        "backend": backend,
+        "device": device_identity(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": blas_identity(),
+        "native_builds": {p.name: _file_sha256(p) for p in sorted(native.glob("_*.so"))},
+        "kiln": kiln_version(),
+        "code": code_digest((Path(trainer.__file__).parent, native)),
+        "precision": "float32",
+        "kernel_contract": KERNEL_CONTRACT,
+    }
+
+
+def kiln_version() -> str:
+    """The version of the installed `kiln` distribution ("0+unknown" from a checkout never installed)."""
+    try:
+        return metadata.version("kiln")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def device_identity(cpuinfo: Path = CPUINFO) -> dict:
+    """The machine and the evidence of its capabilities: CPU model and flags where /proc/cpuinfo exists."""
+    device = {"machine": platform.machine(), "cpu_model": None, "cpu_flags": None, "cpu_flags_sha256": None}
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return device
+    fields = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key not in fields:  # the first processor's; a pool machine's CPUs are alike
+            fields[key] = value.strip()
+    device["cpu_model"] = fields.get("model name") or fields.get("CPU part") or fields.get("cpu model")
+    flags = sorted(set((fields.get("flags") or fields.get("Features") or "").split()))
+    if flags:
+        device["cpu_flags"] = [flag for flag in SIMD_FLAGS if flag in flags]
+        device["cpu_flags_sha256"] = hashlib.sha256(" ".join(flags).encode()).hexdigest()
+    return device
+
+
+def blas_identity() -> dict:
+    """numpy's BLAS (the one the engine computes with; others loaded in the process, torch's or scipy's,
+    do not touch training arithmetic): {library, version, architecture, threading_layer, threads}."""
+    from threadpoolctl import threadpool_info
+
+    from native_ext import blas as engine_blas
+
+    for info in threadpool_info():
+        if info.get("user_api") == "blas" and str(engine_blas.LIBRARY_PATH) == info.get("filepath"):
+            return {"library": info.get("internal_api"), "version": _text(info.get("version")),
+                    "architecture": _text(info.get("architecture")),
+                    "threading_layer": _text(info.get("threading_layer")), "threads": info.get("num_threads")}
+    return {"library": None, "version": None, "architecture": None, "threading_layer": None,
+            "threads": None}
+
+
+def code_digest(roots) -> dict:
+    """{sha256, files}: one digest over every source and built library under ROOTS, in a fixed order
+    (root name, then relative path); caches (__pycache__) and build folders are skipped."""
+    digest = hashlib.sha256()
+    count = 0
+    for root in roots:
+        root = Path(root)
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in CODE_SUFFIXES
+                       and not {"__pycache__", "build"} & set(p.relative_to(root).parts))
+        for path in paths:
+            name = f"{root.name}/{path.relative_to(root).as_posix()}"
+            digest.update(f"{name}\0{_file_sha256(path)}\n".encode())
+            count += 1
+    return {"sha256": digest.hexdigest(), "files": count}
+
+
+def _text(value):
+    return None if value is None else str(value)
+
+
+def _file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
