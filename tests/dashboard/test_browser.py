@@ -10,23 +10,19 @@ horizontal scrolling.
 """
 
 import json
-import os
 import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from controlplane.services import REDIS_URL, ROOT, Stack
+from controlplane.services import REDIS_URL, Stack
+
+from .browser import (DESKTOP, PHONE, SHOTS, admin_password, chromium_browser, no_horizontal_scroll,
+                      require_chromium, shot)
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = Path(os.environ.get("KILN_TEST_CHROMIUM", "/usr/bin/chromium"))
-LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-               "--disable-sync", "--no-first-run"]
-SHOTS = ROOT / "test-output" / "dashboard"
-DESKTOP = {"width": 1280, "height": 800}
-PHONE = {"width": 390, "height": 844}
 WORDS = ("kiln", "clay", "glaze", "fire")
 EPOCHS = 50  # 4 records x 50 epochs = 200 steps: long enough to watch and stop, short enough for CI
 
@@ -35,9 +31,7 @@ EPOCHS = 50  # 4 records x 50 epochs = 200 steps: long enough to watch and stop,
 def stack(tmp_path_factory):
     if REDIS_URL is None:
         pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
-    pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+    require_chromium()
     # a database of its own on the test Redis: another Kiln test stack on the same server (another
     # checkout's CI run) would otherwise consume this stack's tasks from the shared "training" queue
     redis_url = urlunsplit(urlsplit(REDIS_URL)._replace(path="/14"))
@@ -50,14 +44,8 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chromium(stack):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium_browser() as browser:
+        yield browser
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +57,6 @@ def dataset(tmp_path_factory) -> Path:
     return path
 
 
-def admin_password(stack: Stack) -> str:
-    return re.search(r"Created the admin user 'admin' with password: (\S+)", stack.web.output).group(1)
-
-
-def shot(page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
-
-
 def committed(page) -> int:
     return int(page.get_attribute("[data-job-page]", "data-committed"))
 
@@ -85,11 +64,6 @@ def committed(page) -> int:
 def chart_paths(page) -> list:
     return page.eval_on_selector_all("[data-chart] svg path",
                                      "paths => paths.map(p => [p.dataset.series, p.getAttribute('d')])")
-
-
-def no_horizontal_scroll(page) -> None:
-    width, inner = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
-    assert width <= inner, f"{page.url} scrolls sideways at {inner}px: content is {width}px wide"
 
 
 def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):

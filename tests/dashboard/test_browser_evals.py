@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.services import Stack
 
-from .test_browser import CHROMIUM, DESKTOP, LAUNCH_ARGS, PHONE, admin_password, shot
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, require_chromium, shot, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +23,7 @@ SUITE = [{"prompt": "Say kiln.", "expected": ".*", "metric": "regex"},
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
-    pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+    require_chromium()
     running = Stack(tmp_path_factory.mktemp("kiln-evals-home"), redis_url=None)  # the embedded worker is enough
     try:
         yield running
@@ -43,14 +41,7 @@ def wait_for(read, until, what: str, timeout: float = 300):
     raise AssertionError(f"{what} did not happen within {timeout:g} s: last {value}")
 
 
-def no_horizontal_scroll(page) -> None:
-    width, inner = page.evaluate("[document.scrollingElement.scrollWidth, window.innerWidth]")
-    assert width <= inner, f"{page.url} scrolls sideways at {inner}px: content is {width}px wide"
-
-
 def test_evaluation_and_promotion_pages_fit_desktop_and_phone(stack):
-    from playwright.sync_api import sync_playwright
-
     api = stack.client
     content = "".join(json.dumps(line) + "\n" for line in SUITE)
     api.request("POST", "/evals/suites", {"name": "held-out", "content": content})
@@ -66,35 +57,28 @@ def test_evaluation_and_promotion_pages_fit_desktop_and_phone(stack):
     wait_for(lambda: api.request("GET", f"/evals/runs/{manual['id']}"), lambda r: r["status"] == "succeeded",
              "the manual evaluation")
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS)
-        try:
-            context = browser.new_context(viewport=DESKTOP)
-            context.set_default_timeout(30_000)
-            page = context.new_page()
-            errors = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            page.goto(stack.url + "/evals/")
-            page.fill("#id_username", "admin")
-            page.fill("#id_password", admin_password(stack))
-            page.click("button[type=submit]")
-            page.wait_for_selector("[data-eval-runs]")
-            assert page.locator("[data-run]").count() == 2
-            pages = {"evals": "/evals/", "gate-run": f"/evals/runs/{gate_run}/",
-                     "manual-run": f"/evals/runs/{manual['id']}/", "promotions": "/promotions/"}
-            for size_name, size in (("desktop", DESKTOP), ("phone", PHONE)):
-                page.set_viewport_size(size)
-                for name, path in pages.items():
-                    page.goto(stack.url + path)
-                    page.wait_for_selector("h1")
-                    if name.endswith("-run"):
-                        assert page.locator("[data-example]").count() == len(SUITE)
-                    if name == "gate-run":
-                        assert page.locator("[data-gate] .badge").count() == 1
-                    if name == "promotions":
-                        assert page.locator(f"[data-promotion] a[href='/evals/runs/{gate_run}/']").count() == 1
-                    shot(page, f"evals-{name}-{size_name}")
-                    no_horizontal_scroll(page)
-            assert errors == []
-        finally:
-            browser.close()
+    with chromium_browser() as browser:
+        context = browser.new_context(viewport=DESKTOP)
+        context.set_default_timeout(30_000)
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        sign_in(page, stack, "/evals/")
+        page.wait_for_selector("[data-eval-runs]")
+        assert page.locator("[data-run]").count() == 2
+        pages = {"evals": "/evals/", "gate-run": f"/evals/runs/{gate_run}/",
+                 "manual-run": f"/evals/runs/{manual['id']}/", "promotions": "/promotions/"}
+        for size_name, size in (("desktop", DESKTOP), ("phone", PHONE)):
+            page.set_viewport_size(size)
+            for name, path in pages.items():
+                page.goto(stack.url + path)
+                page.wait_for_selector("h1")
+                if name.endswith("-run"):
+                    assert page.locator("[data-example]").count() == len(SUITE)
+                if name == "gate-run":
+                    assert page.locator("[data-gate] .badge").count() == 1
+                if name == "promotions":
+                    assert page.locator(f"[data-promotion] a[href='/evals/runs/{gate_run}/']").count() == 1
+                shot(page, f"evals-{name}-{size_name}")
+                no_horizontal_scroll(page)
+        assert errors == []

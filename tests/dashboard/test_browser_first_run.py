@@ -9,8 +9,7 @@ import pytest
 
 from controlplane.services import ROOT, Stack
 
-from .test_browser import CHROMIUM, DESKTOP, LAUNCH_ARGS, PHONE, admin_password, shot
-from .test_browser_evals import no_horizontal_scroll
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, require_chromium, shot, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +18,7 @@ SAMPLE = ROOT / "static" / "samples" / "arithmetic.jsonl"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
-    pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+    require_chromium()
     running = Stack(tmp_path_factory.mktemp("kiln-first-run-home"), redis_url=None)
     try:
         yield running
@@ -30,51 +27,42 @@ def stack(tmp_path_factory):
 
 
 def test_the_empty_jobs_page_shows_a_first_run_that_fits(stack):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS)
-        try:
-            context = browser.new_context(viewport=DESKTOP)
-            context.set_default_timeout(30_000)
-            page = context.new_page()
-            errors = []
-            page.on("pageerror", lambda error: errors.append(str(error)))
+    with chromium_browser() as browser:
+        context = browser.new_context(viewport=DESKTOP)
+        context.set_default_timeout(30_000)
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        sign_in(page, stack)
+        card = page.wait_for_selector("[data-first-run]")
+        text = card.inner_text()
+        assert "kiln-tiny" in text  # the default base of a test stack (KILN_DEFAULT_BASE=kiln-tiny)
+        assert "kiln train sft --file arithmetic.jsonl --adapter first --auto-load --wait" in text
+        link = page.get_attribute("[data-first-run] a[download]", "href")
+        sample = page.request.get(stack.url + link)
+        assert sample.status == 200 and sample.body() == SAMPLE.read_bytes()
+        assert all("prompt" in json.loads(line) for line in sample.text().splitlines())
+        for size_name, size in (("desktop", DESKTOP), ("phone", PHONE)):
+            page.set_viewport_size(size)
             page.goto(stack.url + "/")
-            page.fill("#id_username", "admin")
-            page.fill("#id_password", admin_password(stack))
-            page.click("button[type=submit]")
-            card = page.wait_for_selector("[data-first-run]")
-            text = card.inner_text()
-            assert "kiln-tiny" in text  # the default base of a test stack (KILN_DEFAULT_BASE=kiln-tiny)
-            assert "kiln train sft --file arithmetic.jsonl --adapter first --auto-load --wait" in text
-            link = page.get_attribute("[data-first-run] a[download]", "href")
-            sample = page.request.get(stack.url + link)
-            assert sample.status == 200 and sample.body() == SAMPLE.read_bytes()
-            assert all("prompt" in json.loads(line) for line in sample.text().splitlines())
-            for size_name, size in (("desktop", DESKTOP), ("phone", PHONE)):
-                page.set_viewport_size(size)
-                page.goto(stack.url + "/")
-                page.wait_for_selector("[data-first-run]")
-                shot(page, f"first-run-{size_name}")
-                no_horizontal_scroll(page)
-            # the API reference on a phone (mobile layout: without a viewport line Chromium lays a page out 980 px
-            # wide and shrinks it), signed in by the session's cookie
-            phone = browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True,
-                                        storage_state=context.storage_state())
-            docs = phone.new_page()
-            docs.goto(stack.url + "/v1/docs")
-            docs.wait_for_selector(".swagger-ui .info")
-            shot(docs, "api-docs-phone")
-            assert docs.evaluate("window.innerWidth") == PHONE["width"]
-            no_horizontal_scroll(docs)
-            phone.close()
+            page.wait_for_selector("[data-first-run]")
+            shot(page, f"first-run-{size_name}")
+            no_horizontal_scroll(page)
+        # the API reference on a phone (mobile layout: without a viewport line Chromium lays a page out 980 px
+        # wide and shrinks it), signed in by the session's cookie
+        phone = browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True,
+                                    storage_state=context.storage_state())
+        docs = phone.new_page()
+        docs.goto(stack.url + "/v1/docs")
+        docs.wait_for_selector(".swagger-ui .info")
+        shot(docs, "api-docs-phone")
+        assert docs.evaluate("window.innerWidth") == PHONE["width"]
+        no_horizontal_scroll(docs)
+        phone.close()
 
-            stack.client.submit_sft({"data": [{"prompt": "q", "completion": " a"}],
-                                     "config": {"output_name": "first-run-gone", "epochs": 1}})
-            page.goto(stack.url + "/")
-            page.wait_for_selector("[data-jobs-table] tr[data-job]")
-            assert page.locator("[data-first-run]").count() == 0
-            assert errors == []
-        finally:
-            browser.close()
+        stack.client.submit_sft({"data": [{"prompt": "q", "completion": " a"}],
+                                 "config": {"output_name": "first-run-gone", "epochs": 1}})
+        page.goto(stack.url + "/")
+        page.wait_for_selector("[data-jobs-table] tr[data-job]")
+        assert page.locator("[data-first-run]").count() == 0
+        assert errors == []

@@ -17,7 +17,7 @@ import pytest
 
 from controlplane.services import REDIS_URL, Stack
 
-from .test_browser import CHROMIUM, DESKTOP, LAUNCH_ARGS, PHONE, admin_password, no_horizontal_scroll
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, require_chromium, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +32,7 @@ TIMEOUT_MS = 120_000  # a wait for the worker (training, evaluation, canary) on 
 def stack(tmp_path_factory):
     if REDIS_URL is None:
         pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
-    pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+    require_chromium()
     from urllib.parse import urlsplit, urlunsplit
 
     # a Redis database of its own (see test_browser.py), and no checkpointing unless a request asks for it
@@ -49,14 +47,8 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chromium(stack):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium_browser() as browser:
+        yield browser
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +56,7 @@ def session(stack, chromium) -> dict:
     """The signed-in admin's cookies, for a page at each viewport."""
     context = chromium.new_context(viewport=DESKTOP)
     page = context.new_page()
-    page.goto(stack.url + "/accounts/login/")
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", admin_password(stack))
-    page.click("button[type=submit]")
+    sign_in(page, stack)
     page.wait_for_selector("text=Training jobs")
     state = context.storage_state()
     context.close()

@@ -1,0 +1,60 @@
+"""What every Chromium test of the dashboard shares: Debian's Chromium driven by Playwright, the two
+viewports, signing in as the admin `kiln up` created, screenshots and the no-sideways-scroll check."""
+
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from controlplane.services import ROOT, Stack
+
+CHROMIUM = Path(os.environ.get("KILN_TEST_CHROMIUM", "/usr/bin/chromium"))
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--no-first-run"]
+SHOTS = ROOT / "test-output" / "dashboard"
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+
+
+def require_chromium() -> None:
+    """Skip, with the command that fixes it, when Chromium or Playwright is missing."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
+    pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+
+
+@contextmanager
+def chromium_browser():
+    """A headless Chromium (Debian's), closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=LAUNCH_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def admin_password(stack: Stack) -> str:
+    return re.search(r"Created the admin user 'admin' with password: (\S+)", stack.web.output).group(1)
+
+
+def sign_in(page, stack: Stack, path: str = "/") -> None:
+    """Open PATH, which sends a signed-out person to the sign-in form, and sign in as the admin."""
+    page.goto(stack.url + path)
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", admin_password(stack))
+    page.click("button[type=submit]")
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def no_horizontal_scroll(page) -> None:
+    width, inner = page.evaluate("[document.scrollingElement.scrollWidth, window.innerWidth]")
+    assert width <= inner, f"{page.url} scrolls sideways at {inner}px: content is {width}px wide"
