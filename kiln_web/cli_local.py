@@ -225,24 +225,28 @@ def add_qualify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
                         help="the backend to qualify (default: cpu)")
     parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json)")
+    parser.add_argument("--route", action="append", choices=["sft", "grpo_inline", "grpo_streamed", "opd"],
+                        help="qualify only this route (repeatable; default: every route)")
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
-    """Fresh-repeat and cancel-then-resume equivalence for SFT, GRPO (inline, streamed) and OPD."""
+    """Fresh-repeat and cancel-then-resume equivalence for SFT, GRPO (inline, streamed) and OPD, every run in a
+    fresh process."""
     import json
+    from pathlib import Path
 
     from trainer.qualify import qualify
-
-    from pathlib import Path
 
     home = Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln")
     output = Path(args.output) if args.output else home / "qualification" / f"latest-{args.backend}.json"
     try:
-        receipt = qualify(backend=args.backend, output=output)
+        receipt = qualify(backend=args.backend, output=output, routes=args.route)
     except RuntimeError as error:
         print(f"kiln qualify: {error}", file=sys.stderr)
         return 2
     stamped = output.with_name(f"receipt-{args.backend}-{receipt['created'].replace(':', '')}.json")
     stamped.write_text(json.dumps(receipt, indent=1, sort_keys=True) + "\n")
+    for failure in receipt["failures"]:
+        print(f"  mismatch: {failure}")
     print(f"{'PASSED' if receipt['passed'] else 'FAILED'}: receipt written to {output}")
     return 0 if receipt["passed"] else 1

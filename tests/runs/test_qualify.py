@@ -1,33 +1,100 @@
-"""kiln qualify: fresh-repeat and cancel-then-resume equivalence with a receipt."""
+"""kiln qualify: fresh-repeat and cancel-then-resume equivalence, every run in its own process, with a receipt."""
 
-import itertools
 import json
+import os
+
+import pytest
 
 from trainer import qualify as qualification
-from trainer.runs import sft
+from trainer import qualify_child
 
 
-def test_every_route_qualifies_and_the_receipt_records_the_envelope(tmp_path):
-    output = tmp_path / "receipt.json"
-    receipt = qualification.qualify(output=output, progress=lambda line: None)
-    assert receipt["passed"] is True
+@pytest.fixture(scope="module")
+def receipt(tmp_path_factory):
+    output = tmp_path_factory.mktemp("receipt") / "receipt.json"
+    document = qualification.qualify(output=output, progress=lambda line: None)
+    assert json.loads(output.read_text()) == document
+    return document
+
+
+def test_every_route_qualifies_in_fresh_processes(receipt):
+    assert receipt["passed"] is True, [(r["route"], r["mismatches"], r.get("error")) for r in receipt["routes"]]
+    assert receipt["failures"] == []
     assert [r["route"] for r in receipt["routes"]] == ["sft", "grpo_inline", "grpo_streamed", "opd"]
     for route in receipt["routes"]:
-        assert route["mismatches"] == [] and route["outcome"]["status"] == "succeeded"
+        assert route["mismatches"] == [] and route["first_mismatch"] is None
+        assert route["outcome"]["status"] == "succeeded"
         assert route["outcome"]["checkpoint_files"] and route["outcome"]["final_adapter"]
+        pids = route["processes"]
+        assert sorted(pids) == ["cancelled", "first", "repeat", "resumed"]
+        assert len(set(pids.values())) == 4 and os.getpid() not in pids.values()
+        # the resume loaded the checkpoint the cancelled process published last, at the step it stopped
+        assert route["resumed_from"]["step"] == route["cancelled_at"]
+        assert route["resumed_from"]["checkpoint_id"] == route["checkpoints"][route["cancelled_at"] - 1]
+
+
+def test_the_envelope_records_dataset_digests_and_the_execution(receipt):
     envelope = receipt["envelope"]
     assert {"model", "execution", "tokenizer", "data"} <= set(envelope)
     assert {"backend", "precision", "kernel_contract", "native_builds", "blas"} <= set(envelope["execution"])
-    assert json.loads(output.read_text()) == receipt
+    data = envelope["data"]
+    assert sorted(data) == ["grpo_inline", "grpo_streamed", "opd", "sft"]
+    assert [data[r]["records"] for r in ("sft", "grpo_inline", "grpo_streamed", "opd")] == [
+        len(qualification.SFT_RECORDS), len(qualification.GROUPS), len(qualification.GROUPS),
+        len(qualification.PROMPTS)]
+    # the streamed route trains on the file's exact bytes: the digest is theirs, not a loss history's
+    import hashlib
+    stream = "".join(json.dumps(g) + "\n" for g in qualification.GROUPS).encode()
+    assert data["grpo_streamed"]["sha256"] == hashlib.sha256(stream).hexdigest()
+    assert data["grpo_streamed"]["bytes"] == len(stream) and data["grpo_streamed"]["source"] == "streamed_jsonl"
+    for route in receipt["routes"]:
+        assert data[route["route"]]["sha256"] != route["outcome"]["loss_history_sha256"]
+        assert route["dataset"] == data[route["route"]]
 
 
-def test_a_nondeterministic_run_fails_qualification(monkeypatch):
-    counter = itertools.count()
-    real = sft.epoch_order
-    monkeypatch.setattr(sft, "epoch_order", lambda seed, epoch, count: real(seed + next(counter), epoch, count))
-    receipt = qualification.qualify(routes=["sft"], progress=lambda line: None)
+def test_a_difference_only_in_a_resumed_process_memory_fails_qualification(monkeypatch):
+    monkeypatch.setenv(qualify_child.PLANT_ENV, "sft:resumed")
+    lines = []
+    receipt = qualification.qualify(routes=["sft"], progress=lines.append)
     assert receipt["passed"] is False
-    assert "repeat.loss_history_sha256" in receipt["routes"][0]["mismatches"]
+    route = receipt["routes"][0]
+    assert route["route"] == "sft" and route["passed"] is False
+    assert route["mismatches"] and all(m.startswith("resumed.") for m in route["mismatches"]), route["mismatches"]
+    assert "resumed.outcome.adapter_sha256" in route["mismatches"]
+    assert receipt["failures"] == [f"sft: {route['first_mismatch']}"]
+    assert any(line.startswith(f"  sft: FAILED at {route['first_mismatch']}") for line in lines), lines
+
+
+def test_a_nondeterministic_repeat_fails_qualification_naming_the_route(monkeypatch):
+    monkeypatch.setenv(qualify_child.PLANT_ENV, "opd:repeat")
+    receipt = qualification.qualify(routes=["sft", "opd"], progress=lambda line: None)
+    assert receipt["passed"] is False
+    sft, opd = receipt["routes"]
+    assert sft["passed"] is True
+    assert opd["passed"] is False and opd["first_mismatch"].startswith("repeat.")
+    assert receipt["failures"] == [f"opd: {opd['first_mismatch']}"]
+
+
+def test_the_first_differing_field_is_named():
+    found = []
+    qualification._differences("resumed", {"loss_history": [1.0, 2.0, 3.0], "seed": 3},
+                                {"loss_history": [1.0, 2.5, 3.5], "seed": 3.0}, found)
+    assert found == ["resumed.loss_history[1]", "resumed.loss_history[2]", "resumed.seed"]
+    assert qualification._first_per_field(found) == ["resumed.loss_history[1]", "resumed.seed"]
+
+
+def test_a_child_that_fails_is_reported_with_its_error(monkeypatch):
+    real = qualification._routes
+
+    def broken(home):
+        kind, cancel_at, request = real(home)["sft"]
+        return {"sft": (kind, cancel_at, {**request, "config": {**request["config"], "epochs": -1}})}
+
+    monkeypatch.setattr(qualification, "_routes", broken)
+    receipt = qualification.qualify(progress=lambda line: None)
+    route = receipt["routes"][0]
+    assert receipt["passed"] is False and route["mismatches"] == ["first.process"]
+    assert route["error"].startswith("first: exit status 1:") and "epochs" in route["error"], route["error"]
 
 
 def test_cli_writes_latest_and_stamped_receipts(tmp_path, monkeypatch):
@@ -40,6 +107,19 @@ def test_cli_writes_latest_and_stamped_receipts(tmp_path, monkeypatch):
     latest = json.loads((tmp_path / "qualification" / "latest-cpu.json").read_text())
     assert latest["passed"] and [r["route"] for r in latest["routes"]] == ["sft"]
     assert len(list((tmp_path / "qualification").glob("receipt-cpu-*.json"))) == 1
+
+
+def test_cli_fails_and_names_the_route_when_a_route_fails(tmp_path, monkeypatch, capsys):
+    from kiln_web import cli
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    monkeypatch.setenv(qualify_child.PLANT_ENV, "sft:resumed")
+    monkeypatch.setattr(qualification, "_routes", lambda home: {
+        k: v for k, v in real_routes(home).items() if k == "sft"})
+    assert cli.main(["qualify", "--route", "sft"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "sft: resumed." in out
+    assert json.loads((tmp_path / "qualification" / "latest-cpu.json").read_text())["passed"] is False
 
 
 real_routes = qualification._routes
