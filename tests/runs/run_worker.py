@@ -1,7 +1,9 @@
 """Runs one training job in its own process (for kill tests): python run_worker.py job.json; tests call
-`run_until_killed`.
+`run_until_killed`, and `run_to_end` to resume (or run) in a fresh process.
 
-job.json: {"kind": "sft" | "grpo" | "opd", "home": KILN_HOME, "request": {...}}. With KILN_TEST_HOLD_AFTER_STEP=N
+job.json: {"kind": "sft" | "grpo" | "opd", "home": KILN_HOME, "request": {...}, "bases_root": optional (default
+KILN_HOME; an OPD teacher's base lives in the test's shared bases root)}. The worker prints one JSON line:
+{"status", "steps", "loss_history"}. With KILN_TEST_HOLD_AFTER_STEP=N
 the run stops after step N is committed and its checkpoint (if due) published: before recording step N+1 it
 writes KILN_TEST_HELD_FILE and waits until it is killed, so the parent kills it mid-run by construction.
 """
@@ -47,10 +49,16 @@ class StopAt(NullHooks):
         self.checkpoints.append(summary)
 
 
-def run_until_killed(home: Path, kind: str, request: dict, hold_after: int) -> None:
+def _spec(home: Path, kind: str, request: dict, bases_root: Path | None, name: str) -> Path:
+    spec = home / name
+    spec.write_text(json.dumps({"kind": kind, "home": str(home), "request": request,
+                                "bases_root": str(bases_root or home)}))
+    return spec
+
+
+def run_until_killed(home: Path, kind: str, request: dict, hold_after: int, bases_root: Path | None = None) -> None:
     """Run the job in a worker process held after step HOLD_AFTER (its checkpoint, if due, published); SIGKILL it."""
-    spec = home / "job.json"
-    spec.write_text(json.dumps({"kind": kind, "home": str(home), "request": request}))
+    spec = _spec(home, kind, request, bases_root, "job.json")
     held = home / "held"
     env = {**os.environ, "KILN_TEST_HOLD_AFTER_STEP": str(hold_after), "KILN_TEST_HELD_FILE": str(held)}
     worker = subprocess.Popen([sys.executable, __file__, str(spec)], env=env)
@@ -67,16 +75,28 @@ def run_until_killed(home: Path, kind: str, request: dict, hold_after: int) -> N
             worker.kill()
 
 
+def run_to_end(home: Path, kind: str, request: dict, bases_root: Path | None = None) -> dict:
+    """Run the job (a resume names its checkpoint in the request) in a fresh worker process to its end; its
+    {"status", "steps", "loss_history"}."""
+    spec = _spec(home, kind, request, bases_root, "job-to-end.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("KILN_TEST_HOLD_AFTER_STEP", "KILN_TEST_HELD_FILE")}
+    done = subprocess.run([sys.executable, __file__, str(spec)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main():
     spec = json.loads(Path(sys.argv[1]).read_text())
     home = Path(spec["home"])
-    settings = RunSettings(home=home, registry=home / "adapters", bases_root=home,
+    settings = RunSettings(home=home, registry=home / "adapters", bases_root=Path(spec.get("bases_root", home)),
                            data_roots=(home / "datasets",))
     kind = run_kind(spec["kind"])
     hold_after = os.environ.get("KILN_TEST_HOLD_AFTER_STEP")
     hooks = HoldingHooks(int(hold_after) if hold_after else None, os.environ.get("KILN_TEST_HELD_FILE"))
     result = kind.run(kind.admit(spec["request"], settings), settings, hooks)
-    print(json.dumps({"status": result.status, "steps": result.steps_completed}))
+    print(json.dumps({"status": result.status, "steps": result.steps_completed,
+                      "loss_history": result.loss_history}))
 
 
 if __name__ == "__main__":

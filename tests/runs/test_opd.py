@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from run_worker import StopAt
+from run_worker import StopAt, run_to_end, run_until_killed
 from trainer import LoraConfig, teachers
 from trainer.bases import import_base, load_base
 from trainer.generation import score_completion
@@ -145,6 +145,25 @@ def test_cancel_then_resume_is_byte_identical(reference, bases, tmp_path):
     assert second.loss_history == reference[1].loss_history
     assert first_hooks.metrics + second_hooks.metrics == reference[2].metrics
     assert final_files(settings) == final_files(reference[0])
+
+
+
+def test_sigkill_then_resume_in_a_fresh_process_is_byte_identical(reference, bases, tmp_path):
+    settings = make_settings(tmp_path, bases)
+    req = request(native_teacher(bases))
+    run_until_killed(tmp_path, "opd", req, hold_after=4, bases_root=bases)  # held before step 5, then killed
+    latest = checkpoint_dir.latest_checkpoint(settings.registry, "distilled-bot")
+    assert checkpoint_dir.parse_basename(latest.name)[1] == 4
+    assert not (settings.registry / "distilled-bot").exists()  # no final adapter from the killed process
+    resumed = run_to_end(tmp_path, "opd", request(native_teacher(bases), resume_checkpoint=latest.name),
+                         bases_root=bases)
+    assert resumed["status"] == "succeeded" and resumed["steps"] == 6
+    assert resumed["loss_history"] == reference[1].loss_history
+    # every file of the final checkpoint (adapter, optimizer moments, state with the optimizer's scalars,
+    # manifest) and of the final adapter snapshot
+    assert final_files(settings) == final_files(reference[0])
+    snapshot = {p.name: p.read_bytes() for p in sorted((settings.registry / "distilled-bot").iterdir())}
+    assert snapshot == {p.name: p.read_bytes() for p in sorted((reference[0].registry / "distilled-bot").iterdir())}
 
 
 @pytest.fixture
