@@ -6,7 +6,7 @@ State changes are not edited here: cancelling goes through the same action as th
 from django.contrib import admin, messages
 
 from kiln_web.jobs.actions import do_cancel_job
-from kiln_web.jobs.models import JobEvent, JobMetric, TrainingJob
+from kiln_web.jobs.models import JobEvent, JobMetric, TrainingJob, WorkerRecord
 
 
 class JobEventInline(admin.TabularInline):
@@ -61,6 +61,19 @@ class JobEventAdmin(admin.ModelAdmin):
     list_filter = ("level", "time")
     search_fields = ("message", "job__id", "job__adapter__name")
     readonly_fields = ("job", "time", "level", "message")
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+
+@admin.register(WorkerRecord)
+class WorkerRecordAdmin(admin.ModelAdmin):
+    """Workers and the execution identity each computed at start; written by the workers only."""
+
+    list_display = ("worker_id", "identity_sha256", "started_at", "heartbeat_at", "stopped_at")
+    list_filter = ("stopped_at", "heartbeat_at")
+    search_fields = ("worker_id", "identity_sha256")
+    readonly_fields = ("worker_id", "identity", "identity_sha256", "started_at", "heartbeat_at", "stopped_at")
 
     def has_add_permission(self, request) -> bool:
         return False
