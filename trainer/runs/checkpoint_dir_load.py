@@ -226,7 +226,8 @@ def load_checkpoint(path, *, full: bool = True, expected_type=None, expected_ada
     """Validate the checkpoint at `path` completely, then return it; a CheckpointError otherwise.
 
     full=True (admission, dequeue) reads every declared file once and checks its size and
-    SHA-256; full=False (status) checks everything else, sizes by stat, and hashes nothing.
+    SHA-256, then runs its training kind's semantic state validation (`check_run_state`);
+    full=False (status) checks everything else, sizes by stat, and hashes nothing.
     `allowed_manifest_fields`: the caller's top-level manifest fields; any other field is
     refused (None accepts any caller field). expected_type / expected_adapter refuse a
     checkpoint of another training kind or adapter.
@@ -299,8 +300,35 @@ def load_checkpoint(path, *, full: bool = True, expected_type=None, expected_ada
                 raise InconsistentState(f"checkpoint {name} changed while being validated", path=path)
     finally:
         os.close(root)
+    if full:
+        check_run_state(manifest, data, path)
     return LoadedCheckpoint(path=path, manifest=manifest, checkpoint_id=manifest["checkpoint_id"],
                             manifest_digest=hashlib.sha256(raw).hexdigest(), files=data)
+
+
+def check_run_state(manifest: dict, files: dict, path=None) -> None:
+    """The semantic validation of a run's checkpoint, by its training kind (RunKind.check_state); no I/O.
+
+    It applies to what the SFT, GRPO and OPD runs publish: a manifest with a `planning` identity. A
+    manifest without one (a format test's payload, a stand-in runner's) is not exact-resume authority:
+    admission refuses it (planning_schema), so there is no run state to prove. A validator that fails
+    in an unforeseen way refuses the checkpoint too (inconsistent_state), never an internal error.
+    """
+    if "planning" not in manifest:
+        return
+    from trainer.runs import run_kind
+    check = run_kind(manifest["checkpoint_type"]).check_state
+    if check is None:
+        return
+    try:
+        check(manifest, files)
+    except CheckpointError as error:
+        error.path = path
+        raise
+    except (ArithmeticError, AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+        raise InconsistentState(f"checkpoint {Path(path).name if path else manifest.get('adapter')}: its state "
+                                f"cannot be validated ({type(error).__name__}: {error}); it was edited or written "
+                                "by another program. Resume from an unedited checkpoint", path=path) from None
 
 
 def checkpoint_summary(loaded: LoadedCheckpoint) -> dict:

@@ -23,7 +23,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError,
+from trainer.runs.admission import (adam_options, MANIFEST_FIELDS, Admission, AdmissionError,
                                     RequestError, RunSettings, admit_resume, check_planning_schema, check_request,
                                     check_shared, difference, find_base, has_dataset_path, int_field, load_resume,
                                     lora_config, merge_config, number_field, planning_identity, reopen_resume,
@@ -255,7 +255,7 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
     try:
         model.attach_lora(lora_config(config, admission.effective_seed))
         with model.adapter_parameters() as adapters, \
-                Adam(adapters, learning_rate=config["learning_rate"]) as optimizer:
+                Adam(adapters, learning_rate=config["learning_rate"], **adam_options(config)) as optimizer:
             loop = GRPOLoop()
             reference = model.adapter_state_dict() if config["reference"]["type"] == "ema" else None
             latest, batch = None, None
@@ -443,5 +443,8 @@ def _publish(admission, settings, model, optimizer, loop, source, reference, rol
     return publish(admission, settings, loop.step, files, progress, hooks, seconds)
 
 
+from trainer.runs import state_check  # noqa: E402  (each kind's semantic checkpoint validator)
+
 RUN_KIND = RunKind(name=KIND, admit=admit_grpo, revalidate=revalidate_grpo, run=run_grpo,
-                   admission_from_json=Admission.from_json, defaults=GRPO_DEFAULTS, manifest_fields=MANIFEST_FIELDS)
+                   admission_from_json=Admission.from_json, defaults=GRPO_DEFAULTS, manifest_fields=MANIFEST_FIELDS,
+                   check_state=state_check.check_grpo_state)

@@ -13,6 +13,9 @@ class RunKind:
     seed, fully validate a resume checkpoint and refuse drift field by field.
     revalidate(admission, settings): the same checkpoint proof again at dequeue.
     run(admission, settings, hooks) -> RunResult: train, publish checkpoints, stop cooperatively.
+    check_state(manifest, files) -> None: the semantic validation of one of its checkpoints (files: path ->
+    bytes, every size and SHA-256 already proven); a CheckpointError naming the field that does not follow
+    from the manifest and the rest of the state. The strict loader runs it before anything is restored.
     """
 
     name: str
@@ -22,6 +25,7 @@ class RunKind:
     admission_from_json: Callable[[dict], Any]  # the admission record back from its job-row JSON
     defaults: Mapping = field(default_factory=dict)  # the configuration a request's fields update
     manifest_fields: frozenset = frozenset()  # the top-level manifest fields its checkpoints hold
+    check_state: Callable[[dict, dict], None] | None = None  # None: a stand-in whose state is not checked
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))

@@ -25,7 +25,7 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError,
+from trainer.runs.admission import (adam_options, MANIFEST_FIELDS, Admission, AdmissionError,
                                     RequestError, RunFailed, RunSettings, admit_resume, canonical,
                                     check_planning_schema, check_shared, dataset_file, difference, file_sha256,
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config,
@@ -361,7 +361,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                                   top_p=config["top_p"], top_k=config["top_k"], stop_token_ids=stop_ids,
                                   stop_strings=tuple(config["stop_strings"]))
         with model.adapter_parameters() as adapters, \
-                Adam(adapters, learning_rate=config["learning_rate"]) as optimizer:
+                Adam(adapters, learning_rate=config["learning_rate"], **adam_options(config)) as optimizer:
             loop = OPDLoop()
             rng = SamplingRNG(rollout_seed(admission.effective_seed))
             latest = None
@@ -512,5 +512,8 @@ def _publish(admission, settings, model, optimizer, loop: OPDLoop, records, comp
     return publish(admission, settings, loop.step, files, progress, hooks, seconds, extra)
 
 
+from trainer.runs import state_check  # noqa: E402  (each kind's semantic checkpoint validator)
+
 RUN_KIND = RunKind(name=KIND, admit=admit_opd, revalidate=revalidate_opd, run=run_opd,
-                   admission_from_json=Admission.from_json, defaults=OPD_DEFAULTS, manifest_fields=MANIFEST_FIELDS)
+                   admission_from_json=Admission.from_json, defaults=OPD_DEFAULTS, manifest_fields=MANIFEST_FIELDS,
+                   check_state=state_check.check_opd_state)

@@ -23,7 +23,7 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError,
+from trainer.runs.admission import (adam_options, MANIFEST_FIELDS, Admission, AdmissionError,
                                     RequestError, RunSettings, admit_resume, check_planning_schema, check_shared,
                                     dataset_file, has_dataset_path, int_field, load_resume, lora_config,
                                     merge_config, prepare, reopen_resume, require_loss_route, revalidate,
@@ -60,7 +60,8 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
         c["quantization"] = {"type": "nf4",
                              "block_size": int_field(quantization.get("block_size", NF4_DEFAULT["block_size"]),
                                                      "config.quantization.block_size", 32),
-                             "double_quantization": bool(quantization.get("double_quantization", NF4_DEFAULT["double_quantization"]))}
+                             "double_quantization": bool(quantization.get("double_quantization",
+                                                                          NF4_DEFAULT["double_quantization"]))}
     c["max_sequence_length"] = int_field(c["max_sequence_length"], "config.max_sequence_length", 2)
     return c
 
@@ -299,7 +300,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
         model.attach_lora(lora_config(config, seed))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         with model.adapter_parameters() as adapters, \
-                Adam(adapters, learning_rate=config["learning_rate"]) as optimizer:
+                Adam(adapters, learning_rate=config["learning_rate"], **adam_options(config)) as optimizer:
             loop = LoopState()
             latest = None
             if admission.resume is not None:
@@ -360,6 +361,9 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
     return RunResult("succeeded", loop.step, latest, list(loop.losses))
 
 
+from trainer.runs import state_check  # noqa: E402  (each kind's semantic checkpoint validator)
+
 RUN_KIND = RunKind(name="sft", admit=admit_sft, revalidate=revalidate_sft, run=run_sft,
                    admission_from_json=SFTAdmission.from_json, defaults=SFT_DEFAULTS,
-                   manifest_fields=MANIFEST_FIELDS)
+                   manifest_fields=MANIFEST_FIELDS,
+                   check_state=state_check.check_sft_state)
