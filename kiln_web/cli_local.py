@@ -97,7 +97,8 @@ def cmd_base(args: argparse.Namespace) -> int:
 
 def add_checkpoint(parser: argparse.ArgumentParser) -> None:
     commands = subcommands(parser, "checkpoint")
-    add_subcommand(commands, "verify", "fully validate a .kiln-checkpoint (every file's size and SHA-256)", "path")
+    add_subcommand(commands, "verify", "fully validate a .kiln-checkpoint (every file's size and SHA-256, and "
+                   "that its state is one its run could have written)", "path")
     add_subcommand(commands, "show", "show a checkpoint's summary and identities (bounded validation)", "path",
                    json="print the manifest as JSON")
     clean = commands.add_parser("clean-orphans", help="remove hidden staging directories that interrupted "

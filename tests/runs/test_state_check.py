@@ -291,3 +291,17 @@ def test_refusal_leaves_the_files_unchanged(runs, tmp_path):
     with pytest.raises(checkpoint_dir.CheckpointError):
         load(path)
     assert {p.name: p.read_bytes() for p in sorted(path.iterdir())} == before
+
+
+def test_older_planning_schema_is_inspectable_and_refused_by_admission_for_it(runs, tmp_path, capsys):
+    """A checkpoint planned under another schema is not held to the current writer's state rules (the contract:
+    inspectable and checksum-valid), and admission refuses it for its planning schema, not its state."""
+    def older(manifest):
+        manifest["planning"]["schema"] = "kiln.training-checkpoint-planning.v2"
+
+    path = edited_copy(pick(runs, "grpo_inline", "middle"), tmp_path, HOLES["loop.step one ahead"], older)
+    assert load(path).step == int(path.name.split("-step-")[1].split(".")[0])
+    assert verify(path, capsys)[0] == 0
+    with pytest.raises(AdmissionError) as info:
+        admit(runs, "grpo_inline", path)
+    assert info.value.code == "planning_schema"
