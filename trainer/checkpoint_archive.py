@@ -1,17 +1,17 @@
-"""Reading and writing the `.riftckpt` ZIP: member safety and sizes refused before anything inflates, checksummed arrays, v1 conversion, and the fixed-header writer."""
+"""Reading and writing the `.riftckpt` ZIP: the canonical structure (checkpoint_zip), member safety, sizes and CRC-32s checked before anything is trusted or inflated, checksummed arrays, v1 conversion, and the writer."""
 
 import hashlib
 import math
-import os
-import zipfile
+import re
 import zlib
 from collections import Counter
 
 import numpy as np
 
+from trainer import checkpoint_zip
 from trainer.checkpoint_format import (
     CheckpointError, MANIFEST, MAX_DIMENSIONS, MAX_INFLATION, MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH,
-    ZIP64_THRESHOLD, ZIP_TIMESTAMP, _DTYPES, _HEX64, _MOMENTS, _NAME, _byte_view, _check_block_count,
+    _DTYPES, _HEX64, _MOMENTS, _NAME, _byte_view, _check_block_count,
     _check_hyperparameters, _check_parameter_list, _config, _fail, _integer, _object, _random_state,
     checkpoint_id, parameter_signature, v1_member_name)
 from trainer.checkpoint_manifest import (
@@ -22,66 +22,122 @@ from trainer.jsonio import strict_loads
 # -- reading archives --------------------------------------------------------------------------
 
 
-def _open_archive(path):
+class _Archive:
+    """A checked archive in memory: its member names in file order, sizes and verified bytes."""
+
+    def __init__(self, names, contents):
+        self.names = names  # [name] in file order, unique
+        self.contents = contents  # {name: bytes-like}, every CRC-32 verified
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.contents = {}
+
+
+_V1_FOLDERS = ("params/", "adam/m/", "adam/v/")
+
+
+def _read_file(path):
     try:
-        archive = zipfile.ZipFile(path, "r")
+        with open(path, "rb") as handle:
+            return handle.read()
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
-            NotImplementedError) as error:  # NotImplementedError: a damaged "version needed"
-        raise CheckpointError(f"checkpoint {path} is not a complete ZIP archive (truncated or "
-                              f"corrupt): {error}") from error
+        raise CheckpointError(f"checkpoint {path} does not exist", code="missing_checkpoint") from None
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from error
+
+
+def _open_archive(path, data=None):
+    """Validate the whole ZIP structure of `data` (read from `path` when None), then every member's
+    CRC-32; nothing is trusted or inflated before the structure and declared sizes pass."""
+    data = _read_file(path) if data is None else bytes(data)
+    where = f"checkpoint {path}"
+    members = checkpoint_zip.parse(data, where)
+    on_disk = len(data)
+    for m in members:
+        name = m.name.decode("utf-8", "replace")
+        if m.compressed > on_disk or (m.method == checkpoint_zip.STORED and m.size != m.compressed):
+            raise CheckpointError(f"{where}: member {name!r} declares {m.size} bytes stored in "
+                                  f"{m.compressed}, which the {on_disk}-byte archive cannot hold", code="zip_bomb")
+    declared = sum(m.size for m in members)
+    if declared > MAX_INFLATION * on_disk:  # a zip bomb: refused before anything inflates
+        raise CheckpointError(f"{where}: its members declare {declared} bytes, more than {MAX_INFLATION} "
+                              f"times the {on_disk} bytes of the archive", code="zip_bomb")
+    names = [_member_name(m.name, where) for m in members]
+    counts = Counter(names)  # linear: archives may list many
+    duplicated = sorted(name for name, count in counts.items() if count > 1)
+    if duplicated:
+        raise CheckpointError(f"{where}: duplicate members {duplicated[:5]}", code="noncanonical_archive")
+    legacy = all(n == MANIFEST or n.startswith(_V1_FOLDERS) for n in names)  # a dense v1 archive
+    for m, name in zip(members, names):
+        if m.method not in (checkpoint_zip.STORED, checkpoint_zip.DEFLATED) \
+                or (m.method == checkpoint_zip.DEFLATED and not legacy):
+            raise CheckpointError(f"{where}: member {name!r} uses compression method {m.method}; the "
+                                  f"writer stores members (method 0)", code="noncanonical_archive")
+    starts = checkpoint_zip.check(data, members, checkpoint_zip.V1 if legacy else checkpoint_zip.WRITER, where)
+    contents, view = {}, memoryview(data)
+    for m, name, start in zip(members, names, starts):
+        raw = view[start:start + m.compressed]
+        content = raw if m.method == checkpoint_zip.STORED else _inflate(raw, m.size, where, name)
+        crc = zlib.crc32(content)
+        if crc != m.crc:
+            raise CheckpointError(f"{where}: member {name!r} is corrupt: Bad CRC-32 (its bytes give "
+                                  f"{crc:#010x}, its headers say {m.crc:#010x})", code="corrupt_member")
+        contents[name] = content
+    return _Archive(names, contents)
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_\-]+(?:\.+[A-Za-z0-9_\-]+)*(?:/[A-Za-z0-9_\-]+(?:\.+[A-Za-z0-9_\-]+)*)*\Z")  # unambiguous: linear
+
+
+def _member_name(raw, where):
+    if raw.isascii() and _SAFE_NAME.match(raw.decode("ascii")):  # the common case, quickly
+        return raw.decode("ascii")
     try:
-        infos = archive.infolist()
-        counts = Counter(info.filename for info in infos)  # linear: archives may list many
-        duplicated = sorted(name for name, count in counts.items() if count > 1)
-        if duplicated:
-            raise CheckpointError(f"checkpoint {path}: duplicate members {duplicated[:5]}")
-        on_disk = os.fstat(archive.fp.fileno()).st_size
-        for info in infos:
-            name = info.filename
-            parts = name.split("/")
-            if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) \
-                    or ":" in name or "\x00" in info.orig_filename:
-                raise CheckpointError(f"checkpoint {path}: unsafe member name "
-                                      f"{info.orig_filename!r}")
-            if info.flag_bits & 0x1:
-                raise CheckpointError(f"checkpoint {path}: member {name!r} is encrypted")
-            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise CheckpointError(f"checkpoint {path}: member {name!r} uses unsupported "
-                                      f"compression {info.compress_type}")
-            if info.compress_size > on_disk or (info.compress_type == zipfile.ZIP_STORED
-                                                and info.file_size != info.compress_size):
-                raise CheckpointError(f"checkpoint {path}: member {name!r} declares "
-                                      f"{info.file_size} bytes stored in {info.compress_size}, "
-                                      f"which the {on_disk}-byte archive cannot hold")
-        declared = sum(info.file_size for info in infos)
-        if declared > MAX_INFLATION * on_disk:  # a zip bomb: refused before anything inflates
-            raise CheckpointError(f"checkpoint {path}: its members declare {declared} bytes, more "
-                                  f"than {MAX_INFLATION} times the {on_disk} bytes of the archive")
-    except BaseException:
-        archive.close()
-        raise
-    return archive
+        name = raw.decode("ascii" if raw.isascii() else "utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{where}: unsafe member name {raw!r} (not UTF-8)", code="unsafe_member") from None
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) \
+            or ":" in name or "\x00" in name:
+        raise CheckpointError(f"{where}: unsafe member name {name!r}", code="unsafe_member")
+    return name
+
+
+def _inflate(raw, size, where, name):
+    """A raw deflate stream that must give exactly `size` bytes and end where the member ends."""
+    inflater = zlib.decompressobj(-15)
+    try:
+        content = inflater.decompress(raw, size + 1)  # never more than declared (+1 to notice more)
+    except zlib.error as error:
+        raise CheckpointError(f"{where}: member {name!r} is corrupt: {error}", code="corrupt_member") from None
+    if len(content) != size or not inflater.eof or inflater.unused_data or inflater.unconsumed_tail:
+        raise CheckpointError(f"{where}: member {name!r} is corrupt: its deflate stream does not give "
+                              f"exactly the {size} bytes declared", code="corrupt_member")
+    return content
 
 
 def _read_member(archive, path, name):
     try:
-        return archive.read(name)
-    except (KeyError, zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError,
-            zlib.error) as error:
-        raise CheckpointError(f"checkpoint {path}: member {name!r} is corrupt: {error}") from error
+        return archive.contents[name]
+    except KeyError:
+        raise CheckpointError(f"checkpoint {path}: missing member {name!r}") from None
 
 
 def _read_manifest(archive, path):
-    try:
-        info = archive.getinfo(MANIFEST)
-    except KeyError:
-        raise CheckpointError(f"checkpoint {path}: missing member {MANIFEST!r}") from None
-    if info.file_size > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is {info.file_size} bytes, more "
+    if MANIFEST not in archive.contents:
+        raise CheckpointError(f"checkpoint {path}: missing member {MANIFEST!r}")
+    if archive.names[0] != MANIFEST:
+        raise CheckpointError(f"checkpoint {path}: members are not in the writer's order: {MANIFEST} is "
+                              f"member {archive.names.index(MANIFEST)}, the writer writes it first",
+                              code="noncanonical_archive")
+    size = len(archive.contents[MANIFEST])
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is {size} bytes, more "
                               f"than the {MAX_MANIFEST_BYTES} allowed")
-    data = _read_member(archive, path, MANIFEST)
+    data = bytes(_read_member(archive, path, MANIFEST))
     try:  # integers of any size: metadata may hold them, and the field checks bound the rest
         return strict_loads(data, max_depth=MAX_MANIFEST_DEPTH, bounded_ints=False)
     except ValueError as error:
@@ -90,8 +146,9 @@ def _read_manifest(archive, path):
 
 
 def _check_members(archive, path, expected):
-    """expected: {member: bytes}. Exact member set and sizes, before any array is read."""
-    present = {info.filename: info for info in archive.infolist()}
+    """expected: {member: bytes}, in the writer's order. Exact member set, sizes and order, before any
+    array is read."""
+    present = {name: len(archive.contents[name]) for name in archive.names}
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
     if missing:
@@ -101,10 +158,14 @@ def _check_members(archive, path, expected):
         raise CheckpointError(f"checkpoint {path}: unexpected member(s) {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
     for name, size in expected.items():
-        info = present[name]
-        if name != MANIFEST and info.file_size != size:
-            raise CheckpointError(f"checkpoint {path}: member {name!r} has {info.file_size} "
+        if name != MANIFEST and present[name] != size:
+            raise CheckpointError(f"checkpoint {path}: member {name!r} has {present[name]} "
                                   f"bytes, the manifest says {size}")
+    if archive.names != list(expected):
+        index = next(i for i, (a, b) in enumerate(zip(archive.names, expected)) if a != b)
+        raise CheckpointError(f"checkpoint {path}: members are not in the writer's order: member {index} is "
+                              f"{archive.names[index]!r}, the writer writes {list(expected)[index]!r} there",
+                              code="noncanonical_archive")
 
 
 def _read_array(archive, path, member, shape, sha256, dtype="<f4"):
@@ -117,7 +178,7 @@ def _read_array(archive, path, member, shape, sha256, dtype="<f4"):
     if digest != sha256:
         raise CheckpointError(f"checkpoint {path}: member {member!r} fails its checksum: "
                               f"sha256 {digest}, the manifest says {sha256}")
-    array = np.frombuffer(data, dtype=dtype).reshape(shape)  # read-only, over the bytes
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)  # read-only, over the archive's bytes
     return array
 
 
@@ -234,20 +295,9 @@ def _load_v1(archive, path, manifest):
 # -- writing -------------------------------------------------------------------------------
 
 
-def _zip_info(name):
-    info = zipfile.ZipInfo(name, date_time=ZIP_TIMESTAMP)
-    info.compress_type = zipfile.ZIP_STORED
-    info.create_system = 3  # fixed, whatever the host
-    info.external_attr = 0o100644 << 16
-    return info
-
-
 def _write_zip(handle, manifest_bytes, manifest, arrays):
     """The archive: manifest.json first, then each array member in manifest order, stored, fixed headers."""
     members = [(MANIFEST, manifest_bytes)]
     for entry, _ in _array_entries(manifest):
         members.append((entry["member"], _byte_view(arrays[entry["member"]])))
-    with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, data in members:
-            with zf.open(_zip_info(name), "w", force_zip64=len(data) >= ZIP64_THRESHOLD) as out:
-                out.write(data)
+    checkpoint_zip.write(handle, members)

@@ -44,11 +44,24 @@ _LORA_FIELDS = _LORA_IDENTITY + ("initializer_seed",)
 
 
 class CheckpointError(Exception):
-    """A refused capture, save, load or restore; the message names what failed."""
+    """A refused capture, save, load or restore; the message names what failed, `code` the kind.
+
+    Codes: "noncanonical_archive" (the ZIP structure is not exactly what save() writes),
+    "corrupt_member" (a member's bytes fail its CRC-32 or do not inflate), "zip_bomb" (declared
+    sizes the file cannot hold), "unsafe_member" (a hostile member name), "missing_checkpoint",
+    "indeterminate_state"; every other refusal is "invalid_checkpoint".
+    """
+    code = "invalid_checkpoint"
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
 
 
 class IndeterminateStateError(CheckpointError):
     """A restore failed and rolling back failed too: live state is neither old nor new."""
+    code = "indeterminate_state"
 
 
 

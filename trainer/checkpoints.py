@@ -221,7 +221,16 @@ class TrainingCheckpoint:
     def load(cls, path):
         """Read and fully validate an archive (format 2 or dense format 1)."""
         path = os.fspath(path)
-        with _open_archive(path) as archive:
+        return cls._from_archive(_open_archive(path), path)
+
+    @classmethod
+    def from_bytes(cls, data, name="<bytes>"):
+        """load() of an archive already in memory; `name` stands for the path in refusals."""
+        return cls._from_archive(_open_archive(name, data), name)
+
+    @classmethod
+    def _from_archive(cls, opened, path):
+        with opened as archive:
             manifest = _read_manifest(archive, path)
             if not isinstance(manifest, dict):
                 raise CheckpointError(f"checkpoint {path}: {MANIFEST} must be a JSON object")

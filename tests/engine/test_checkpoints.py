@@ -90,7 +90,11 @@ def target():
 
 
 def rezip(source_path, out_path, replace=None, drop=(), add=None):
-    """Copy an archive member by member, replacing, dropping or adding members."""
+    """Copy an archive member by member, replacing, dropping or adding members.
+
+    Kept members keep their headers and added ones get the writer's, so the copy has the
+    canonical structure and only the edit itself can be refused.
+    """
     replace, add = replace or {}, add or {}
     with zipfile.ZipFile(source_path) as src, zipfile.ZipFile(out_path, "w") as dst:
         for info in src.infolist():
@@ -98,7 +102,9 @@ def rezip(source_path, out_path, replace=None, drop=(), add=None):
                 continue
             dst.writestr(info, replace.get(info.filename, src.read(info.filename)))
         for name, data in add.items():
-            dst.writestr(name, data)
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.create_system, info.external_attr = 3, 0o100644 << 16
+            dst.writestr(info, data)
 
 
 def edited_manifest(path, out_path, edit, keep_id=False):

@@ -25,12 +25,13 @@ import zipfile
 import atheris
 
 LOADERS = ["trainer.jsonio", "trainer.fsio", "trainer.checkpoints", "trainer.checkpoint_format",
-           "trainer.checkpoint_manifest", "trainer.checkpoint_archive", "trainer.runs.checkpoint_dir",
+           "trainer.checkpoint_manifest", "trainer.checkpoint_archive", "trainer.checkpoint_zip",
+           "trainer.runs.checkpoint_dir",
            "trainer.runs.checkpoint_dir_names", "trainer.runs.checkpoint_dir_manifest",
            "trainer.runs.checkpoint_dir_load", "trainer.runs.checkpoint_dir_publish",
            "trainer.runs.checkpoint_dir_registry"]
 with atheris.instrument_imports(include=LOADERS):
-    from trainer import checkpoints
+    from trainer import checkpoint_zip, checkpoints
     from trainer.jsonio import canonical_bytes
     from trainer.runs import checkpoint_dir
 
@@ -70,11 +71,8 @@ def riftckpt_manifest(scratch):
 
     def one(data: bytes):
         manifest = with_content_id(data, canonical_bytes) or data
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            archive.writestr(checkpoints.MANIFEST, manifest)
-            for name, content in arrays:
-                archive.writestr(name, content)
+        buffer = io.BytesIO()  # the writer's canonical structure, so the manifest is what is fuzzed
+        checkpoint_zip.write(buffer, [(checkpoints.MANIFEST, manifest), *arrays])
         with open(path, "wb") as handle:
             handle.write(buffer.getvalue())
         try:

@@ -91,7 +91,7 @@ def raw_zip(members) -> bytes:
         flags = 0x800 if any(b > 0x7F for b in m.name) else 0  # UTF-8 names
         body += struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, flags, m.method, 0, 0x21, m.crc,
                             compressed, m.size, len(m.name), 0) + m.name + m.payload
-        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 0x031E, 20, flags, m.method, 0, 0x21,
+        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 0x0314, 20, flags, m.method, 0, 0x21,
                                m.crc, compressed, m.size, len(m.name), 0, 0, 0, 0, 0o100644 << 16,
                                offset if m.at is None else m.at) + m.name
     count = len(members)
