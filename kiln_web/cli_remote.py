@@ -39,6 +39,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     sft.add_argument("--upload", action="store_true", help="send the records inline even from a data root")
     sft.add_argument("--wait", action="store_true", help="follow the job until it ends")
     sft.add_argument("--json", action="store_true", help="print the job as JSON")
+    add_optimizer_arguments(sft)
     cli_serving.add_promotion_arguments(sft)
     grpo = commands.add_parser("grpo", help="submit a GRPO run over scored groups",
                                description="submit a GRPO run; a file inside a data root is sent as dataset_path, "
@@ -74,6 +75,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     opd.add_argument("--steps", type=int)
     opd.add_argument("--learning-rate", type=float)
     for kind in (grpo, opd):
+        add_optimizer_arguments(kind)
         kind.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
         kind.add_argument("--wait", action="store_true", help="follow the job until it ends")
         kind.add_argument("--json", action="store_true", help="print the job as JSON")
@@ -112,7 +114,7 @@ OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_inter
 def _sft_body(args: argparse.Namespace) -> dict:
     from kiln_web.client import read_jsonl, within_data_root
 
-    config = {"output_name": args.adapter, **_given(args, SFT_OPTIONS)}
+    config = {"output_name": args.adapter, **_given(args, SFT_OPTIONS), **_optimizer(args)}
     if args.lr_schedule is not None or args.warmup_steps is not None:
         config["lr_schedule"] = {"type": args.lr_schedule or "constant", "warmup_steps": args.warmup_steps or 0}
     lora = {key: value for key, value in (("rank", args.lora_rank), ("alpha", args.lora_alpha)) if value is not None}
@@ -124,6 +126,24 @@ def _sft_body(args: argparse.Namespace) -> dict:
     if not args.upload and within_data_root(path):
         return {"dataset_path": str(path.resolve()), "config": config}
     return {"data": read_jsonl(path), "config": config}
+
+
+OPTIMIZER_FLAGS = (("beta1", "--adam-beta1"), ("beta2", "--adam-beta2"), ("epsilon", "--adam-epsilon"),
+                   ("weight_decay", "--weight-decay"))
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adam's hyperparameters (config.optimizer; the server's defaults when left out)."""
+    for key, flag in OPTIMIZER_FLAGS:
+        parser.add_argument(flag, dest=f"optimizer_{key}", type=float, metavar="X",
+                            help=f"config.optimizer.{key} (default: the server's)")
+
+
+def _optimizer(args: argparse.Namespace) -> dict:
+    """{"optimizer": {...}} with the optimizer flags given, or {}."""
+    given = {key: getattr(args, f"optimizer_{key}") for key, _ in OPTIMIZER_FLAGS
+             if getattr(args, f"optimizer_{key}", None) is not None}
+    return {"optimizer": given} if given else {}
 
 
 def _given(args: argparse.Namespace, options: tuple) -> dict:
@@ -145,7 +165,7 @@ def _input_file(text: str):
 def _grpo_body(args: argparse.Namespace) -> dict:
     from kiln_web.client import ApiError, read_jsonl, within_data_root
 
-    config = {"output_name": args.adapter, **_given(args, GRPO_OPTIONS)}
+    config = {"output_name": args.adapter, **_given(args, GRPO_OPTIONS), **_optimizer(args)}
     if args.streaming:
         config["streaming"] = True
     path = _input_file(args.file)
@@ -179,7 +199,7 @@ def _opd_body(args: argparse.Namespace) -> dict:
         body, config = {"dataset_path": str(path.resolve())}, {}
     else:
         body, config = {"prompts": document if isinstance(document, list) else read_jsonl(path)}, {}
-    config.update(output_name=args.adapter, teacher=args.teacher, **_given(args, OPD_OPTIONS))
+    config.update(output_name=args.adapter, teacher=args.teacher, **_given(args, OPD_OPTIONS), **_optimizer(args))
     return {**body, "config": config}
 
 

@@ -66,6 +66,16 @@ class LoRAConfig(Strict):
                                                                                        "instead of alpha/rank; "))
 
 
+class OptimizerConfig(Strict):
+    """Adam's hyperparameters; part of the effective configuration, so a resume with others is refused."""
+
+    beta1: float | None = Field(None, ge=0, lt=1, description=absent("sft", "optimizer.beta1"))
+    beta2: float | None = Field(None, ge=0, lt=1, description=absent("sft", "optimizer.beta2"))
+    epsilon: float | None = Field(None, gt=0, description=absent("sft", "optimizer.epsilon"))
+    weight_decay: float | None = Field(None, ge=0, description=absent(
+        "sft", "optimizer.weight_decay", "L2 weight decay added to the gradient, as torch.optim.Adam; "))
+
+
 class QuantizationConfig(Strict):
     type: Literal["nf4"] = Field(description="NF4 as bitsandbytes quantize_4bit(quant_type='nf4')")
     block_size: int | None = Field(None, ge=32, description=absent("sft", "quantization.block_size"))
@@ -82,7 +92,8 @@ class SFTConfig(Strict):
     the job's effective_config reports every resolved value."""
 
     output_name: str = Field(pattern=ADAPTER_NAME, description="the adapter name checkpoints publish under")
-    base_model: str | None = Field(None, min_length=1, description="a registered base (kiln base list); " + DEFAULT_BASE)
+    base_model: str | None = Field(None, min_length=1,
+                                   description="a registered base (kiln base list); " + DEFAULT_BASE)
     epochs: int | None = Field(None, gt=0, description=absent("sft", "epochs"))
     learning_rate: float | None = Field(None, gt=0, description=absent("sft", "learning_rate", "peak learning rate; "))
     lr_schedule: LRSchedule | None = None
@@ -91,6 +102,7 @@ class SFTConfig(Strict):
         "sft", "gradient_accumulation_steps", "micro-batches per optimizer step; "))
     max_grad_norm: float | None = Field(None, gt=0, description=absent("sft", "max_grad_norm", "clip the global "
                                         "gradient norm to this; ", "; null: no clipping"))
+    optimizer: OptimizerConfig | None = None
     lora: LoRAConfig | None = None
     quantization: QuantizationConfig | None = Field(None, description="null or absent: an FP32 base (LoRA); "
                                                                       "nf4: a quantized base (QLoRA)")
@@ -123,8 +135,9 @@ class SFTRequest(OneSource):
 
 class GRPOReference(Strict):
     type: Literal["frozen", "ema"] = Field(
-        request_default("grpo", "reference.type"), description="frozen: the base (adapter off); ema: an EMA of the adapter refreshed every "
-                              "refresh_steps optimizer steps as (1 - mixup_alpha) * ref + mixup_alpha * policy")
+        request_default("grpo", "reference.type"),
+        description="frozen: the base (adapter off); ema: an EMA of the adapter refreshed every "
+                    "refresh_steps optimizer steps as (1 - mixup_alpha) * ref + mixup_alpha * policy")
     refresh_steps: int | None = Field(None, gt=0, description=absent("grpo", "reference.refresh_steps", "ema only; "))
     mixup_alpha: float | None = Field(None, gt=0, le=1, description=absent("grpo", "reference.mixup_alpha",
                                                                            "ema only; "))
@@ -143,6 +156,7 @@ class GRPOConfig(Strict):
     lr_schedule: LRSchedule | None = None
     max_grad_norm: float | None = Field(None, gt=0, description=absent("grpo", "max_grad_norm",
                                                                        after="; null: no clipping"))
+    optimizer: OptimizerConfig | None = None
     lora: LoRAConfig | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="null or absent: chosen at admission")
     checkpoint_interval: int | None = Field(
@@ -213,6 +227,7 @@ class OPDConfig(Strict):
     lr_schedule: LRSchedule | None = None
     max_grad_norm: float | None = Field(None, gt=0, description=absent("opd", "max_grad_norm",
                                                                        after="; null: no clipping"))
+    optimizer: OptimizerConfig | None = None
     lora: LoRAConfig | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="null or absent: chosen at admission")
     checkpoint_interval: int | None = Field(None, gt=0, description=absent(

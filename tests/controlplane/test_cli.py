@@ -57,6 +57,16 @@ def test_train_sft_status_and_resume_basename(cli, tmp_path, adapter_name):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_optimizer_flags_become_config_optimizer(cli, tmp_path, adapter_name):
+    data = jsonl(tmp_path / "corrections.jsonl")
+    code, out, err = cli("train", "sft", "--file", str(data), "--adapter", adapter_name, "--adam-beta2", "0.95",
+                         "--weight-decay", "0.01")
+    assert code == 0, err
+    job = TrainingJob.objects.get(pk=out.split()[1])
+    assert job.request["config"]["optimizer"] == {"beta2": 0.95, "weight_decay": 0.01}
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_file_inside_a_data_root_is_sent_by_path(cli, settings, adapter_name):
     data = jsonl(settings.KILN_DATASETS_DIR / f"{adapter_name}.jsonl")
     code, out, err = cli("train", "sft", "--file", str(data), "--adapter", adapter_name)

@@ -17,7 +17,7 @@ from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.runs.checkpoint_dir import CheckpointError
-from trainer.runs.defaults import LORA_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
+from trainer.runs.defaults import LORA_DEFAULT, OPTIMIZER_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
 from trainer.runs.execution import KERNEL_CONTRACT, execution_identity  # noqa: F401  (re-exported)
 
 PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
@@ -192,6 +192,7 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
     c["lr_schedule"] = schedule
     c["max_grad_norm"] = number_field(c["max_grad_norm"], "config.max_grad_norm", 0.0, allow_none=True)
     c["lora"] = check_lora(c["lora"])
+    c["optimizer"] = check_optimizer(c["optimizer"])
     c["seed"] = int_field(c["seed"], "config.seed", 0, allow_none=True)
     interval = c["checkpoint_interval"]
     if interval is None:
@@ -229,6 +230,29 @@ def prepare(request, settings: RunSettings, inline_field: str, normalise, read):
     config = normalise(request.get("config", {}), settings)
     records, raw, kind = read(request, settings)
     return config, records, raw, kind, find_base(config, settings)
+
+
+def check_optimizer(optimizer) -> dict:
+    """Adam's {beta1, beta2, epsilon, weight_decay}: the request's fields over OPTIMIZER_DEFAULT, checked."""
+    if optimizer is None:
+        optimizer = {}
+    if not isinstance(optimizer, dict) or set(optimizer) - set(OPTIMIZER_DEFAULT):
+        raise RequestError("config.optimizer", f"must be {{{', '.join(OPTIMIZER_DEFAULT)}}}")
+    optimizer = {**OPTIMIZER_DEFAULT, **optimizer}
+    for name in ("beta1", "beta2"):
+        optimizer[name] = number_field(optimizer[name], f"config.optimizer.{name}")
+        if not 0.0 <= optimizer[name] < 1.0:
+            raise RequestError(f"config.optimizer.{name}", f"must lie in [0, 1), got {optimizer[name]}")
+    optimizer["epsilon"] = number_field(optimizer["epsilon"], "config.optimizer.epsilon", 0.0)
+    optimizer["weight_decay"] = number_field(optimizer["weight_decay"], "config.optimizer.weight_decay")
+    if optimizer["weight_decay"] < 0.0:
+        raise RequestError("config.optimizer.weight_decay", f"must be at least 0, got {optimizer['weight_decay']}")
+    return optimizer
+
+
+def adam_options(config: dict) -> dict:
+    """The keyword arguments of trainer.Adam that the effective configuration fixes (besides the learning rate)."""
+    return dict(config["optimizer"])
 
 
 def check_lora(lora) -> dict:

@@ -10,6 +10,9 @@ from trainer.lora import PROJECTIONS
 
 LORA_DEFAULT = {"rank": 8, "alpha": 16.0, "targets": list(PROJECTIONS), "use_rslora": False}
 SCHEDULE_DEFAULT = {"type": "constant", "warmup_steps": 0}
+# Adam's hyperparameters (torch.optim.AdamW's defaults but no weight decay, as every run has used): part of the
+# effective configuration, so a resume with others is refused field by field
+OPTIMIZER_DEFAULT = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "weight_decay": 0.0}
 NF4_DEFAULT = {"type": "nf4", "block_size": 64, "double_quantization": False}  # bitsandbytes' blocksize 64
 EMA_DEFAULTS = {"refresh_steps": 512, "mixup_alpha": 0.6}  # TRL ref_model_sync_steps / ref_model_mixup_alpha
 GUARDRAIL_DEFAULTS = {"entropy_floor": None, "max_repetition_rate": None, "max_empty_rate": None,
@@ -25,6 +28,7 @@ SFT_DEFAULTS = {
     "batch_size": 1,
     "gradient_accumulation_steps": 1,
     "max_grad_norm": 1.0,
+    "optimizer": OPTIMIZER_DEFAULT,
     "lora": LORA_DEFAULT,
     "quantization": None,  # an FP32 base (LoRA); NF4_DEFAULT fills a {type: nf4} request
     "seed": None,
@@ -42,6 +46,7 @@ GRPO_DEFAULTS = {
     "epochs": 1,
     "groups_per_step": 1,  # micro-batches (groups) accumulated into one optimizer step
     "max_grad_norm": 1.0,  # TRL / transformers default
+    "optimizer": OPTIMIZER_DEFAULT,
     "lora": LORA_DEFAULT,
     "seed": None,
     "checkpoint_interval": None,  # the server's training.checkpoint_interval
@@ -72,6 +77,7 @@ OPD_DEFAULTS = {
     "steps": 100,
     "candidates_per_step": 1,  # completions with an update accumulated into one optimizer step
     "max_grad_norm": 1.0,
+    "optimizer": OPTIMIZER_DEFAULT,
     "lora": LORA_DEFAULT,
     "seed": None,
     "checkpoint_interval": OPD_CHECKPOINT_INTERVAL,
