@@ -97,11 +97,12 @@ def _canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def publisher_manifest(manifest: dict, files: dict) -> bytes:
-    """The manifest bytes the publisher writes for FILES ({path: bytes}): sizes, SHA-256s, checkpoint_id."""
+def publisher_manifest(manifest: dict, directory: Path) -> bytes:
+    """The manifest bytes the publisher writes for the files it declares, as they are in DIRECTORY now: each
+    file's size and SHA-256, then the checkpoint_id over the rest."""
     manifest = dict(manifest)
-    manifest["files"] = {path: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                         for path, data in sorted(files.items())}
+    manifest["files"] = {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                         for rel in sorted(manifest["files"]) for data in [(directory / rel).read_bytes()]}
     manifest.pop("checkpoint_id", None)
     manifest["checkpoint_id"] = hashlib.sha256(_canonical(manifest)).hexdigest()
     return _canonical(manifest) + b"\n"
@@ -117,5 +118,4 @@ def rewrite(path: Path, state=None, manifest=None, state_raw=None) -> None:
         (path / "state.json").write_bytes(state_raw)
     elif state is not None:
         (path / "state.json").write_bytes(_canonical(state))
-    files = {rel: (path / rel).read_bytes() for rel in current["files"]}
-    (path / checkpoint_dir.MANIFEST).write_bytes(publisher_manifest(current, files))
+    (path / checkpoint_dir.MANIFEST).write_bytes(publisher_manifest(current, path))
