@@ -305,3 +305,20 @@ def test_older_planning_schema_is_inspectable_and_refused_by_admission_for_it(ru
     with pytest.raises(AdmissionError) as info:
         admit(runs, "grpo_inline", path)
     assert info.value.code == "planning_schema"
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_dequeue_revalidation_refuses_a_state_edited_after_admission(runs, name, tmp_path):
+    from trainer.runs import run_kind
+    source = pick(runs, name, "middle")
+    path = edited_copy(source, tmp_path)  # unedited: admitted
+    admission = admit(runs, name, path)
+    settings = dataclasses.replace(runs[name][0], registry=path.parent)
+    kind = run_kind(admission.kind)
+    kind.revalidate(admission, settings)
+    document = json.loads((path / "state.json").read_bytes())
+    document["scheduler"]["step"] += 1
+    rewrite(path, state=document)
+    with pytest.raises(AdmissionError) as info:
+        kind.revalidate(admission, settings)
+    assert info.value.code == "inconsistent_state" and "state.scheduler.step" in str(info.value)
