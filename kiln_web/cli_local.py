@@ -154,6 +154,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         size = sum(entry["size"] for entry in loaded.manifest["files"].values())
         print(f"valid: {path.name} ({summary['training_kind']}, adapter {summary['adapter']}, step {summary['step']}, "
               f"{len(loaded.manifest['files'])} files, {_size(size)}, checkpoint_id {loaded.checkpoint_id})")
+        from trainer.runs.state_check import state_rules_apply
+
+        if not state_rules_apply(summary["training_kind"], loaded.manifest):
+            planning = (loaded.manifest.get("planning") or {}).get("schema")
+            print(f"note: only its files and checksums were checked, not its state: it was planned under "
+                  f"{planning or 'no planning identity'}, not the current schema of {summary['training_kind']} "
+                  "runs, so no run resumes from it (admission refuses it: planning_schema)")
         return 0
     if args.json:
         print(json.dumps(loaded.manifest, indent=2, sort_keys=True))

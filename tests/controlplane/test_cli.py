@@ -146,6 +146,8 @@ def test_checkpoint_verify_and_show(fake_runner, api, adapter_name, capsys, sett
     assert main(["checkpoint", "verify", str(path)]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith(f"valid: {path.name} (sft, adapter {adapter_name}, step 2")
+    # the fake runner writes no planning identity: verify says its state was not checked, and why
+    assert "only its files and checksums were checked, not its state" in out and "no planning identity" in out
     assert main(["checkpoint", "show", str(path)]) == 0
     out, _ = capsys.readouterr()
     assert f"resume_checkpoint {path.name}" in out and "complete          True" in out

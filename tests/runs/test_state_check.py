@@ -97,6 +97,7 @@ def test_real_checkpoints_pass_loader_cli_and_admission(runs, capsys):
             count += 1
         code, out = verify(paths[-2], capsys)
         assert code == 0 and out.out.startswith(f"valid: {paths[-2].name}"), out
+        assert "not its state" not in out.out  # a real run's checkpoint: its state was checked too
         admission = admit(runs, name, paths[-2])
         assert admission.resume["checkpoint"] == paths[-2].name
     assert count == sum(len(paths) for _, _, paths in runs.values())

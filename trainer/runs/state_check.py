@@ -38,6 +38,14 @@ def _current(manifest: dict, schema: str) -> bool:
     return isinstance(planning, dict) and planning.get("schema") == schema
 
 
+def state_rules_apply(kind: str, manifest: dict) -> bool:
+    """Whether the semantic state rules were applied to a checkpoint of KIND (its planning schema is the one the
+    kind writes now); `kiln checkpoint verify` says so when they were not."""
+    from trainer.runs.sft import PLANNING_SCHEMA_SFT
+    current = {"sft": PLANNING_SCHEMA_SFT, "grpo": PLANNING_SCHEMA_V3, "opd": PLANNING_SCHEMA_V3}.get(kind)
+    return current is not None and _current(manifest, current)
+
+
 def _adam_defaults() -> dict:
     """The Adam hyperparameters every run keeps (runs pass only the learning rate)."""
     from trainer.optim import Adam
