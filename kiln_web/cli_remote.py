@@ -74,6 +74,9 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     opd.add_argument("--seed", type=int)
     opd.add_argument("--steps", type=int)
     opd.add_argument("--learning-rate", type=float)
+    for kind in (sft, grpo):
+        kind.add_argument("--base-adapter", metavar="DIR", help="weights-only warm start from a PEFT adapter "
+                          "directory (a finished run's snapshot) in the adapter registry or a data root")
     for kind in (grpo, opd):
         add_optimizer_arguments(kind)
         kind.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
@@ -105,9 +108,9 @@ def add_train(parser: argparse.ArgumentParser) -> None:
 
 
 SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_checkpoint", "learning_rate",
-               "batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_sequence_length")
+               "batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_sequence_length", "base_adapter")
 GRPO_OPTIONS = ("base_model", "seed", "learning_rate", "epochs", "groups_per_step", "loss_type", "beta",
-                "num_iterations", "checkpoint_interval", "resume_checkpoint")
+                "num_iterations", "checkpoint_interval", "resume_checkpoint", "base_adapter")
 OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint")
 
 

@@ -83,6 +83,8 @@ class QuantizationConfig(Strict):
 
 
 MAX_SEED = 2**63 - 1
+BASE_ADAPTER = ("weights-only warm start of a new run: an absolute PEFT adapter directory (a finished run's snapshot, "
+                "e.g. $KILN_HOME/adapters/NAME) in the adapter registry or a data root; the LoRA shape becomes its own")
 DEFAULT_BASE = ("absent: the server's default base (KILN_DEFAULT_BASE; unset: SmolLM2-135M-Instruct once registered, "
                 "else kiln-tiny), reported in effective_config")
 
@@ -114,6 +116,7 @@ class SFTConfig(Strict):
     resume_checkpoint: str | None = Field(
         None, min_length=1, description="continue the same run from a .kiln-checkpoint: its basename in the "
                                         "adapter registry, or an absolute path directly inside it")
+    base_adapter: str | None = Field(None, min_length=1, description=BASE_ADAPTER)
     max_sequence_length: int | None = Field(None, ge=2, description=absent(
         "sft", "max_sequence_length", "tokens per example (longer ones are truncated); "))
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
@@ -176,6 +179,7 @@ class GRPOConfig(Strict):
     max_completion_length: int | None = Field(None, gt=0, description=absent("grpo", "max_completion_length",
                                                                              "completion tokens kept; "))
     reference: GRPOReference | None = None
+    base_adapter: str | None = Field(None, min_length=1, description=BASE_ADAPTER)
     streaming: bool | None = Field(None, description=absent("grpo", "streaming", "read dataset_path lazily from a "
                                                             "byte cursor (files too large to hold); "))
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
@@ -211,8 +215,7 @@ class OPDConfig(Strict):
     teacher: str = Field(pattern=TEACHER_ALIAS, description="a registered teacher alias name@route "
                                                             "(GET /v1/teachers); the server resolves it")
     base_model: str | None = Field(None, min_length=1, description="the student base; " + DEFAULT_BASE)
-    base_adapter: str | None = Field(None, min_length=1, description="warm start: an absolute PEFT directory in "
-                                                                     "the adapter registry or a data root")
+    base_adapter: str | None = Field(None, min_length=1, description=BASE_ADAPTER)
     steps: int | None = Field(None, gt=0, description=absent("opd", "steps", "optimizer steps; "))
     candidates_per_step: int | None = Field(None, gt=0, description=absent("opd", "candidates_per_step",
                                                                            "non-empty candidates per step; "))

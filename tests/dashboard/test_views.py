@@ -578,8 +578,9 @@ def test_promotion_before_a_decision_follows_the_request(signed_in, ada, request
     assert f'data-promotion="{state}"' in snapshot["panels"]["outcome"]
 
 
-@pytest.mark.parametrize("kind, advised", [("sft", False), ("grpo", False), ("opd", True)])
+@pytest.mark.parametrize("kind, advised", [("sft", True), ("grpo", True), ("opd", True)])
 def test_base_adapter_advice_only_for_kinds_that_take_it(signed_in, ada, kind, advised):
+    # every kind takes base_adapter now; the advice follows the kind's defaults (readers.accepts_base_adapter)
     job = job_asking(ada, f"{kind}-warm", {}, JobStatus.SUCCEEDED, kind=kind)
     snapshot = settings.KILN_ADAPTERS_DIR / job.adapter.name
     snapshot.mkdir(parents=True)

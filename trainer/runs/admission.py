@@ -461,3 +461,79 @@ def reopen_resume(admission: Admission, settings: RunSettings):
     if loaded.checkpoint_id != admission.resume["checkpoint_id"]:
         raise AdmissionError("checkpoint_changed", "the resume checkpoint changed after admission")
     return loaded
+
+
+# -- a weights-only warm start (config.base_adapter, every kind) -----------------------------
+
+
+def _confined_directory(path_text, roots) -> Path:
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise RequestError("config.base_adapter", "must be an absolute path inside the adapter registry or a data root")
+    resolved = within_roots(path, roots)
+    if resolved is None:
+        raise AdmissionError("base_adapter_outside_roots",
+                             f"{path_text} is outside the adapter registry and data roots")
+    if not resolved.is_dir():
+        raise AdmissionError("base_adapter_not_found", f"{path_text} is not a directory")
+    return resolved
+
+
+def training_view(kind: str, adapter: str, data_source_kind: str, identities: dict, **extra) -> dict:
+    """The manifest's `training` object (what resume compares it with too): the kind, the adapter, the data
+    source kind, the warm start when the run had one, and what the kind adds (OPD: teacher, base_adapter)."""
+    view = {"kind": kind, "adapter": adapter, "data_source_kind": data_source_kind}
+    if identities.get("base_adapter") is not None:
+        view["base_adapter"] = identities["base_adapter"]
+    return view | extra
+
+
+def check_base_adapter(c: dict, settings: RunSettings, given_lora: bool) -> None:
+    """config.base_adapter: None, or an absolute PEFT adapter directory inside the adapter registry or a data root
+    whose weights start the run (a new run only; a resume restores its own); the LoRA shape becomes the adapter's,
+    and a request's different `lora` is refused."""
+    if c.get("base_adapter") is None:
+        return
+    if not isinstance(c["base_adapter"], str):
+        raise RequestError("config.base_adapter", "must be the path of a PEFT adapter directory")
+    roots = (settings.registry, settings.home / "adapters") + tuple(settings.data_roots)
+    directory = _confined_directory(c["base_adapter"], roots)
+    from trainer.peft import read_adapter_config
+    try:
+        shape = read_adapter_config(directory).shape_identity()
+    except (OSError, ValueError) as error:
+        raise RequestError("config.base_adapter", str(error)) from None
+    if given_lora and c["lora"] != shape:
+        raise RequestError("config.lora", f"differs from base_adapter's LoRA {shape}; omit lora to use the "
+                                          "adapter's shape")
+    c["lora"] = shape
+    c["base_adapter"] = str(directory)
+
+
+def base_adapter_identity(config: dict):
+    """{path, lora, files: {name: SHA-256}} of config.base_adapter, or None; bound into the checkpoint."""
+    if config.get("base_adapter") is None:
+        return None
+    from trainer.peft import CONFIG_FILE, WEIGHTS_FILE
+    directory = Path(config["base_adapter"])
+    return {"path": str(directory), "lora": config["lora"],
+            "files": {name: file_sha256(directory / name) for name in (CONFIG_FILE, WEIGHTS_FILE)
+                      if (directory / name).is_file()}}
+
+
+def check_base_adapter_unchanged(admission: Admission) -> None:
+    """Dequeue-time proof that the warm-start files are still the ones admission hashed."""
+    if base_adapter_identity(admission.effective_config) != admission.identities.get("base_adapter"):
+        raise AdmissionError("base_adapter_changed", "the base_adapter files changed after admission")
+
+
+def warm_start(model, admission: Admission) -> None:
+    """Load config.base_adapter's weights into MODEL's freshly attached LoRA (a new run only)."""
+    path = admission.effective_config.get("base_adapter")
+    if path is None or admission.resume is not None:
+        return
+    from trainer.peft import import_adapter
+    try:
+        import_adapter(model, path)
+    except (OSError, ValueError) as error:
+        raise AdmissionError("base_adapter_mismatch", str(error)) from None

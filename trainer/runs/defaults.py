@@ -35,6 +35,7 @@ SFT_DEFAULTS = {
     "checkpoint_interval": None,  # the server's training.checkpoint_interval
     "resume_checkpoint": None,
     "max_sequence_length": 512,
+    "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
 }
 
@@ -60,6 +61,7 @@ GRPO_DEFAULTS = {
     "max_completion_length": 256,  # TRL; completions are truncated to it; dr_grpo divides by it
     "reference": {"type": "frozen"},  # {type: ema} takes EMA_DEFAULTS
     "streaming": False,
+    "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
 }
 

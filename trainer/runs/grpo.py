@@ -23,11 +23,13 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (adam_options, MANIFEST_FIELDS, Admission, AdmissionError,
-                                    RequestError, RunSettings, admit_resume, check_planning_schema, check_request,
-                                    check_shared, difference, find_base, has_dataset_path, int_field, load_resume,
-                                    lora_config, merge_config, number_field, planning_identity, reopen_resume,
-                                    require_loss_route, revalidate, run_identities, select_loss_route, settle_seed)
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
+                                    adam_options, admit_resume, base_adapter_identity, check_base_adapter,
+                                    check_base_adapter_unchanged, check_planning_schema, check_request, check_shared,
+                                    difference, find_base, has_dataset_path, int_field, load_resume, lora_config,
+                                    merge_config, number_field, planning_identity, reopen_resume, require_loss_route,
+                                    revalidate, run_identities, select_loss_route, settle_seed, training_view,
+                                    warm_start)
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.defaults import EMA_DEFAULTS, GRPO_DEFAULTS
@@ -48,7 +50,9 @@ ROLLOUT_FILE = "rollout.safetensors"  # old / reference log-probabilities of a b
 
 def normalise_config(config: dict, settings: RunSettings) -> dict:
     """The validated, complete GRPO configuration; RequestError on bad input."""
+    given_lora = isinstance(config, dict) and config.get("lora") is not None
     c = check_shared(merge_config(config, GRPO_DEFAULTS, KIND), settings)
+    check_base_adapter(c, settings, given_lora)
     c["epochs"] = int_field(c["epochs"], "config.epochs", 1)
     c["groups_per_step"] = int_field(c["groups_per_step"], "config.groups_per_step", 1)
     c["epsilon"] = number_field(c["epsilon"], "config.epsilon", 0.0)
@@ -152,6 +156,7 @@ def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     steps_per_epoch = math.ceil(dataset["groups"] / config["groups_per_step"])
     total_steps = steps_per_epoch * config["epochs"] * config["num_iterations"]
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route))
+    identities["base_adapter"] = base_adapter_identity(config)
     resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)
@@ -169,7 +174,7 @@ def admit_grpo(request: dict, settings: RunSettings) -> Admission:
             if changed:
                 raise AdmissionError("source_changed", f"{path} changed after the lines the checkpoint consumed; "
                                      "restore the original file or start a new run", changed)
-        resume = admit_resume(loaded, {"kind": KIND, "adapter": config["output_name"], "data_source_kind": kind},
+        resume = admit_resume(loaded, training_view(KIND, config["output_name"], kind, identities),
                               config, identities)
     seed = settle_seed(config, resume)
     return Admission(kind=KIND, adapter=config["output_name"], request=request, effective_config=config,
@@ -185,6 +190,7 @@ def _stream_cursor(next_cursor: dict) -> dict:
 def revalidate_grpo(admission: Admission, settings: RunSettings) -> None:
     """Dequeue-time proof: the checkpoint is still the one admission validated."""
     revalidate(admission, settings)
+    check_base_adapter_unchanged(admission)
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -254,6 +260,7 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
                                  activation_checkpointing=config["activation_checkpointing"])
     try:
         model.attach_lora(lora_config(config, admission.effective_seed))
+        warm_start(model, admission)
         with model.adapter_parameters() as adapters, \
                 Adam(adapters, learning_rate=config["learning_rate"], **adam_options(config)) as optimizer:
             loop = GRPOLoop()

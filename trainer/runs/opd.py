@@ -18,20 +18,19 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import (adam_options, MANIFEST_FIELDS, Admission, AdmissionError,
-                                    RequestError, RunFailed, RunSettings, admit_resume, canonical,
-                                    check_planning_schema, check_shared, dataset_file, difference, file_sha256,
-                                    has_dataset_path, int_field, load_resume, lora_config, merge_config,
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
+                                    adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
+                                    check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
+                                    difference, has_dataset_path, int_field, load_resume, lora_config, merge_config,
                                     number_field, planning_identity, prepare, reopen_resume, require_loss_route,
                                     revalidate, run_identities, select_loss_route, settle_seed, sha256_hex,
-                                    within_roots)
+                                    warm_start)
 from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
@@ -88,35 +87,8 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
         if guardrails[name] is not None and not 0 <= guardrails[name] <= 1:
             raise RequestError(f"config.guardrails.{name}", "must lie in [0, 1]")
     c["guardrails"] = guardrails
-    if c["base_adapter"] is not None:
-        if not isinstance(c["base_adapter"], str):
-            raise RequestError("config.base_adapter", "must be the path of a PEFT adapter directory")
-        roots = (settings.registry, settings.home / "adapters") + tuple(settings.data_roots)
-        directory = _confined_directory(c["base_adapter"], roots)
-        from trainer.peft import read_adapter_config
-        try:
-            shape = read_adapter_config(directory).shape_identity()
-        except (OSError, ValueError) as error:
-            raise RequestError("config.base_adapter", str(error)) from None
-        if given_lora and c["lora"] != shape:
-            raise RequestError("config.lora", f"differs from base_adapter's LoRA {shape}; omit lora to use the "
-                                              "adapter's shape")
-        c["lora"] = shape
-        c["base_adapter"] = str(directory)
+    check_base_adapter(c, settings, given_lora)
     return c
-
-
-def _confined_directory(path_text, roots) -> Path:
-    path = Path(path_text)
-    if not path.is_absolute():
-        raise RequestError("config.base_adapter", "must be an absolute path inside the adapter registry or a data root")
-    resolved = within_roots(path, roots)
-    if resolved is None:
-        raise AdmissionError("base_adapter_outside_roots",
-                             f"{path_text} is outside the adapter registry and data roots")
-    if not resolved.is_dir():
-        raise AdmissionError("base_adapter_not_found", f"{path_text} is not a directory")
-    return resolved
 
 
 def _prompt_record(record, where):
@@ -184,15 +156,6 @@ def teacher_identity(config: dict, settings: RunSettings) -> dict:
         raise AdmissionError(error.code, error.message) from None
     return {"alias": spec.alias, "route": spec.route, "identity_revision": spec.identity_revision,
             "content_revision": content["revision"], "content_evidence": content["evidence"]}
-
-
-def base_adapter_identity(config: dict):
-    if config["base_adapter"] is None:
-        return None
-    directory = Path(config["base_adapter"])
-    return {"path": str(directory), "lora": config["lora"],
-            "files": {name: file_sha256(directory / name) for name in teachers.ADAPTER_FILES
-                      if (directory / name).is_file()}}
 
 
 def check_teacher(checkpoint_teacher: dict, teacher: dict):
@@ -327,7 +290,6 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     from trainer import Adam
     from trainer.bases import load_base
     from trainer.generation import SamplingConfig, SamplingRNG
-    from trainer.peft import import_adapter
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
@@ -338,8 +300,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     if base.identity != admission.identities["base"]["identity"]:
         raise AdmissionError("base_changed", "the base model changed after admission")
     check_teacher(admission.identities["teacher"], teacher_identity(config, settings))
-    if base_adapter_identity(config) != admission.identities["base_adapter"]:
-        raise AdmissionError("base_adapter_changed", "the base_adapter files changed after admission")
+    check_base_adapter_unchanged(admission)
     model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=route,
                                  activation_checkpointing=config["activation_checkpointing"])
     teacher = None
@@ -351,11 +312,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
         context = model.config.maximum_context
         prompts = [prompt_ids(r, tokenizer, context, f"prompts[{i}]") for i, r in enumerate(records)]
         model.attach_lora(lora_config(config, admission.effective_seed))
-        if config["base_adapter"] is not None and admission.resume is None:
-            try:
-                import_adapter(model, config["base_adapter"])
-            except (OSError, ValueError) as error:
-                raise AdmissionError("base_adapter_mismatch", str(error)) from None
+        warm_start(model, admission)
         stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         sampling = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
                                   top_p=config["top_p"], top_k=config["top_k"], stop_token_ids=stop_ids,

@@ -23,11 +23,12 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import (adam_options, MANIFEST_FIELDS, Admission, AdmissionError,
-                                    RequestError, RunSettings, admit_resume, check_planning_schema, check_shared,
-                                    dataset_file, has_dataset_path, int_field, load_resume, lora_config,
-                                    merge_config, prepare, reopen_resume, require_loss_route, revalidate,
-                                    run_identities, select_loss_route, settle_seed)
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
+                                    adam_options, admit_resume, base_adapter_identity, check_base_adapter,
+                                    check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
+                                    has_dataset_path, int_field, load_resume, lora_config, merge_config, prepare,
+                                    reopen_resume, require_loss_route, revalidate, run_identities, select_loss_route,
+                                    settle_seed, training_view, warm_start)
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.defaults import NF4_DEFAULT, SFT_DEFAULTS
 from trainer.runs.kind import RunKind
@@ -47,7 +48,9 @@ SPIKE_WINDOW = 20
 
 def normalise_config(config: dict, settings: RunSettings) -> dict:
     """The validated, complete configuration (defaults filled in); RequestError on bad input."""
+    given_lora = isinstance(config, dict) and config.get("lora") is not None
     c = check_shared(merge_config(config, SFT_DEFAULTS, "sft"), settings)
+    check_base_adapter(c, settings, given_lora)
     c["epochs"] = int_field(c["epochs"], "config.epochs", 1)
     c["batch_size"] = int_field(c["batch_size"], "config.batch_size", 1)
     c["gradient_accumulation_steps"] = int_field(c["gradient_accumulation_steps"],
@@ -199,14 +202,15 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
                "order": "source"}
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(config, loss_route))
+    identities["base_adapter"] = base_adapter_identity(config)
     resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], "sft", settings)
         check_planning_schema(loaded.manifest, PLANNING_SCHEMA_SFT, "it was planned before plain prompt/completion "
                               "records were tokenized as text (TRL's standard format) instead of through the chat "
                               "template, or without proof of the loss route admission budgeted")
-        resume = admit_resume(loaded, {"kind": "sft", "adapter": config["output_name"], "data_source_kind": kind},
-                              config, identities)
+        resume = admit_resume(loaded, training_view("sft", config["output_name"], kind, identities), config,
+                              identities)
     seed = settle_seed(config, resume)
     return SFTAdmission(kind="sft", adapter=config["output_name"], request=request,
                         effective_config=config, effective_seed=seed, data_source_kind=kind,
@@ -217,6 +221,7 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
 def revalidate_sft(admission: SFTAdmission, settings: RunSettings) -> None:
     """Dequeue-time proof: the checkpoint is still the one admission validated."""
     revalidate(admission, settings, route_field="sft_loss_route")
+    check_base_adapter_unchanged(admission)
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -298,6 +303,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
             model.quantize(block_size=config["quantization"]["block_size"],
                            double_quantization=config["quantization"]["double_quantization"])
         model.attach_lora(lora_config(config, seed))
+        warm_start(model, admission)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         with model.adapter_parameters() as adapters, \
                 Adam(adapters, learning_rate=config["learning_rate"], **adam_options(config)) as optimizer:

@@ -14,7 +14,8 @@ from safetensors.numpy import save as safetensors_save
 
 from trainer.peft import publish_final_adapter
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import MANIFEST_FIELDS, Admission, AdmissionError, RunSettings, comparable_config
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RunSettings, comparable_config,
+                                    training_view)
 from trainer.tensorfiles import tensors_from_buffer
 
 STATE_FILE = "state.json"
@@ -87,8 +88,8 @@ def publish(admission: Admission, settings: RunSettings, step: int, files: dict,
     """Publish one `.kiln-checkpoint` for a committed step; returns its summary."""
     started = time.perf_counter()
     manifest = {
-        "training": {"kind": admission.kind, "adapter": admission.adapter,
-                     "data_source_kind": admission.data_source_kind, **(training_extra or {})},
+        "training": training_view(admission.kind, admission.adapter, admission.data_source_kind,
+                                  admission.identities, **(training_extra or {})),
         "config": comparable_config(admission.effective_config),
         "seed": admission.effective_seed,
         "base": admission.identities["base"],

@@ -218,7 +218,8 @@ class Context:
         if json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False).encode() != raw:
             raise c.bad(STATE_FILE, "is not in the canonical form runs write (sorted keys, compact); it was rewritten")
         self.state = c.object(document, "state", top_keys)
-        self.training = c.object(manifest.get("training"), "manifest.training", self.training_keys(kind))
+        self.training = c.object(manifest.get("training"), "manifest.training",
+                                 self.training_keys(kind, manifest.get("training")))
         c.equal("manifest.training.kind", self.training["kind"], kind, "checkpoint_type")
         c.equal("manifest.training.adapter", self.training["adapter"], manifest.get("adapter"),
                 "the manifest's adapter")
@@ -236,8 +237,12 @@ class Context:
         self.kind = kind
 
     @staticmethod
-    def training_keys(kind):
-        return ("kind", "adapter", "data_source_kind") + (("teacher", "base_adapter") if kind == "opd" else ())
+    def training_keys(kind, training=None):
+        keys = ("kind", "adapter", "data_source_kind")
+        if kind == "opd":
+            return keys + ("teacher", "base_adapter")
+        # SFT and GRPO name a warm start only when the run had one (trainer.runs.admission.training_view)
+        return keys + (("base_adapter",) if isinstance(training, dict) and "base_adapter" in training else ())
 
     def config_int(self, key, low=1):
         return self.c.integer(self.config.get(key), f"manifest.config.{key}", low)
