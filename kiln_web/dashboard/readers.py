@@ -421,7 +421,7 @@ def events(job: TrainingJob) -> list:
 # -- qualification receipts --
 
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # trainer.qualify writes it; `kiln qualify` names the files
-EXECUTION_ROWS = ("backend", "device", "precision", "kernel_contract", "threads", "python", "numpy", "kiln")
+EXECUTION_ROWS = ("backend", "device", "blas", "precision", "kernel_contract", "python", "numpy", "kiln", "code")
 
 
 @dataclass
@@ -448,7 +448,17 @@ def _envelope_rows(envelope: dict) -> list[tuple[str, str]]:
     execution = envelope.get("execution") or {}
     for key in EXECUTION_ROWS + tuple(sorted(k for k in execution if k not in EXECUTION_ROWS)):
         value = execution.get(key)
-        if key == "blas" and isinstance(value, list):
+        if key == "device" and isinstance(value, dict):
+            flags = value.get("cpu_flags") or []
+            value = ", ".join(str(part) for part in (value.get("machine"), value.get("cpu_model")) if part) + (
+                f" ({' '.join(map(str, flags))})" if flags else "")
+        elif key == "blas" and isinstance(value, dict):
+            value = " ".join(str(value[k]) for k in ("library", "version", "architecture", "threading_layer")
+                             if value.get(k)) + f", {value.get('threads')} threads"
+        elif key == "code" and isinstance(value, dict):
+            value = (f"sha256 {str(value.get('sha256'))[:16]}… over {value.get('files')} files of trainer/ "
+                     "and native_ext/")
+        elif key == "blas" and isinstance(value, list):
             value = "; ".join(" ".join(str(part) for part in entry if part not in (None, "None")) + " threads"
                               for entry in value if isinstance(entry, list)) or None
         elif key == "native_builds" and isinstance(value, dict):

@@ -72,6 +72,11 @@ def test_the_latest_receipt_per_backend_with_routes_envelope_and_time(signed_in,
                      ">native builds<", ">blas<", ">tokenizer.json<", ">chat template<"):
         assert expected in cpu, expected
     assert real_receipt["note"] in cpu
+    # the worker-side identity reads as words, not JSON: BLAS with its threads, the CPU, the code digest
+    blas = execution["blas"]
+    assert f"{blas['library']} {blas['version']}" in cpu and f"{blas['threads']} threads" in cpu
+    assert execution["device"]["machine"] in cpu and "{&quot;" not in cpu
+    assert f"sha256 {execution['code']['sha256'][:16]}" in cpu
 
     cuda = section(page, "cuda")
     assert 'data-field="result">failed<' in cuda and "2031-02-03 04:05 UTC" in cuda
