@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from kiln_web.adapters.models import Adapter, CheckpointRecord
+from kiln_web.adapters.models import Adapter, AdapterShare, CheckpointRecord
 
 
 class CheckpointInline(admin.TabularInline):
@@ -19,6 +19,17 @@ class AdapterAdmin(admin.ModelAdmin):
     search_fields = ("name", "owner__username")
     readonly_fields = ("created_at",)
     inlines = [CheckpointInline]
+
+
+@admin.register(AdapterShare)
+class AdapterShareAdmin(admin.ModelAdmin):
+    """Who besides its owner (and staff) may use an adapter; `kiln adapter share` writes these."""
+
+    list_display = ("adapter", "user", "group", "created_by", "created_at")
+    list_filter = ("created_at",)
+    search_fields = ("adapter__name", "user__username", "group__name")
+    raw_id_fields = ("adapter", "user", "group", "created_by")
+    readonly_fields = ("created_at",)
 
 
 @admin.register(CheckpointRecord)

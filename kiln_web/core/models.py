@@ -1,7 +1,9 @@
 """What every owned row shares: "owner or staff" written once, as `visible_to(user)` on its queryset and
-`is_owner_or_staff(user)` on the row (the control plane's apps own their models)."""
+`is_owner_or_staff(user)` on the row (the control plane's apps own their models). A queryset whose rows can be
+shared (adapters) widens `visible_to` with `shared_with(user)`; `managed_by(user)` stays owner-or-staff."""
 
 from django.db import models
+from django.db.models import Q
 
 
 class OwnedQuerySet(models.QuerySet):
@@ -10,8 +12,21 @@ class OwnedQuerySet(models.QuerySet):
     owner_field = "owner"
 
     def visible_to(self, user):
-        """USER's own rows; every row for staff."""
+        """USER's own rows and those shared with USER; every row for staff."""
+        if user.is_staff:
+            return self
+        shared = self.shared_with(user)
+        if shared is None:
+            return self.filter(**{self.owner_field: user})
+        return self.filter(Q(**{self.owner_field: user}) | shared).distinct()
+
+    def managed_by(self, user):
+        """USER's own rows; every row for staff (what USER may change, whatever is shared)."""
         return self if user.is_staff else self.filter(**{self.owner_field: user})
+
+    def shared_with(self, user) -> Q | None:
+        """The condition for rows shared with USER beyond their own; None: rows of this kind are not shared."""
+        return None
 
 
 class Owned:
