@@ -104,6 +104,12 @@ def add_adapter(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--base", help="the base to load it over (default: the one it was trained over)")
     add_subcommand(commands, "unload", "stop serving an adapter", "name")
     add_subcommand(commands, "activate", "serve a loaded adapter when requests name no model", "name")
+    for verb, help_text in (("share", "let a user or group use (serve, evaluate) your adapter"),
+                            ("unshare", "stop sharing your adapter with a user or group")):
+        share = add_subcommand(commands, verb, help_text, "name")
+        target = share.add_mutually_exclusive_group(required=True)
+        target.add_argument("--user", help="a username")
+        target.add_argument("--group", help="a group's name")
     delete = add_subcommand(commands, "delete", "delete an idle adapter's checkpoints and PEFT snapshot", "name")
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     promotions = commands.add_parser("promotions", help="the promotion audit trail, newest first")
@@ -145,6 +151,14 @@ def cmd_adapter(args: argparse.Namespace) -> int:
         elif command == "unload":
             result = client.request("POST", f"{path}/unload")
             print(f"unloaded {args.name}" + ("; no adapter is active now" if result["was_active"] else ""))
+        elif command == "share":
+            body = {"user": args.user} if args.user else {"group": args.group}
+            share = client.request("POST", f"{path}/shares", body)
+            print(f"shared {args.name} with the {share['kind']} {share['name']}")
+        elif command == "unshare":
+            kind, target = ("user", args.user) if args.user else ("group", args.group)
+            client.request("DELETE", f"{path}/shares/{kind}/{_quote(target)}")
+            print(f"stopped sharing {args.name} with the {kind} {target}")
         elif command == "activate":
             record = client.request("POST", f"{path}/activate")
             previous = f" (was {record['previous_active']})" if record.get("previous_active") else ""

@@ -227,9 +227,11 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
     if adapter is None:
         raise Http404("no such adapter (or it belongs to someone else)")
     checkpoints, error = readers.adapter_checkpoints(adapter)
+    manages = adapter.is_owner_or_staff(request.user)
     return render(request, "dashboard/adapter_detail.html", {
         "adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name), "checkpoints": checkpoints,
-        "served": readers.served(adapter),
+        "served": readers.served(adapter), "can_manage": manages,
+        "shares": adapter.shares.select_related("user", "group") if manages else (),
         "registry_error": error,
         "jobs": [readers.job_row(job) for job in readers.visible_jobs(request.user).filter(adapter=adapter)[:50]],
         "show_owner": request.user.is_staff, "nav": "adapters"})
@@ -238,26 +240,34 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
 ADAPTER_ACTIONS = {
     "load": ("do_load_adapter", "Loaded {name}: it is served when a request names it."),
     "unload": ("do_unload_adapter", "Unloaded {name}."),
-    "activate": ("do_activate_adapter", "Activated {name}: it now serves requests that name no model."),
+    "activate": ("do_activate_adapter", "Activated {name}: it now serves your requests that name no model."),
     "delete": ("do_delete_adapter", "Deleted the checkpoints and PEFT snapshot of {name}."),
+    "share": ("do_share_adapter", "Shared {name} with the {kind} {target}: they may serve and evaluate it."),
+    "unshare": ("do_unshare_adapter", "Stopped sharing {name} with the {kind} {target}."),
 }
 
 
 @require_POST
 @login_required
 def adapter_action(request: HttpRequest, name: str, action: str) -> HttpResponse:
-    """Load, unload, activate or delete an adapter through the same actions as the API."""
+    """Load, unload, activate, delete, share or unshare an adapter through the same actions as the API; an
+    adapter the person may not see is 404, as on its page. Sharing reads kind (user or group) and target."""
     from kiln_web.serving import actions as serving_actions
 
     if action not in ADAPTER_ACTIONS:
         raise Http404("no such adapter action")
     function, done = ADAPTER_ACTIONS[action]
+    share = {}
+    if action in ("share", "unshare"):
+        share = {"kind": request.POST.get("kind", ""), "target": request.POST.get("target", "").strip()}
     try:
-        getattr(serving_actions, function)(request.user, name)
+        getattr(serving_actions, function)(request.user, name, **share)
     except ActionRefused as exc:
+        if exc.code == "adapter_not_found":
+            raise Http404("no such adapter (or it belongs to someone else)") from None
         messages.error(request, exc.message)
     else:
-        messages.success(request, done.format(name=name))
+        messages.success(request, done.format(name=name, **share))
     return redirect("dashboard:adapter", name=name)
 
 

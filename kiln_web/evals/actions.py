@@ -102,7 +102,8 @@ def _baseline(candidate: str, candidate_base: str) -> dict:
 
 def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) -> dict:
     """The baseline a person named: the candidate's base, or an adapter over that base that they may use (their
-    own, or one that is being served); refused (cross_base_comparison) when it is over another base."""
+    own or one shared with them; any other is refused exactly like a name that does not exist, 404
+    adapter_not_found); refused (cross_base_comparison) when it is over another base."""
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
     from kiln_web.serving.models import ServedAdapter
@@ -112,13 +113,17 @@ def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) ->
     if baseline == candidate:
         raise ActionRefused(400, "invalid_request", f"{candidate!r} cannot be its own baseline; name another adapter "
                                                     f"over {candidate_base!r}, or the base itself", field="baseline")
-    served = ServedAdapter.objects.filter(adapter__name=baseline).select_related("adapter").first()
-    if served is None and serving_runtime.is_base(baseline) and not serving_runtime.has_snapshot(baseline):
+    if serving_runtime.is_base(baseline) and not serving_runtime.has_snapshot(baseline):
         raise _cross_base(candidate, candidate_base, baseline, baseline)
+    try:
+        adapter = serving_actions.adapter_for(user, baseline, manage=False)
+    except ActionRefused as refused:
+        refused.extra.setdefault("field", "baseline")
+        raise
+    served = ServedAdapter.objects.filter(adapter=adapter).first()
     if served is not None:
         baseline_base, sha = served.base, served.adapter_sha256
     else:
-        adapter = serving_actions.adapter_for(user, baseline)
         if not serving_runtime.has_snapshot(baseline):
             raise ActionRefused(409, "adapter_not_found", f"the baseline {baseline!r} has no PEFT snapshot yet; a "
                                                           "training run publishes one when it succeeds",
@@ -143,7 +148,7 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
 
-    adapter = serving_actions.adapter_for(user, candidate)
+    adapter = serving_actions.adapter_for(user, candidate, manage=False)  # theirs, or shared with them
     if not serving_runtime.has_snapshot(candidate):
         raise ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
                                                       "training run publishes one when it succeeds")

@@ -48,11 +48,16 @@ def _status_changed(job: TrainingJob) -> None:
         "error": {"code": job.error_code, "message": job.error_message} if job.error_code else None})
 
 
+def _name_taken(name: str) -> ActionRefused:
+    """Someone else's adapter (shared with USER or not) has this name: said without saying whose."""
+    return ActionRefused(409, "adapter_name_taken", f"the adapter name {name!r} is taken; choose another output_name",
+                         field="config.output_name")
+
+
 def _check_adapter_owner(name: str, user) -> None:
     adapter = Adapter.objects.filter(name=name).select_related("owner").first()
     if adapter is not None and not adapter.is_owner_or_staff(user):
-        raise ActionRefused(403, "adapter_not_yours",
-                            f"the adapter {name!r} belongs to another user; choose another output_name")
+        raise _name_taken(name)
 
 
 def enqueue_job(job_id) -> None:
@@ -123,8 +128,7 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
         adapter, _ = Adapter.objects.get_or_create(name=admission.adapter, defaults={"owner": user})
         adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)  # one submission per adapter at a time
         if not adapter.is_owner_or_staff(user):
-            raise ActionRefused(403, "adapter_not_yours",
-                                f"the adapter {adapter.name!r} belongs to another user; choose another output_name")
+            raise _name_taken(adapter.name)
         active = TrainingJob.objects.filter(adapter=adapter, status__in=ACTIVE_STATUSES).first()
         if active is not None:
             raise ActionRefused(409, "adapter_busy",

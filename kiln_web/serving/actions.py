@@ -14,7 +14,7 @@ import re
 from django.db import transaction
 from django.utils import timezone
 
-from kiln_web.adapters.models import Adapter
+from kiln_web.adapters.models import Adapter, AdapterShare
 from kiln_web.core.http import STATUS, ActionRefused
 from kiln_web.serving import runtime
 from kiln_web.serving.models import PromotionOutcome, PromotionRecord, ServedAdapter
@@ -31,19 +31,32 @@ def _refusal(error: ServingError) -> ActionRefused:
     return ActionRefused(STATUS.get(code, 400), code, error.message)
 
 
-def adapter_for(user, name: str) -> Adapter:
-    """The adapter USER may change: theirs, or anyone's for staff. A PEFT snapshot in the registry that no
-    run has claimed is registered to the first person who acts on it."""
+def _not_found(name: str) -> ActionRefused:
+    """The one answer for an adapter that does not exist and for one the person may not see (names do not leak)."""
+    return ActionRefused(404, "adapter_not_found", f"no adapter named {name!r}; GET /v1/adapters lists yours and "
+                                                   "those shared with you")
+
+
+def adapter_for(user, name: str, *, manage: bool = True) -> Adapter:
+    """The adapter USER may use (MANAGE False: their own, one shared with them, anyone's for staff) or change
+    (MANAGE: their own, anyone's for staff). One they may not see is refused exactly like a name that does not
+    exist (404 adapter_not_found); one shared with them that they ask to change is 403 adapter_not_yours. A PEFT
+    snapshot in the registry that no run has claimed is registered to the first person who acts on it."""
     if not isinstance(name, str) or not ADAPTER_NAME.match(name):
         raise ActionRefused(400, "invalid_request", f"{name!r} is not an adapter name (letters, digits, '.', '_', "
                                                     "'-'; at most 100)")
     adapter = Adapter.objects.select_related("owner").filter(name=name).first()
     if adapter is None:
         if not runtime.has_snapshot(name):
-            raise ActionRefused(404, "adapter_not_found", f"no adapter named {name!r}; GET /v1/adapters lists them")
+            raise _not_found(name)
         adapter, _ = Adapter.objects.get_or_create(name=name, defaults={"owner": user})
     if not adapter.is_owner_or_staff(user):
-        raise ActionRefused(403, "adapter_not_yours", f"the adapter {name!r} belongs to another user")
+        if not adapter.is_visible_to(user):
+            raise _not_found(name)
+        if manage:
+            raise ActionRefused(403, "adapter_not_yours", f"the adapter {name!r} is shared with you for serving and "
+                                                          "evaluation; only its owner (or staff) can load, unload, "
+                                                          "activate, delete or share it")
     return adapter
 
 
@@ -222,11 +235,64 @@ def do_delete_adapter(user, name: str) -> dict:
     return {"adapter": name, "checkpoints_removed": checkpoints, "snapshot_removed": snapshot}
 
 
+# -- sharing --
+
+SHARE_KINDS = ("user", "group")
+
+
+def _share_target(kind: str, target: str):
+    """The User or Group a share names; an unknown one is 404 (user_not_found, group_not_found)."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
+
+    if kind not in SHARE_KINDS:
+        raise ActionRefused(400, "invalid_request", f"share with a user or a group, not {kind!r}", field="kind")
+    if not isinstance(target, str) or not target:
+        raise ActionRefused(400, "invalid_request", f"name the {kind} to share with", field=kind)
+    if kind == "user":
+        found = get_user_model().objects.filter(**{get_user_model().USERNAME_FIELD: target}).first()
+    else:
+        found = Group.objects.filter(name=target).first()
+    if found is None:
+        raise ActionRefused(404, f"{kind}_not_found", f"no {kind} named {target!r}", field=kind)
+    return found
+
+
+def do_share_adapter(user, name: str, *, kind: str, target: str) -> AdapterShare:
+    """Let the user or group TARGET use the adapter (serve it, evaluate with it); only its owner or staff share.
+    Visibility is read from the database on every request, so the share holds in every process at once."""
+    adapter = adapter_for(user, name)
+    found = _share_target(kind, target)
+    if kind == "user" and found.pk == adapter.owner_id:
+        raise ActionRefused(400, "invalid_request", f"{target!r} owns {name!r} already", field="user")
+    with transaction.atomic():
+        adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+        if adapter.shares.filter(**{kind: found}).exists():
+            raise ActionRefused(409, "share_exists", f"{name!r} is already shared with the {kind} {target!r}")
+        share = AdapterShare.objects.create(adapter=adapter, created_by=user, **{kind: found})
+    logger.info("%s shared adapter %s with %s %s", user.get_username(), name, kind, target)
+    return share
+
+
+def do_unshare_adapter(user, name: str, *, kind: str, target: str) -> None:
+    """Stop sharing the adapter with the user or group TARGET; their next request is refused (404)."""
+    adapter = adapter_for(user, name)
+    found = _share_target(kind, target)
+    deleted, _ = AdapterShare.objects.filter(adapter=adapter, **{kind: found}).delete()
+    if not deleted:
+        raise ActionRefused(404, "share_not_found", f"{name!r} is not shared with the {kind} {target!r}")
+    logger.info("%s stopped sharing adapter %s with %s %s", user.get_username(), name, kind, target)
+
+
 # -- reading --
 
 
-def adapter_view(adapter: Adapter, rows: dict) -> dict:
+def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
+    """One adapter as the API shows it to USER; its shares only to those who may change them."""
     row = rows.get(adapter.pk)
+    manages = user is not None and adapter.is_owner_or_staff(user)
+    shares = ([share.to_dict() for share in adapter.shares.select_related("user", "group", "created_by")]
+              if manages else None)
     latest = adapter.promotions.order_by("-decided_at", "-id").first()
     serving = runtime.started()
     return {"name": adapter.name, "owner": adapter.owner.get_username(), "base": adapter_base(adapter),
@@ -234,7 +300,8 @@ def adapter_view(adapter: Adapter, rows: dict) -> dict:
             "active": bool(row and row.active), "serving": row.to_dict() if row is not None else None,
             "loaded_here": bool(serving and adapter.name in serving.loaded_here()),
             "checkpoint_records": adapter.checkpoints.count(),
-            "latest_promotion": latest.to_dict() if latest is not None else None, "created_at": adapter.created_at}
+            "latest_promotion": latest.to_dict() if latest is not None else None, "created_at": adapter.created_at,
+            "can_manage": manages, "shares": shares}
 
 
 def visible_adapters(user):

@@ -1,18 +1,19 @@
-"""/v1/adapters/: list, load, unload, activate and delete adapters; /v1/promotions/: the audit trail.
+"""/v1/adapters/: list, load, unload, activate, delete and share adapters; /v1/promotions/: the audit trail.
 
-Each view parses, authorises (the token, then ownership: an adapter's owner or staff), calls
-one action and responds. The OpenAI-compatible completions live in kiln_web.serving.views.
+Each view parses, authorises (the token, then the adapter: one the caller may not see answers 404 like an
+unknown name; changing one needs its owner or staff), calls one action and responds. The OpenAI-compatible
+completions live in kiln_web.serving.views.
 """
 
 from django.http import HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from kiln_web.core.http import refusals
+from kiln_web.core.http import Status, refusals
 from kiln_web.serving import actions
 from kiln_web.serving.models import PromotionRecord, ServedAdapter
 from kiln_web.serving.schemas import (AdapterListOut, AdapterOut, DeleteOut, LoadIn, PromotionListOut, PromotionOut,
-                                     ServedOut, UnloadOut)
+                                     ServedOut, ShareIn, ShareOut, UnloadOut)
 
 router = Router(tags=["adapters"])
 promotions_router = Router(tags=["adapters"])
@@ -24,19 +25,38 @@ def _rows() -> dict:
     return {row.adapter_id: row for row in ServedAdapter.objects.select_related("adapter")}
 
 
-@router.get("", response={200: AdapterListOut, **REFUSALS}, summary="Your adapters and what is served",
-            operation_id="list_adapters")
+@router.get("", response={200: AdapterListOut, **REFUSALS}, summary="Your adapters, those shared with you, and "
+            "what is served", operation_id="list_adapters")
 def list_adapters(request: HttpRequest):
     rows = _rows()
     active = next((row.adapter.name for row in rows.values() if row.active), None)
-    return {"items": [actions.adapter_view(adapter, rows) for adapter in actions.visible_adapters(request.auth)],
-            "active": active}
+    return {"items": [actions.adapter_view(adapter, rows, request.auth)
+                      for adapter in actions.visible_adapters(request.auth)], "active": active}
 
 
 @router.get("/{name}", response={200: AdapterOut, **REFUSALS}, summary="One adapter", operation_id="get_adapter")
 def get_adapter(request: HttpRequest, name: str):
-    adapter = actions.adapter_for(request.auth, name)
-    return actions.adapter_view(adapter, _rows())
+    """Yours, one shared with you, or any for staff; any other answers 404, as an unknown name does."""
+    adapter = actions.adapter_for(request.auth, name, manage=False)
+    return actions.adapter_view(adapter, _rows(), request.auth)
+
+
+@router.post("/{name}/shares", response={201: ShareOut, **REFUSALS}, summary="Share an adapter with a user or group",
+             operation_id="share_adapter")
+def share_adapter(request: HttpRequest, name: str, payload: ShareIn):
+    """They may then serve it (/v1/completions, /v1/models) and evaluate with it, never change it. Only its owner
+    or staff share (403 adapter_not_yours for someone it is shared with)."""
+    kind, target = ("user", payload.user) if payload.user is not None else ("group", payload.group)
+    share = actions.do_share_adapter(request.auth, name, kind=kind, target=target)
+    return Status(201, share.to_dict())
+
+
+@router.delete("/{name}/shares/{kind}/{target}", response={204: None, **REFUSALS}, summary="Stop sharing an adapter",
+               operation_id="unshare_adapter")
+def unshare_adapter(request: HttpRequest, name: str, kind: str, target: str):
+    """KIND is user or group; their next request for the adapter answers 404."""
+    actions.do_unshare_adapter(request.auth, name, kind=kind, target=target)
+    return Status(204, None)
 
 
 @router.post("/{name}/load", response={200: ServedOut, **REFUSALS}, summary="Load an adapter for serving",

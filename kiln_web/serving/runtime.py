@@ -49,6 +49,15 @@ def wanted_adapters() -> tuple:
                  for row in ServedAdapter.objects.select_related("adapter").order_by("adapter__name"))
 
 
+def usable_adapters(user, wanted: tuple) -> frozenset:
+    """The names among WANTED that USER may be served (a database read, every request: no process keeps who
+    may see what, so a share or unshare holds in every process at once)."""
+    from kiln_web.adapters.models import Adapter
+
+    names = [w.name for w in wanted]
+    return frozenset(Adapter.objects.visible_to(user).filter(name__in=names).values_list("name", flat=True))
+
+
 # -- the adapter registry's PEFT snapshots --
 
 

@@ -78,6 +78,28 @@ class PromotionListOut(Schema):
     items: list[PromotionOut]
 
 
+class ShareIn(Schema):
+    """Exactly one of user and group."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    user: str | None = Field(None, min_length=1, description="a username")
+    group: str | None = Field(None, min_length=1, description="a group's name (Django's auth groups)")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "ShareIn":
+        if (self.user is None) == (self.group is None):
+            raise ValueError("name exactly one of user and group")
+        return self
+
+
+class ShareOut(Schema):
+    kind: Literal["user", "group"]
+    name: str = Field(description="the username or the group's name")
+    created_by: str | None
+    created_at: datetime
+
+
 class AdapterOut(Schema):
     name: str
     owner: str
@@ -90,11 +112,14 @@ class AdapterOut(Schema):
     checkpoint_records: int
     latest_promotion: PromotionOut | None
     created_at: datetime
+    can_manage: bool = Field(description="whether you may load, unload, activate, delete and share it (its owner, "
+                                         "or staff); an adapter shared with you can only be used")
+    shares: list[ShareOut] | None = Field(description="who it is shared with; null unless you may manage it")
 
 
 class AdapterListOut(Schema):
     items: list[AdapterOut]
-    active: str | None = Field(description="the adapter served when a request names no model")
+    active: str | None = Field(description="your active adapter: served to you when a request names no model")
 
 
 class DeleteOut(Schema):

@@ -5,6 +5,10 @@ token by token. Each view authenticates the bearer token, brings this process's 
 pool in step with the database, and runs tokenisation and generation on the serving
 threads (generation is numpy and native kernels, which release the GIL), never on the
 event loop. A client that disconnects mid-stream stops its generation at the next token.
+
+A caller is served, and listed, only the adapters they may use (Adapter.objects.visible_to: their own, those
+shared with them, all for staff); any other adapter's name is answered exactly as a name that does not exist
+(404 model_not_found), so the names of other people's adapters do not leak.
 """
 
 from __future__ import annotations
@@ -66,27 +70,35 @@ async def _in_step() -> tuple:
     return serving, wanted
 
 
-def _resolve(serving: runtime.ServingRuntime, wanted: tuple, name: str | None):
-    """The Served model for a request's `model`: a loaded adapter, a registered base, or the active adapter."""
-    if name is not None:
-        if name not in serving.loaded_here():
-            refusal = serving.refusal(name)
-            if refusal is not None:
-                raise ServingError("adapter_unavailable", f"adapter {name!r} cannot be served here: {refusal.message}")
-            if not runtime.is_base(name):
-                raise ServingError("model_not_found", f"no loaded adapter or registered base is named {name!r}; "
-                                                      "GET /v1/models lists them, and POST /v1/adapters/NAME/load "
-                                                      "loads an adapter")
-    else:
-        active = next((w for w in wanted if w.active), None)
-        if active is not None and serving.refusal(active.name) is not None:
-            raise ServingError("adapter_unavailable", f"the active adapter {active.name!r} cannot be served here: "
-                                                      f"{serving.refusal(active.name).message}")
+def _not_found(name: str) -> ServingError:
+    """The one answer for a name that is neither a base nor an adapter the caller may use (names do not leak)."""
+    return ServingError("model_not_found", f"no loaded adapter or registered base is named {name!r}; GET /v1/models "
+                                           "lists those you may use, and POST /v1/adapters/NAME/load loads an adapter")
+
+
+def _resolve(serving: runtime.ServingRuntime, wanted: tuple, usable: frozenset, name: str | None):
+    """The Served model for a request's `model`: a registered base, or a loaded adapter the caller may use
+    (USABLE: the names runtime.usable_adapters gave); with no model, the caller's active adapter. An adapter the
+    caller may not use is refused exactly as a name that does not exist."""
+    if name is None:
+        active = next((w for w in wanted if w.active and w.name in usable), None)
+        if active is None:
+            raise ServingError("model_required", "no adapter is active for you; name a model (GET /v1/models lists "
+                                                 "them)")
+        name = active.name
+    elif name in {w.name for w in wanted} and name not in usable:
+        raise _not_found(name)
+    if name not in serving.loaded_here():
+        refusal = serving.refusal(name)
+        if refusal is not None:
+            raise ServingError("adapter_unavailable", f"adapter {name!r} cannot be served here: {refusal.message}")
+        if not runtime.is_base(name):
+            raise _not_found(name)
     return serving.pool.resolve(name)
 
 
-def _prepare(serving, wanted, request):
-    served = _resolve(serving, wanted, request.model or None)
+def _prepare(serving, wanted, usable, request):
+    served = _resolve(serving, wanted, usable, request.model or None)
     config = served.model.config
     plan = oai.plan_request(request, served.tokenizer, config.maximum_context, config.vocabulary_size,
                             settings.KILN_SERVING_MAX_TOKENS)
@@ -107,7 +119,8 @@ def _generate_all(serving, served, plan):
 async def _complete(request: HttpRequest, schema):
     if request.method != "POST":
         return _error(405, "method_not_allowed", "use POST")
-    if await _user(request) is None:
+    user = await _user(request)
+    if user is None:
         return _error(401, "unauthorized", "a valid API token is required: send 'Authorization: Bearer <token>' "
                                            "(create one with: kiln token create --user NAME)")
     try:
@@ -117,8 +130,9 @@ async def _complete(request: HttpRequest, schema):
     try:
         parsed = oai.parse_request(schema, body)
         serving, wanted = await _in_step()
+        usable = await sync_to_async(runtime.usable_adapters)(user, wanted)
         loop = asyncio.get_running_loop()
-        served, plan = await loop.run_in_executor(serving.executor, _prepare, serving, wanted, parsed)
+        served, plan = await loop.run_in_executor(serving.executor, _prepare, serving, wanted, usable, parsed)
         if parsed.stream:
             response = StreamingHttpResponse(_events(serving, served, plan), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
@@ -213,20 +227,25 @@ async def chat_completions(request: HttpRequest):
 
 
 async def models(request: HttpRequest):
-    """The registered bases and the loaded adapters, OpenAI's list shape; `kiln` says which is which."""
+    """The registered bases and the loaded adapters the caller may use, OpenAI's list shape; `kiln` says which
+    is which."""
     if request.method != "GET":
         return _error(405, "method_not_allowed", "use GET")
-    if await _user(request) is None:
+    user = await _user(request)
+    if user is None:
         return _error(401, "unauthorized", "a valid API token is required: send 'Authorization: Bearer <token>'")
-    return JsonResponse(await sync_to_async(_model_list)())
+    return JsonResponse(await sync_to_async(_model_list)(user))
 
 
-def _model_list() -> dict:
+def _model_list(user) -> dict:
+    from kiln_web.adapters.models import Adapter
     from kiln_web.serving.models import ServedAdapter
 
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "kiln",
              "kiln": {"kind": "base", "active": False, "base": None}} for name in runtime.base_names()]
-    for row in ServedAdapter.objects.select_related("adapter__owner").order_by("adapter__name"):
+    usable = Adapter.objects.visible_to(user).values("pk")
+    for row in ServedAdapter.objects.filter(adapter__in=usable).select_related("adapter__owner") \
+            .order_by("adapter__name"):
         data.append({"id": row.adapter.name, "object": "model", "created": int(row.loaded_at.timestamp()),
                      "owned_by": row.adapter.owner.get_username(),
                      "kiln": {"kind": "adapter", "active": row.active, "base": row.base}})

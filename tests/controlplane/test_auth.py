@@ -32,6 +32,8 @@ EXPECTED_OPERATIONS = {
     ("post", "/v1/adapters/{name}/unload"),
     ("post", "/v1/adapters/{name}/activate"),
     ("delete", "/v1/adapters/{name}"),
+    ("post", "/v1/adapters/{name}/shares"),
+    ("delete", "/v1/adapters/{name}/shares/{kind}/{target}"),
     ("get", "/v1/promotions"),
     ("post", "/v1/evals/suites"),
     ("get", "/v1/evals/suites"),
@@ -74,7 +76,7 @@ def test_refused_without_a_valid_token(job_id, method, path, credentials):
     if method == "post":
         response = client.client.post(url, sft_body("x"), content_type="application/json", **headers)
     else:
-        response = client.client.get(url, **headers)
+        response = client.client.generic(method.upper(), url, **headers)
     assert response.status_code == 401, response.content
     assert response["WWW-Authenticate"].startswith("Bearer")
     error = response.json()["error"]

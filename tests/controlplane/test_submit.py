@@ -141,8 +141,9 @@ def test_request_too_large(fake_runner, api, adapter_name):
 def test_adapter_of_another_user_is_refused(fake_runner, api, bob, adapter_name):
     assert ApiClient(bob.token).post("/v1/train/sft", sft_body(adapter_name)).status_code == 201
     response = api.post("/v1/train/sft", sft_body(adapter_name))
-    assert response.status_code == 403
-    assert response.json()["error"]["code"] == "adapter_not_yours"
+    assert response.status_code == 409
+    error = response.json()["error"]
+    assert error["code"] == "adapter_name_taken" and "bob" not in error["message"]  # taken, never whose
     assert TrainingJob.objects.count() == 1
 
 

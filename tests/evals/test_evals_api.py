@@ -85,7 +85,7 @@ def test_runs_are_refused_for_what_cannot_be_evaluated(api, bob, publish, adapte
     publish(adapter_name)
     assert api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "nope"}).status_code == 404
     theirs = ApiClient(bob.token).post("/v1/evals/runs", {"adapter": adapter_name, "suite": "s"})
-    assert theirs.status_code == 403
+    assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "adapter_not_found"  # as never-trained
     run = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "s"}).json()
     assert ApiClient(bob.token).get(f"/v1/evals/runs/{run['id']}").status_code == 404
     busy = api.client.delete(f"/v1/adapters/{adapter_name}")  # queued evaluation: not idle

@@ -53,7 +53,8 @@ class World:
     eval_run_id: str
 
     def path_values(self) -> dict:
-        return {"job_id": self.job_id, "name": self.adapter, "run_id": self.eval_run_id}
+        return {"job_id": self.job_id, "name": self.adapter, "run_id": self.eval_run_id, "kind": "user",
+                "target": self.other.get_username()}
 
 
 @pytest.fixture(autouse=True)

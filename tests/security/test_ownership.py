@@ -44,13 +44,14 @@ class Case:
 
 # operationId -> the attack; `world` fills the blanks (see _request)
 CASES = {
-    "submit_sft": Case(body=_sft, other=403, code="adapter_not_yours"),
+    "submit_sft": Case(body=_sft, other=409, code="adapter_name_taken"),
     "submit_grpo": Case(body=lambda w: {"groups": [{"prompt": "p", "completions": [{"text": "a", "reward": 1.0}]}],
-                                        "config": {"output_name": w.adapter}}, other=403, code="adapter_not_yours"),
+                                        "config": {"output_name": w.adapter}}, other=409, code="adapter_name_taken"),
     "submit_opd": Case(body=lambda w: {"prompts": ["p"], "config": {"output_name": w.adapter, "teacher": w.teacher}},
-                       other=403, code="adapter_not_yours"),
+                       other=409, code="adapter_name_taken"),
     "list_jobs": Case(listing="id"),
     "get_job": Case(),
+    "resume_job": Case(body=lambda w: {}),
     "cancel_job": Case(values={"job_id": "queued_job_id"}),
     "list_job_checkpoints": Case(),
     "list_job_metrics": Case(),
@@ -62,18 +63,19 @@ CASES = {
                            staff=200),
     "delete_teacher": Case(values={"name": "teacher"}, other=403, code="teacher_not_yours", staff=204),
     "list_adapters": Case(listing="name"),
-    "get_adapter": Case(other=403, code="adapter_not_yours", staff=200),
-    "delete_adapter": Case(other=403, code="adapter_not_yours", staff=409),  # staff: busy (a queued evaluation)
-    "load_adapter": Case(body=lambda w: {}, other=403, code="adapter_not_yours"),
-    "unload_adapter": Case(other=403, code="adapter_not_yours", staff=409),  # staff: not loaded
-    "activate_adapter": Case(other=403, code="adapter_not_yours", staff=409),  # staff: not loaded
+    "get_adapter": Case(code="adapter_not_found", staff=200),
+    "delete_adapter": Case(code="adapter_not_found", staff=409),  # staff: busy (a queued evaluation)
+    "load_adapter": Case(body=lambda w: {}, code="adapter_not_found"),
+    "unload_adapter": Case(code="adapter_not_found", staff=409),  # staff: not loaded
+    "activate_adapter": Case(code="adapter_not_found", staff=409),  # staff: not loaded
+    "share_adapter": Case(body=lambda w: {"user": w.other.username}, code="adapter_not_found", staff=201),
+    "unshare_adapter": Case(code="adapter_not_found", staff=404),  # staff: nothing shared yet
     "list_promotions": Case(listing="adapter"),
     "create_suite": Case(body=lambda w: {"name": w.suite, "content": '{"prompt": "x", "expected": "y"}'},
                          other=409, code="suite_exists", staff=409),
     "list_suites": Case(listing="name"),
     "get_suite": Case(values={"name": "suite"}),
-    "create_eval_run": Case(body=lambda w: {"adapter": w.adapter, "suite": w.suite}, other=403,
-                            code="adapter_not_yours"),
+    "create_eval_run": Case(body=lambda w: {"adapter": w.adapter, "suite": w.suite}, code="adapter_not_found"),
     "list_eval_runs": Case(listing="id"),
     "get_eval_run": Case(),
 }
@@ -154,13 +156,13 @@ def _promote(world) -> None:
 
 def test_a_checkpoint_cannot_be_resumed_into_someone_elses_run(world):
     """Checkpoints are reached only through their adapter: resuming another person's checkpoint under one's own
-    adapter name is refused (the checkpoint binds its adapter), and under their name is 403."""
+    adapter name is refused (the checkpoint binds its adapter), and under their name is 409 adapter_name_taken."""
     bob = Client(HTTP_AUTHORIZATION=f"Bearer {world.other.token}")
     own_name = call(bob, "POST", "/v1/train/sft", _sft(world, adapter="bobs-own", resume_checkpoint=world.checkpoint))
     assert own_name.status_code in (400, 409) and own_name.json()["error"]["code"] in ("wrong_adapter",
                                                                                        "noncanonical_name")
     theirs = call(bob, "POST", "/v1/train/sft", _sft(world, resume_checkpoint=world.checkpoint))
-    assert theirs.status_code == 403
+    assert theirs.status_code == 409 and theirs.json()["error"]["code"] == "adapter_name_taken"
     assert not TrainingJob.objects.filter(owner=world.other).exists()
 
 

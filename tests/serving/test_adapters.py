@@ -68,8 +68,8 @@ def test_someone_elses_adapter_cannot_be_changed(api, bob, publish, adapter_name
     theirs = ApiClient(bob.token)
     for path in ("load", "unload", "activate"):
         response = theirs.post(f"/v1/adapters/{adapter_name}/{path}")
-        assert response.status_code == 403 and response.json()["error"]["code"] == "adapter_not_yours"
-    assert theirs.client.delete(f"/v1/adapters/{adapter_name}").status_code == 403
+        assert response.status_code == 404 and response.json()["error"]["code"] == "adapter_not_found"
+    assert theirs.client.delete(f"/v1/adapters/{adapter_name}").status_code == 404
     assert adapter_name not in [item["name"] for item in theirs.get("/v1/adapters").json()["items"]]
 
 
