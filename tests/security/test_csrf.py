@@ -43,7 +43,7 @@ def site_routes() -> list[str]:
 
 def _values(world) -> dict:
     return {"kind": "sft", "job_id": world.job_id, "name": world.teacher, "uidb64": "MQ", "token": "set-password",
-            "action": "unload"}
+            "action": "unload", "run_id": world.eval_run_id}
 
 
 def _path(world, route: str) -> str:
