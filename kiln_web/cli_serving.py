@@ -99,11 +99,12 @@ def print_promotion(job: dict) -> None:
 
 def add_adapter(parser: argparse.ArgumentParser) -> None:
     commands = subcommands(parser, "adapter")
-    add_subcommand(commands, "list", "your adapters: snapshot, loaded, active, latest promotion", json=True)
+    add_subcommand(commands, "list", "your adapters and those shared with you: snapshot, loaded, active, latest "
+                   "promotion", json=True)
     load = add_subcommand(commands, "load", "load an adapter's PEFT snapshot for serving", "name")
     load.add_argument("--base", help="the base to load it over (default: the one it was trained over)")
     add_subcommand(commands, "unload", "stop serving an adapter", "name")
-    add_subcommand(commands, "activate", "serve a loaded adapter when requests name no model", "name")
+    add_subcommand(commands, "activate", "serve a loaded adapter when your requests name no model", "name")
     for verb, help_text in (("share", "let a user or group use (serve, evaluate) your adapter"),
                             ("unshare", "stop sharing your adapter with a user or group")):
         share = add_subcommand(commands, verb, help_text, "name")
@@ -150,7 +151,8 @@ def cmd_adapter(args: argparse.Namespace) -> int:
                   f"sha256 {row['adapter_sha256'][:12]})")
         elif command == "unload":
             result = client.request("POST", f"{path}/unload")
-            print(f"unloaded {args.name}" + ("; no adapter is active now" if result["was_active"] else ""))
+            print(f"unloaded {args.name}" + ("; it was active: requests in its scope that name no model get the "
+                                             "default base now" if result["was_active"] else ""))
         elif command == "share":
             body = {"user": args.user} if args.user else {"group": args.group}
             share = client.request("POST", f"{path}/shares", body)

@@ -343,14 +343,15 @@ def accepts_base_adapter(kind: str) -> bool:
 
 
 def served(adapter: Adapter) -> dict | None:
-    """Whether every web process serves the adapter (loaded) and whether it is the active one."""
+    """Whether every web process serves the adapter (loaded), whether it is active and for whom."""
     if not apps.is_installed("kiln_web.serving"):
         return None
     try:
         row = adapter.serving  # the reverse one-to-one of ServedAdapter
     except ObjectDoesNotExist:
         return None
-    return {"active": row.active, "base": row.base, "loaded_at": row.loaded_at}
+    return {"active": row.active, "active_for": row.active_for if row.active else None, "base": row.base,
+            "loaded_at": row.loaded_at}
 
 
 def effective_settings(job: TrainingJob) -> list[tuple[str, str]]:

@@ -70,7 +70,7 @@ def _cross_base(candidate: str, candidate_base: str, baseline: str, baseline_bas
     return ActionRefused(409, "cross_base_comparison",
                          f"cannot compare {candidate!r} (over base {candidate_base!r}) with {other}: an evaluation "
                          f"compares answers over one base; name an adapter trained over {candidate_base!r}, or leave "
-                         f"baseline out to compare with the active adapter when it is over {candidate_base!r}, else "
+                         f"baseline out to compare with your active adapter when it is over {candidate_base!r}, else "
                          "with that base", field="baseline", candidate_base=candidate_base, baseline_base=baseline_base)
 
 
@@ -83,14 +83,17 @@ def _base_baseline(base: str, note: str) -> dict:
     return {"baseline_kind": BaselineKind.BASE, "baseline": base, "baseline_base": base, "baseline_note": note}
 
 
-def _baseline(candidate: str, candidate_base: str) -> dict:
-    """The active adapter when it is over the candidate's base (and is not the candidate itself), else that base:
-    a comparison is only meaningful between answers over the same base."""
+def _baseline(user, candidate: str, candidate_base: str) -> dict:
+    """USER's active adapter (the run's owner's: never someone else's, and only one they may still see) when it is
+    over the candidate's base (and is not the candidate itself), else that base: a comparison is only meaningful
+    between answers over the same base."""
+    from kiln_web.adapters.models import Adapter
     from kiln_web.serving.models import ServedAdapter
 
-    active = ServedAdapter.objects.filter(active=True).select_related("adapter").first()
+    active = (ServedAdapter.objects.filter(active=True, active_for=user, adapter__in=Adapter.objects.visible_to(user))
+              .select_related("adapter").first())
     if active is None:
-        note = "no adapter is active"
+        note = "no adapter is active for you"
     elif active.adapter.name == candidate:
         note = f"the active adapter is {candidate!r} itself, whose snapshot the new run has replaced"
     elif active.base != candidate_base:
@@ -141,9 +144,9 @@ def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) ->
 def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None = None, baseline: str | None = None,
                           training_job=None, purpose: str = EvalPurpose.MANUAL,
                           max_new_tokens: int = MAX_NEW_TOKENS) -> EvalRun:
-    """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot) on SUITE against BASELINE (an adapter
-    over the same base, or that base), else against the active adapter when it is over the candidate's base, else
-    against the base itself; a worker runs it (Celery with REDIS_URL, else the embedded worker). A baseline over
+    """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot that USER may use) on SUITE against
+    BASELINE (an adapter over the same base that USER may use, or that base), else against USER's active adapter
+    when it is over the candidate's base, else against the base itself; a worker runs it (Celery with REDIS_URL, else the embedded worker). A baseline over
     another base is refused (409 cross_base_comparison)."""
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
@@ -158,7 +161,7 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
         raise ActionRefused(400, "base_not_found", f"cannot evaluate {candidate!r}: base {candidate_base!r} is not "
                                                    "registered; name one (base)")
     with transaction.atomic():
-        chosen = (_baseline(candidate, candidate_base) if baseline is None else
+        chosen = (_baseline(user, candidate, candidate_base) if baseline is None else
                   _named_baseline(user, candidate, candidate_base, baseline))
         run = EvalRun.objects.create(owner=user, suite=suite_row, suite_digest=suite_row.digest, candidate=adapter,
                                      candidate_base=candidate_base, training_job=training_job, purpose=purpose,

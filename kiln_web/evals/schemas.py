@@ -41,7 +41,7 @@ class RunIn(Strict):
     base: str | None = Field(None, min_length=1, description="absent: the base the adapter was trained over")
     baseline: str | None = Field(None, min_length=1, description=(
         "what to compare with: an adapter over the candidate's base, or that base; one over another base is refused "
-        "(409 cross_base_comparison). Absent: the active adapter when it is over the candidate's base, else the base"))
+        "(409 cross_base_comparison). Absent: your active adapter when it is over the candidate's base, else the base"))
     max_new_tokens: int = Field(64, ge=1, le=4096, description="greedy tokens per example")
 
 

@@ -138,7 +138,8 @@ def do_load_adapter(user, name: str, base: str | None = None) -> ServedAdapter:
 
 
 def do_unload_adapter(user, name: str) -> bool:
-    """Stop serving the adapter everywhere; returns whether it was the active one (no adapter is then)."""
+    """Stop serving the adapter everywhere; returns whether it was active (its scope then has none: requests
+    there that name no model get the default base)."""
     adapter = adapter_for(user, name)
     with transaction.atomic():
         row = ServedAdapter.objects.select_for_update().filter(adapter=adapter).first()
@@ -150,15 +151,24 @@ def do_unload_adapter(user, name: str) -> bool:
     return was_active
 
 
-def _activate(row: ServedAdapter, *, decided_by: str, reason: str, user=None, job=None,
+def active_in(scope) -> ServedAdapter | None:
+    """SCOPE's active adapter (the row answering their requests that name no model), or None."""
+    if scope is None:
+        return None
+    return ServedAdapter.objects.filter(active=True, active_for=scope).select_related("adapter").first()
+
+
+def _activate(row: ServedAdapter, scope, *, decided_by: str, reason: str, user=None, job=None,
               evaluation=None) -> PromotionRecord:
-    """Make ROW the active adapter and record the promotion (inside the caller's transaction)."""
-    previous = ServedAdapter.objects.select_for_update().filter(active=True).exclude(pk=row.pk).first()
+    """Make ROW SCOPE's active adapter (the one before in that scope stops being active) and record the promotion
+    (inside the caller's transaction). Other people's active adapters are untouched."""
+    previous = (ServedAdapter.objects.select_for_update().filter(active=True, active_for=scope)
+                .exclude(pk=row.pk).first())
     if previous is not None:
-        previous.active = False
-        previous.save(update_fields=["active"])
-    row.active, row.activated_at = True, timezone.now()
-    row.save(update_fields=["active", "activated_at"])
+        previous.active, previous.active_for = False, None
+        previous.save(update_fields=["active", "active_for"])
+    row.active, row.active_for, row.activated_at = True, scope, timezone.now()
+    row.save(update_fields=["active", "active_for", "activated_at"])
     return PromotionRecord.objects.create(
         adapter=row.adapter, job=job, evaluation=evaluation, outcome=PromotionOutcome.PROMOTED, reason=reason,
         decided_by=decided_by, user=user, adapter_sha256=row.adapter_sha256,
@@ -166,36 +176,44 @@ def _activate(row: ServedAdapter, *, decided_by: str, reason: str, user=None, jo
 
 
 def do_activate_adapter(user, name: str) -> PromotionRecord:
-    """Serve this loaded adapter when a request names no model; a person's promotion, recorded."""
+    """Serve this loaded adapter to USER when their request names no model (USER's scope: staff activating
+    someone else's adapter make it their own default, not its owner's); a person's promotion, recorded."""
     adapter = adapter_for(user, name)
     with transaction.atomic():
         row = ServedAdapter.objects.select_for_update().select_related("adapter").filter(adapter=adapter).first()
         if row is None:
             raise ActionRefused(409, "adapter_not_loaded", f"load the adapter {name!r} before activating it "
                                                            f"(POST /v1/adapters/{name}/load)")
-        record = _activate(row, decided_by=user.get_username(), user=user,
+        record = _activate(row, user, decided_by=user.get_username(), user=user,
                            reason=f"activated by {user.get_username()}")
     _in_step()
     return record
 
 
+def _scope(adapter: Adapter, job):
+    """Whose scope a promotion acts in: the training job's owner, else the adapter's."""
+    return job.owner if job is not None else adapter.owner
+
+
 def do_promote(adapter: Adapter, base: str, sha: str, *, decided_by: str, reason: str, job=None,
                evaluation=None) -> PromotionRecord:
-    """Load and activate an adapter whose canary passed (promotion by a gate or auto_load). The web
-    processes load it when they next serve; the snapshot must still be the one the canary ran."""
+    """Load and activate, in the job owner's scope, an adapter whose canary passed (promotion by a gate or
+    auto_load). The web processes load it when they next serve; the snapshot must still be the one the canary
+    ran."""
     with transaction.atomic():
         adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
         if runtime.snapshot_sha256(adapter.name) != sha:
             raise ServingError("adapter_changed", f"the snapshot of {adapter.name!r} changed after its canary ran")
         row = _record_load(adapter, base, sha, decided_by)
-        record = _activate(row, decided_by=decided_by, reason=reason, job=job, evaluation=evaluation)
+        record = _activate(row, _scope(adapter, job), decided_by=decided_by, reason=reason, job=job,
+                           evaluation=evaluation)
     return record
 
 
 def do_record_promotion(adapter: Adapter, outcome: str, reason: str, *, decided_by: str, job=None,
                         evaluation=None, sha: str = "") -> PromotionRecord:
-    """Record a decision that left the adapter unpromoted (the active adapter is unchanged)."""
-    active = ServedAdapter.objects.filter(active=True).select_related("adapter").first()
+    """Record a decision that left the adapter unpromoted (the job owner's active adapter is unchanged)."""
+    active = active_in(_scope(adapter, job))
     return PromotionRecord.objects.create(adapter=adapter, job=job, evaluation=evaluation, outcome=outcome,
                                           reason=reason, decided_by=decided_by, adapter_sha256=sha,
                                           previous_active=active.adapter.name if active is not None else "")
@@ -290,6 +308,7 @@ def do_unshare_adapter(user, name: str, *, kind: str, target: str) -> None:
 def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
     """One adapter as the API shows it to USER; its shares only to those who may change them."""
     row = rows.get(adapter.pk)
+    mine = bool(row and row.active and user is not None and row.active_for_id == user.pk)
     manages = user is not None and adapter.is_owner_or_staff(user)
     shares = ([share.to_dict() for share in adapter.shares.select_related("user", "group", "created_by")]
               if manages else None)
@@ -297,7 +316,7 @@ def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
     serving = runtime.started()
     return {"name": adapter.name, "owner": adapter.owner.get_username(), "base": adapter_base(adapter),
             "snapshot": runtime.has_snapshot(adapter.name), "loaded": row is not None,
-            "active": bool(row and row.active), "serving": row.to_dict() if row is not None else None,
+            "active": mine, "serving": row.to_dict() if row is not None else None,
             "loaded_here": bool(serving and adapter.name in serving.loaded_here()),
             "checkpoint_records": adapter.checkpoints.count(),
             "latest_promotion": latest.to_dict() if latest is not None else None, "created_at": adapter.created_at,

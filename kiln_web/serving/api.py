@@ -22,14 +22,15 @@ REFUSALS = refusals()
 
 
 def _rows() -> dict:
-    return {row.adapter_id: row for row in ServedAdapter.objects.select_related("adapter")}
+    return {row.adapter_id: row for row in ServedAdapter.objects.select_related("adapter", "active_for")}
 
 
 @router.get("", response={200: AdapterListOut, **REFUSALS}, summary="Your adapters, those shared with you, and "
             "what is served", operation_id="list_adapters")
 def list_adapters(request: HttpRequest):
     rows = _rows()
-    active = next((row.adapter.name for row in rows.values() if row.active), None)
+    active = next((row.adapter.name for row in rows.values() if row.active and row.active_for_id == request.auth.pk),
+                  None)
     return {"items": [actions.adapter_view(adapter, rows, request.auth)
                       for adapter in actions.visible_adapters(request.auth)], "active": active}
 
@@ -71,7 +72,8 @@ def load_adapter(request: HttpRequest, name: str, payload: LoadIn = None):
 @router.post("/{name}/unload", response={200: UnloadOut, **REFUSALS}, summary="Stop serving an adapter",
              operation_id="unload_adapter")
 def unload_adapter(request: HttpRequest, name: str):
-    """Unloading the active adapter leaves no adapter active: requests must then name a model."""
+    """Unloading an active adapter leaves its scope without one: requests there that name no model get the
+    server's default base."""
     was_active = actions.do_unload_adapter(request.auth, name)
     return {"adapter": name, "was_active": was_active}
 
@@ -79,7 +81,8 @@ def unload_adapter(request: HttpRequest, name: str):
 @router.post("/{name}/activate", response={200: PromotionOut, **REFUSALS},
              summary="Serve a loaded adapter by default", operation_id="activate_adapter")
 def activate_adapter(request: HttpRequest, name: str):
-    """The adapter answers requests that name no model; recorded as a promotion by you."""
+    """The adapter answers your requests that name no model (your scope: each person has at most one active
+    adapter, and staff activating someone else's adapter make it their own default); recorded as a promotion."""
     record = actions.do_activate_adapter(request.auth, name)
     return record.to_dict()
 

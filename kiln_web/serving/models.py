@@ -1,9 +1,11 @@
 """What every web process should serve (ServedAdapter) and the audit trail of promotions.
 
-The database, not a process, says which adapters are loaded and which one is active:
+The database, not a process, says which adapters are loaded and which are active:
 each web process reconciles its own serving pool with these rows before it serves a
 request (kiln_web.serving.runtime), so a Celery worker can promote an adapter that the
-web processes then load. At most one row is active (a partial unique constraint).
+web processes then load. Activation is per owner scope: at most one row is active for each
+user (`active_for`, a partial unique constraint), and it answers only that user's requests
+that name no model (kiln_web.serving.views).
 """
 
 from django.conf import settings
@@ -20,7 +22,10 @@ class ServedAdapter(models.Model):
     adapter_sha256 = models.CharField(max_length=64, help_text="the snapshot's adapter_model.safetensors when "
                                                               "loaded; a process refuses a snapshot that changed")
     generation = models.PositiveIntegerField(default=1, help_text="raised by every load, so processes reload")
-    active = models.BooleanField(default=False, help_text="served when a request names no model")
+    active = models.BooleanField(default=False, help_text="served to active_for when their request names no model")
+    active_for = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+                                   related_name="active_adapters", help_text="whose scope it is active in: the "
+                                   "person who activated it, or the training job's owner for a promotion")
     loaded_by = models.CharField(max_length=150, help_text="a username, 'gate' or 'auto_load'")
     loaded_at = models.DateTimeField(default=timezone.now)
     activated_at = models.DateTimeField(null=True, blank=True)
@@ -28,15 +33,21 @@ class ServedAdapter(models.Model):
     class Meta:
         ordering = ["adapter__name"]
         verbose_name = "served adapter"
-        constraints = [models.UniqueConstraint(fields=["active"], condition=Q(active=True),
-                                               name="serving_one_active_adapter")]
+        constraints = [
+            models.UniqueConstraint(fields=["active_for"], condition=Q(active=True),
+                                    name="serving_one_active_adapter_per_owner"),
+            models.CheckConstraint(condition=Q(active=False) | Q(active_for__isnull=False),
+                                   name="serving_active_has_a_scope"),
+        ]
 
     def __str__(self) -> str:
-        return f"{self.adapter.name} over {self.base}{' (active)' if self.active else ''}"
+        return f"{self.adapter.name} over {self.base}{f' (active for {self.active_for})' if self.active else ''}"
 
     def to_dict(self) -> dict:
         return {"adapter": self.adapter.name, "base": self.base, "adapter_sha256": self.adapter_sha256,
-                "generation": self.generation, "active": self.active, "loaded_by": self.loaded_by,
+                "generation": self.generation, "active": self.active,
+                "active_for": self.active_for.get_username() if self.active and self.active_for_id else None,
+                "loaded_by": self.loaded_by,
                 "loaded_at": self.loaded_at, "activated_at": self.activated_at}
 
 

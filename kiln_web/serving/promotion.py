@@ -7,10 +7,12 @@ back from the job's request when it succeeds:
 
 - no auto_load: nothing happens (outcome not_requested);
 - auto_load, no gate: the serving canary runs (load, generate, finite log-probabilities)
-  and the adapter is activated when it passes (promoted), else canary_failed;
-- auto_load and a gate: an evaluation is queued; the adapter that is active stays active
-  until it passes. The gate compares with the active adapter when it is over the candidate's
-  base, else with that base itself (kiln_web.evals.actions), never across bases. A failed
+  and the adapter is activated in the job owner's scope when it passes (promoted), else
+  canary_failed; nobody else's active adapter changes;
+- auto_load and a gate: an evaluation is queued; the owner's active adapter stays active
+  until it passes. The gate compares with the job owner's active adapter when it is over the
+  candidate's base, else with that base itself (kiln_web.evals.actions), never across bases
+  and never with an adapter the owner may not see. A failed
   threshold is gate_failed, too few examples or no comparable baseline inconclusive, an
   evaluation that cannot be queued or does not finish unavailable.
 
@@ -100,7 +102,7 @@ def decide_after_training(job_id) -> PromotionRecord | None:
         return _record(job, PromotionOutcome.UNAVAILABLE, f"the gate's evaluation could not be queued: {message}",
                        GATE)
     _log(job, PENDING, f"the gate's evaluation {run.pk} is queued on suite {wanted.suite!r}; "
-                       "the active adapter stays active until it passes")
+                       "your active adapter stays active until it passes")
     return None
 
 

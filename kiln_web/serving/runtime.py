@@ -39,13 +39,15 @@ class WantedAdapter:
     generation: int
     sha256: str
     active: bool
+    scope: int | None = None  # active for this user's requests that name no model (ServedAdapter.active_for)
 
 
 def wanted_adapters() -> tuple:
     """The ServedAdapter rows (a database read: call it from synchronous code)."""
     from kiln_web.serving.models import ServedAdapter
 
-    return tuple(WantedAdapter(row.adapter.name, row.base, row.generation, row.adapter_sha256, row.active)
+    return tuple(WantedAdapter(row.adapter.name, row.base, row.generation, row.adapter_sha256, row.active,
+                               row.active_for_id if row.active else None)
                  for row in ServedAdapter.objects.select_related("adapter").order_by("adapter__name"))
 
 
@@ -204,7 +206,8 @@ class ServingRuntime:
             self._synced = None
 
     def reconcile(self, wanted: tuple) -> None:
-        """Make the pool hold exactly the WANTED adapters, with the wanted one active."""
+        """Make the pool hold exactly the WANTED adapters. The pool's own single active adapter stays unset:
+        activation is per person, so each request names its model, or the view resolves the caller's."""
         if wanted == self._synced:
             return
         with self._lock:
@@ -224,10 +227,7 @@ class ServingRuntime:
                 except ServingError as error:
                     self._unload(w.name)  # never keep serving an older generation in its place
                     self._refused[w.name] = (w.generation, error)
-            active = next((w.name for w in wanted if w.active), None)
-            if active is not None and active in self._loaded:
-                self.pool.activate(active)
-            elif self.pool.active is not None:
+            if self.pool.active is not None:
                 self.pool.deactivate()
             self._synced = wanted
 

@@ -55,7 +55,8 @@ class ServedOut(Schema):
     base: str
     adapter_sha256: str
     generation: int = Field(description="raised by every load; each web process reloads on a change")
-    active: bool
+    active: bool = Field(description="whether it is someone's active adapter (active_for)")
+    active_for: str | None = Field(None, description="whose requests that name no model it answers (a username)")
     loaded_by: str
     loaded_at: datetime
     activated_at: datetime | None
@@ -106,7 +107,7 @@ class AdapterOut(Schema):
     base: str | None = Field(description="the base it was trained over")
     snapshot: bool = Field(description="whether its PEFT snapshot is in the registry")
     loaded: bool
-    active: bool
+    active: bool = Field(description="whether it is your active adapter (served to you when you name no model)")
     serving: ServedOut | None
     loaded_here: bool = Field(description="whether the process that answered holds it in memory")
     checkpoint_records: int

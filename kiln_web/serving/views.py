@@ -76,16 +76,27 @@ def _not_found(name: str) -> ServingError:
                                            "lists those you may use, and POST /v1/adapters/NAME/load loads an adapter")
 
 
-def _resolve(serving: runtime.ServingRuntime, wanted: tuple, usable: frozenset, name: str | None):
+def _default(wanted: tuple, usable: frozenset, user_id: int) -> str:
+    """What a request that names no model gets: the caller's own active adapter, else the server's default base
+    (KILN_DEFAULT_BASE, else the first packaged base registered, else kiln-tiny); never anyone else's adapter."""
+    from kiln_web.jobs.runtime import default_base
+
+    active = next((w for w in wanted if w.active and w.scope == user_id and w.name in usable), None)
+    if active is not None:
+        return active.name
+    base = default_base()
+    if not runtime.is_base(base):
+        raise ServingError("model_required", f"no adapter is active for you and the default base {base!r} is not "
+                                             "registered; name a model (GET /v1/models lists them)")
+    return base
+
+
+def _resolve(serving: runtime.ServingRuntime, wanted: tuple, usable: frozenset, user_id: int, name: str | None):
     """The Served model for a request's `model`: a registered base, or a loaded adapter the caller may use
-    (USABLE: the names runtime.usable_adapters gave); with no model, the caller's active adapter. An adapter the
-    caller may not use is refused exactly as a name that does not exist."""
+    (USABLE: the names runtime.usable_adapters gave); with no model, _default. An adapter the caller may not use
+    is refused exactly as a name that does not exist."""
     if name is None:
-        active = next((w for w in wanted if w.active and w.name in usable), None)
-        if active is None:
-            raise ServingError("model_required", "no adapter is active for you; name a model (GET /v1/models lists "
-                                                 "them)")
-        name = active.name
+        name = _default(wanted, usable, user_id)
     elif name in {w.name for w in wanted} and name not in usable:
         raise _not_found(name)
     if name not in serving.loaded_here():
@@ -97,8 +108,8 @@ def _resolve(serving: runtime.ServingRuntime, wanted: tuple, usable: frozenset, 
     return serving.pool.resolve(name)
 
 
-def _prepare(serving, wanted, usable, request):
-    served = _resolve(serving, wanted, usable, request.model or None)
+def _prepare(serving, wanted, usable, user_id, request):
+    served = _resolve(serving, wanted, usable, user_id, request.model or None)
     config = served.model.config
     plan = oai.plan_request(request, served.tokenizer, config.maximum_context, config.vocabulary_size,
                             settings.KILN_SERVING_MAX_TOKENS)
@@ -132,7 +143,8 @@ async def _complete(request: HttpRequest, schema):
         serving, wanted = await _in_step()
         usable = await sync_to_async(runtime.usable_adapters)(user, wanted)
         loop = asyncio.get_running_loop()
-        served, plan = await loop.run_in_executor(serving.executor, _prepare, serving, wanted, usable, parsed)
+        served, plan = await loop.run_in_executor(serving.executor, _prepare, serving, wanted, usable, user.pk,
+                                                  parsed)
         if parsed.stream:
             response = StreamingHttpResponse(_events(serving, served, plan), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
@@ -243,10 +255,12 @@ def _model_list(user) -> dict:
 
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "kiln",
              "kiln": {"kind": "base", "active": False, "base": None}} for name in runtime.base_names()]
+    # `active`: the caller's own active adapter (what a request without a model gets), never someone else's
     usable = Adapter.objects.visible_to(user).values("pk")
     for row in ServedAdapter.objects.filter(adapter__in=usable).select_related("adapter__owner") \
             .order_by("adapter__name"):
         data.append({"id": row.adapter.name, "object": "model", "created": int(row.loaded_at.timestamp()),
                      "owned_by": row.adapter.owner.get_username(),
-                     "kiln": {"kind": "adapter", "active": row.active, "base": row.base}})
+                     "kiln": {"kind": "adapter", "active": row.active and row.active_for_id == user.pk,
+                              "base": row.base}})
     return {"object": "list", "data": data}

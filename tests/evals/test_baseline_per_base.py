@@ -36,7 +36,7 @@ def serve(user, name: str, base: str, active: bool = True) -> ServedAdapter:
     adapter, _ = Adapter.objects.get_or_create(name=name, defaults={"owner": user})
     sha = serving_runtime.snapshot_sha256(name)
     return ServedAdapter.objects.create(adapter=adapter, base=base, adapter_sha256=sha, active=active,
-                                        loaded_by=user.username)
+                                        active_for=user if active else None, loaded_by=user.username)
 
 
 @pytest.fixture

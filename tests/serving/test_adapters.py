@@ -40,7 +40,8 @@ def test_load_activate_unload(api, publish, adapter_name):
     assert activated.status_code == 200
     assert (activated.json()["outcome"], activated.json()["decided_by"]) == ("promoted", "ada")
     assert api.get("/v1/adapters").json()["active"] == adapter_name
-    assert runtime.serving().pool.active == adapter_name
+    assert ServedAdapter.objects.get(adapter__name=adapter_name).active_for.username == "ada"  # ada's scope
+    assert runtime.serving().pool.active is None  # activation is per person: the view resolves it, not the pool
 
     assert api.post(f"/v1/adapters/{adapter_name}/load").json()["generation"] == 2  # a reload
     assert api.post(f"/v1/adapters/{adapter_name}/unload").json() == {"adapter": adapter_name, "was_active": True}
@@ -130,15 +131,17 @@ def test_reconcile_follows_the_database_and_refuses_a_changed_snapshot(api, publ
     api.post(f"/v1/adapters/{adapter_name}/load")
     serving = runtime.serving()
     publish(adapter_name, seed=2)  # a newer run published over the loaded snapshot
-    ServedAdapter.objects.filter(adapter__name=adapter_name).update(generation=7, active=True)
+    ada = ServedAdapter.objects.get(adapter__name=adapter_name).adapter.owner
+    ServedAdapter.objects.filter(adapter__name=adapter_name).update(generation=7, active=True, active_for=ada)
     serving.reconcile(runtime.wanted_adapters())
     assert adapter_name not in serving.loaded_here()  # never served in place of what was loaded
     assert serving.refusal(adapter_name).code == "adapter_changed"
     assert serving.pool.active is None
     assert api.post(f"/v1/adapters/{adapter_name}/load").status_code == 200  # loading again accepts it
-    ServedAdapter.objects.filter(adapter__name=adapter_name).update(active=True)
+    ServedAdapter.objects.filter(adapter__name=adapter_name).update(active=True, active_for=ada)
     serving.reconcile(runtime.wanted_adapters())
-    assert serving.pool.active == adapter_name and serving.refusal(adapter_name) is None
+    assert adapter_name in serving.loaded_here() and serving.refusal(adapter_name) is None
+    assert next(w for w in runtime.wanted_adapters() if w.name == adapter_name).scope == ada.pk
     ServedAdapter.objects.all().delete()
     serving.reconcile(runtime.wanted_adapters())
     assert serving.loaded_here() == {} and serving.pool.active is None
