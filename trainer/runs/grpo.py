@@ -33,6 +33,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.defaults import EMA_DEFAULTS, GRPO_DEFAULTS
+from trainer.runs.formats import REFERENCE_FILE, ROLLOUT_FILE  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot, tensors_from)
@@ -40,8 +41,6 @@ from trainer.runs.step import NullHooks, adapter_values, clip_and_step, should_p
 from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "grpo"
-REFERENCE_FILE = "reference.safetensors"  # EMA reference adapter values
-ROLLOUT_FILE = "rollout.safetensors"  # old / reference log-probabilities of a batch still being iterated
 
 
 
@@ -450,8 +449,8 @@ def _publish(admission, settings, model, optimizer, loop, source, reference, rol
     return publish(admission, settings, loop.step, files, progress, hooks, seconds)
 
 
-from trainer.runs import state_check  # noqa: E402  (each kind's semantic checkpoint validator)
+from trainer.runs import state_check_grpo  # noqa: E402  (each kind's semantic checkpoint validator)
 
 RUN_KIND = RunKind(name=KIND, admit=admit_grpo, revalidate=revalidate_grpo, run=run_grpo,
                    admission_from_json=Admission.from_json, defaults=GRPO_DEFAULTS, manifest_fields=MANIFEST_FIELDS,
-                   check_state=state_check.check_grpo_state)
+                   check_state=state_check_grpo.check_grpo_state)

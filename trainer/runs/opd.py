@@ -14,7 +14,6 @@ Admission and resume require the teacher alias to still have the checkpoint's id
 then reconstruct and verify its content revision.
 """
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     revalidate, run_identities, select_loss_route, settle_seed, sha256_hex,
                                     warm_start)
 from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
+from trainer.runs.formats import GUARDRAILS, MAX_IDLE_CANDIDATES, rollout_seed  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
@@ -39,13 +39,6 @@ from trainer.runs.step import NullHooks, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "opd"
-MAX_IDLE_CANDIDATES = 64  # consecutive candidates without an update before the run gives up
-GUARDRAILS = {  # name: (window statistic, direction, what it means)
-    "entropy_floor": ("entropy", "below", "mean student entropy (nats/token)"),
-    "max_repetition_rate": ("repetition", "above", "mean repeated-trigram rate"),
-    "max_empty_rate": ("empty", "above", "fraction of empty completions"),
-    "kl_ceiling": ("kl", "above", "mean sampled reverse KL to the teacher (nats/token)"),
-}
 
 
 # -- request --------------------------------------------------------------------------------
@@ -228,11 +221,6 @@ def revalidate_opd(admission: Admission, settings: RunSettings) -> None:
 
 
 # -- the loop -------------------------------------------------------------------------------
-
-
-def rollout_seed(seed: int) -> int:
-    """The named stream "rollout", derived from the effective seed."""
-    return int.from_bytes(hashlib.sha256(f"kiln.opd.rollout:{seed}".encode()).digest()[:8], "little")
 
 
 @dataclass

@@ -31,15 +31,13 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     settle_seed, training_view, warm_start)
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.defaults import NF4_DEFAULT, SFT_DEFAULTS
+from trainer.runs.formats import PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
 from trainer.runs.step import NullHooks, clip_and_step, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
-PLANNING_SCHEMA_SFT = "kiln.training-checkpoint-planning.v5"  # v5: plain prompt/completion without the chat template
-SPIKE_FACTOR = 2.0  # a loss above twice the running mean of the last SPIKE_WINDOW is a spike
-SPIKE_WINDOW = 20
 
 
 # -- request ------------------------------------------------------------------------------
