@@ -58,7 +58,7 @@ def add_promotion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-min-examples", type=int, metavar="N",
                         help="gate: decide only on a suite of at least N examples (default: the server's, 20)")
     parser.add_argument("--gate-min-improvement", type=float, metavar="D",
-                        help="gate: minimum accuracy gain over the active adapter of the same base (or that base), "
+                        help="gate: minimum accuracy gain over your active adapter of the same base (or that base), "
                              "-1..1")
 
 

@@ -95,9 +95,9 @@ def _baseline(user, candidate: str, candidate_base: str) -> dict:
     if active is None:
         note = "no adapter is active for you"
     elif active.adapter.name == candidate:
-        note = f"the active adapter is {candidate!r} itself, whose snapshot the new run has replaced"
+        note = f"your active adapter is {candidate!r} itself, whose snapshot the new run has replaced"
     elif active.base != candidate_base:
-        note = f"the active adapter {active.adapter.name!r} is over another base ({active.base!r})"
+        note = f"your active adapter {active.adapter.name!r} is over another base ({active.base!r})"
     else:
         return _adapter_baseline(active.adapter.name, active.base, active.adapter_sha256)
     return _base_baseline(candidate_base, f"{note}: compared with the base {candidate_base!r}")
@@ -146,8 +146,8 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
                           max_new_tokens: int = MAX_NEW_TOKENS) -> EvalRun:
     """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot that USER may use) on SUITE against
     BASELINE (an adapter over the same base that USER may use, or that base), else against USER's active adapter
-    when it is over the candidate's base, else against the base itself; a worker runs it (Celery with REDIS_URL, else the embedded worker). A baseline over
-    another base is refused (409 cross_base_comparison)."""
+    when it is over the candidate's base, else against the base itself; a worker runs it (Celery with REDIS_URL,
+    else the embedded worker). A baseline over another base is refused (409 cross_base_comparison)."""
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
 

@@ -44,8 +44,8 @@ def get_suite(request: HttpRequest, name: str):
              operation_id="create_eval_run")
 def create_run(request: HttpRequest, payload: RunIn):
     """Queues an evaluation of the adapter and of the baseline on the suite; a worker runs it. The baseline is the
-    one named (yours or shared with you), else your active adapter when it is over the candidate's base, else that base itself; a baseline over
-    another base is refused (409 cross_base_comparison, naming both bases)."""
+    one named (yours or shared with you), else your active adapter when it is over the candidate's base, else that
+    base itself; a baseline over another base is refused (409 cross_base_comparison, naming both bases)."""
     run = actions.do_enqueue_evaluation(request.auth, payload.adapter, payload.suite, base=payload.base,
                                         baseline=payload.baseline, max_new_tokens=payload.max_new_tokens)
     return Status(201, run.to_dict())

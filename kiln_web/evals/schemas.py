@@ -62,7 +62,7 @@ class CandidateOut(Schema):
 
 class BaselineOut(Schema):
     kind: Literal["adapter", "base"] = Field(description="an adapter over the candidate's base (the one asked for, "
-                                                         "or the one active when the run was queued), or that base")
+                                                         "or your active one when the run was queued), or that base")
     name: str
     base: str
     adapter_sha256: str | None

@@ -40,7 +40,8 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="a base or a loaded adapter; absent: the active adapter")
+    model: str | None = Field(None, description="a base or a loaded adapter you may use; absent: your active "
+                                                "adapter, else the default base")
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -24,7 +24,7 @@ class PromotionGate(Schema):
                                                              "(inconclusive); absent: the server's "
                                                              "KILN_GATE_MIN_EXAMPLES (20)")
     min_improvement: float | None = Field(None, ge=-1, le=1, description="the candidate's accuracy minus that of "
-                                                                        "the active adapter (or the base) must "
+                                                                        "your active adapter (or the base) must "
                                                                         "reach this")
 
     @model_validator(mode="after")

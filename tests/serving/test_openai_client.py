@@ -128,6 +128,22 @@ def test_eight_concurrent_clients_get_their_own_answers(kiln):
     assert len(set(sequential)) == len(seeds)  # and the answers are independent of each other
 
 
+def test_the_cli_shares_and_unshares_the_adapter(kiln, client):
+    """carol (a token made by `kiln token create`, another process) is answered as for an unknown name until the
+    owner shares the adapter with her, and again once it is unshared; the owner's default never becomes hers."""
+    carol_token = kiln_cli(kiln, "token", "create", "--user", "carol").strip().splitlines()[-1]
+    carol = openai.OpenAI(base_url=f"{kiln.url}/v1", api_key=carol_token, max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError):
+        carol.chat.completions.create(model=ADAPTER, messages=MESSAGES, max_tokens=2)
+    assert ADAPTER not in [model.id for model in carol.models.list()]
+    assert "shared support-bot with the user carol" in kiln_cli(kiln, "adapter", "share", ADAPTER, "--user", "carol")
+    assert carol.chat.completions.create(model=ADAPTER, messages=MESSAGES, max_tokens=2).model == ADAPTER
+    assert carol.chat.completions.create(messages=MESSAGES, max_tokens=2, model="").model == "kiln-tiny"
+    assert "stopped sharing" in kiln_cli(kiln, "adapter", "unshare", ADAPTER, "--user", "carol")
+    with pytest.raises(openai.NotFoundError):
+        carol.chat.completions.create(model=ADAPTER, messages=MESSAGES, max_tokens=2)
+
+
 def test_the_cli_unloads_and_deletes_the_adapter(kiln, client):
     assert "it was active" in kiln_cli(kiln, "adapter", "unload", ADAPTER)
     assert f"deleted {ADAPTER}" in kiln_cli(kiln, "adapter", "delete", ADAPTER, "--yes")
