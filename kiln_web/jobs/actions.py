@@ -60,6 +60,19 @@ def _check_adapter_owner(name: str, user) -> None:
         raise _name_taken(name)
 
 
+def _hidden(user, path_text) -> bool:
+    from kiln_web.serving.actions import registry_adapter_hidden
+
+    return registry_adapter_hidden(user, path_text)
+
+
+def _check_base_adapter_visible(path_text, user) -> None:
+    """A warm start from someone else's adapter (one not shared with USER) reads it: refused exactly as the
+    trainer refuses a base_adapter directory that does not exist."""
+    if _hidden(user, path_text):
+        raise ActionRefused(400, "base_adapter_not_found", f"{path_text} is not a directory")
+
+
 def enqueue_job(job_id) -> None:
     """Hand a committed queued job to a worker: Celery with REDIS_URL, else wake the embedded worker."""
     try:
@@ -114,10 +127,14 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
         raise ActionRefused(400, "invalid_request", f"training kind {kind!r} is not one of {', '.join(JobKind.values)}")
     name = request["config"]["output_name"]
     _check_adapter_owner(name, user)
+    _check_base_adapter_visible(request["config"].get("base_adapter"), user)
     request = split_promotion_fields(user, request)  # auto_load and gate are decided after training, never admitted
     if kind == JobKind.OPD:
-        request = {**request, "config": {**request["config"],
-                                         "teacher": teachers.resolve_teacher(request["config"].get("teacher"))}}
+        teacher = teachers.resolve_teacher(request["config"].get("teacher"))
+        if _hidden(user, teacher.get("adapter")):  # distilling from an adapter reads it
+            raise ActionRefused(400, "teacher_unavailable", f"the teacher {teacher['alias']}'s adapter cannot be "
+                                                            "read", field="config.teacher")
+        request = {**request, "config": {**request["config"], "teacher": teacher}}
     runner = runtime.runner(kind)
     admission = runner.admit(request, runtime.run_settings(runner.module))
     if (admission.total_steps or 0) > MAX_TOTAL_STEPS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 from django.db import transaction
 from django.utils import timezone
@@ -58,6 +59,25 @@ def adapter_for(user, name: str, *, manage: bool = True) -> Adapter:
                                                           "evaluation; only its owner (or staff) can load, unload, "
                                                           "activate, delete or share it")
     return adapter
+
+
+def registry_adapter_hidden(user, path_text) -> bool:
+    """Whether PATH_TEXT (a teacher's adapter directory, a warm start's base_adapter) lies in the adapter registry
+    under an adapter USER may not see: its PEFT snapshot `NAME` or a checkpoint `NAME-checkpoint-step-...`. Reading
+    those weights (distilling from them, starting from them) is using the adapter, so the caller refuses it as
+    if the directory did not exist. A path that does not resolve, or lies elsewhere, is left to the caller."""
+    if not isinstance(path_text, str) or not path_text:
+        return False
+    try:
+        registry = runtime.registry().resolve()
+        resolved = Path(path_text).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    if resolved == registry or not resolved.is_relative_to(registry):
+        return False
+    name = resolved.relative_to(registry).parts[0].split("-checkpoint-step-")[0]
+    adapter = Adapter.objects.filter(name=name).first()
+    return adapter is not None and not adapter.is_visible_to(user)
 
 
 def job_base(job) -> str | None:

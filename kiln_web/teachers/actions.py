@@ -25,8 +25,11 @@ PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a PEFT
 # -- helpers --
 
 
-def _adapter_directory(text: str) -> str:
-    """The resolved adapter directory, which must lie in the adapter registry or a data root."""
+def _adapter_directory(text: str, user=None) -> str:
+    """The resolved adapter directory, which must lie in the adapter registry or a data root; one of the registry's
+    adapters that USER may not see is refused exactly as a directory without the PEFT files."""
+    from kiln_web.serving.actions import registry_adapter_hidden
+
     path = Path(text)
     if not path.is_absolute():
         raise ActionRefused(400, "invalid_request", f"adapter {text!r} must be an absolute path", field="adapter")
@@ -37,21 +40,24 @@ def _adapter_directory(text: str) -> str:
                             f"adapter {text} is outside the adapter registry and the data roots "
                             f"({', '.join(map(str, roots))}); copy it into one of them", field="adapter")
     missing = [name for name in PEFT_FILES if not (resolved / name).is_file()]
+    if user is not None and registry_adapter_hidden(user, text):
+        missing = list(PEFT_FILES)
     if missing:
         raise ActionRefused(400, "adapter_not_found", f"adapter {text} is not a PEFT adapter directory: it lacks "
                                                       f"{', '.join(missing)}", field="adapter")
     return str(resolved)
 
 
-def validate_teacher(name: str, fields: dict) -> tuple[str, dict, str]:
-    """(route, the stored configuration, its identity revision) for NAME; ActionRefused on a bad value."""
+def validate_teacher(name: str, fields: dict, user=None) -> tuple[str, dict, str]:
+    """(route, the stored configuration, its identity revision) for NAME; ActionRefused on a bad value. USER (None:
+    the admin, staff) must be able to see an adapter of the registry that the alias names."""
     match = ALIAS_RE.match(name or "")
     if match is None:
         raise ActionRefused(400, "invalid_request", f"teacher alias {name!r} must be NAME@native or NAME@openai "
                                                     "(NAME: letters, digits, '.', '_', '-')", field="name")
     values = {key: fields.get(key) or None for key in SPEC_FIELDS}
     if values["adapter"] is not None:
-        values["adapter"] = _adapter_directory(values["adapter"])
+        values["adapter"] = _adapter_directory(values["adapter"], user)
     try:
         spec = runtime.teacher_spec({"alias": name, "route": match.group(1), **values})
     except LookupError as exc:
@@ -88,7 +94,7 @@ def check_unused(alias: TeacherAlias) -> None:
 
 def do_create_teacher(user, name: str, fields: dict) -> TeacherAlias:
     """Register NAME (name@route) with its configuration (base, adapter, endpoint, model) for USER."""
-    route, values, revision = validate_teacher(name, fields)
+    route, values, revision = validate_teacher(name, fields, user)
     try:
         with transaction.atomic():
             return TeacherAlias.objects.create(
@@ -102,7 +108,7 @@ def do_create_teacher(user, name: str, fields: dict) -> TeacherAlias:
 def do_update_teacher(user, name: str, fields: dict) -> TeacherAlias:
     """Replace NAME's configuration. A different configuration has a different identity revision, so
     OPD checkpoints made with the old one can no longer be resumed (until the old one is restored)."""
-    _, values, revision = validate_teacher(name, fields)
+    _, values, revision = validate_teacher(name, fields, user)
     with transaction.atomic():
         alias = _locked(name)
         _check_owner(alias, user)

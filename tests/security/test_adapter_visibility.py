@@ -343,3 +343,36 @@ def test_sharing_and_unsharing_take_effect_on_the_next_request(scene, settings):
     assert call(alice, "DELETE", f"/v1/adapters/{scene.name}/shares/user/carol").status_code == 204
     assert _complete(scene, "carol", "/v1/completions", scene.name).status_code == 404
     assert scene.api("carol").get(f"/v1/adapters/{scene.name}").status_code == 404
+
+
+# -- reading an adapter's weights by path: a warm start, a teacher --
+
+
+def test_weights_by_path_follow_visibility(scene, settings):
+    """A warm start (config.base_adapter) or a teacher alias naming the registry directory of an adapter the caller
+    may not see is refused exactly as a directory that does not exist; one shared with them is not refused so."""
+    from kiln_web.serving.actions import registry_adapter_hidden
+
+    registry = settings.KILN_ADAPTERS_DIR
+    theirs, gone = str(registry / scene.name), str(registry / f"{scene.name}-gone")
+    assert registry_adapter_hidden(scene.people["bob"], theirs)
+    assert not registry_adapter_hidden(scene.people["carol"], theirs)
+    assert not registry_adapter_hidden(scene.people["alice"], theirs)
+    assert registry_adapter_hidden(scene.people["bob"], str(registry / f"{scene.name}-checkpoint-step-00000002"))
+
+    def warm_start(path):
+        body = {"data": [{"prompt": "q", "completion": "a"}],
+                "config": {"output_name": f"{scene.name}-bobs", "base_adapter": path}}
+        return call(scene.api("bob"), "POST", "/v1/train/sft", body)
+
+    refused = warm_start(theirs)
+    assert refused.json()["error"]["code"] == "base_adapter_not_found"
+    _unknown_alike(refused, warm_start(gone), scene.name)
+
+    def teacher(path):
+        return call(scene.api("bob"), "POST", "/v1/teachers",
+                    {"name": f"{scene.name}-t@native", "base": "kiln-tiny", "adapter": path})
+
+    refused = teacher(theirs)
+    assert refused.json()["error"]["code"] == "adapter_not_found"
+    _unknown_alike(refused, teacher(gone), scene.name)
