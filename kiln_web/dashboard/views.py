@@ -226,8 +226,9 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
     adapter = readers.visible_adapters(request.user).filter(name=name).first()
     if adapter is None:
         raise Http404("no such adapter (or it belongs to someone else)")
-    checkpoints, error = readers.adapter_checkpoints(adapter)
     manages = adapter.is_owner_or_staff(request.user)
+    # checkpoints are its owner's training state (the API shows them only through the owner's jobs)
+    checkpoints, error = readers.adapter_checkpoints(adapter) if manages else ([], None)
     return render(request, "dashboard/adapter_detail.html", {
         "adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name), "checkpoints": checkpoints,
         "served": readers.served(adapter), "can_manage": manages,

@@ -300,8 +300,9 @@ def test_dashboard_pages_follow_visibility(scene):
     carol = pages["carol"].get(f"/adapters/{scene.name}/")
     assert carol.status_code == 200 and "data-shared-with-you" in carol.content.decode()
     assert "data-adapter-shares" not in carol.content.decode() and "/unload/" not in carol.content.decode()
+    assert "Checkpoints of" not in carol.content.decode()  # the owner's training state stays the owner's
     alice = pages["alice"].get(f"/adapters/{scene.name}/").content.decode()
-    assert "data-adapter-shares" in alice and "carol" in alice
+    assert "data-adapter-shares" in alice and "carol" in alice and "Checkpoints of" in alice
     for listing in ("/promotions/", "/evals/"):
         assert scene.name not in pages["bob"].get(listing).content.decode(), listing
 
