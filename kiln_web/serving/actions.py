@@ -330,9 +330,9 @@ def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
     row = rows.get(adapter.pk)
     mine = bool(row and row.active and user is not None and row.active_for_id == user.pk)
     manages = user is not None and adapter.is_owner_or_staff(user)
+    latest = adapter.promotions.order_by("-decided_at", "-id").first() if manages else None  # the owner's history
     shares = ([share.to_dict() for share in adapter.shares.select_related("user", "group", "created_by")]
               if manages else None)
-    latest = adapter.promotions.order_by("-decided_at", "-id").first()
     serving = runtime.started()
     return {"name": adapter.name, "owner": adapter.owner.get_username(), "base": adapter_base(adapter),
             "snapshot": runtime.has_snapshot(adapter.name), "loaded": row is not None,

@@ -111,7 +111,8 @@ class AdapterOut(Schema):
     serving: ServedOut | None
     loaded_here: bool = Field(description="whether the process that answered holds it in memory")
     checkpoint_records: int
-    latest_promotion: PromotionOut | None
+    latest_promotion: PromotionOut | None = Field(description="null unless you may manage it (promotions are its "
+                                                           "owner's history)")
     created_at: datetime
     can_manage: bool = Field(description="whether you may load, unload, activate, delete and share it (its owner, "
                                          "or staff); an adapter shared with you can only be used")

@@ -207,8 +207,10 @@ def test_the_listings_show_what_each_person_may_use(scene):
     assert listed["root"]["active"] is None
     carol = next(item for item in listed["carol"]["items"] if item["name"] == scene.name)
     assert carol["can_manage"] is False and carol["shares"] is None and carol["active"] is False
+    assert carol["latest_promotion"] is None
     alice = next(item for item in listed["alice"]["items"] if item["name"] == scene.name)
     assert alice["can_manage"] and [(s["kind"], s["name"]) for s in alice["shares"]] == [("user", "carol")]
+    assert alice["latest_promotion"]["outcome"] == "promoted"  # her activation
 
     adapter = Adapter.objects.get(name=scene.name)
     do_promote(adapter, "kiln-tiny", adapter.serving.adapter_sha256, decided_by="test", reason="listed")
