@@ -157,7 +157,8 @@ def test_broker_switches_on_redis_url():
     broker, layers = broker_config("redis://cache:6379/2")
     assert broker == "redis://cache:6379/2"
     assert layers["default"]["BACKEND"] == "channels_redis.core.RedisChannelLayer"
-    assert layers["default"]["CONFIG"]["hosts"] == [{"address": "redis://cache:6379/2", "max_connections": 1000}]
+    assert layers["default"]["CONFIG"]["hosts"] == [{"address": "redis://cache:6379/2", "max_connections": 1000,
+                                                     "socket_timeout": 30}]
 
     with pytest.raises(ImproperlyConfigured, match="REDIS_URL"):
         broker_config("amqp://guest@rabbit//")
