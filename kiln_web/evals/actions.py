@@ -38,6 +38,9 @@ def do_create_suite(user, name: str, content: str, default_metric: str = Metric.
     if default_metric not in Metric.values:
         raise ActionRefused(400, "invalid_request", f"default_metric must be one of {', '.join(Metric.values)}",
                             field="default_metric")
+    if isinstance(content, str) and "\x00" in content:
+        raise ActionRefused(400, "invalid_suite", "the suite holds a NUL character (U+0000), which no database "
+                                                  "text field keeps; remove it", field="content")
     try:
         suite = runtime.parse(name, content, default_metric)
     except runtime.SuiteError as error:
@@ -201,6 +204,13 @@ def do_fail_unclaimed(run_id, code: str, message: str) -> bool:
     return changed == 1
 
 
+def storable(output: str) -> str:
+    """A model's output (or an expected answer) as a text column keeps it: PostgreSQL refuses NUL characters (a
+    byte-level model such as kiln-tiny can generate one), so each is stored, and shown, as the six characters
+    \\u0000. Scoring saw the real text."""
+    return output.replace("\x00", "\\u0000")
+
+
 def do_finish_evaluation(run_id, worker_id: str, comparison=None, *, error_code: str = "",
                          error_message: str = "") -> bool:
     """running -> succeeded (with the comparison's summaries and per-example results) or failed."""
@@ -220,9 +230,9 @@ def do_finish_evaluation(run_id, worker_id: str, comparison=None, *, error_code:
             run.save(update_fields=["status", "candidate_summary", "baseline_summary", "candidate_sha256",
                                     "finished_at"])
             EvalExampleResult.objects.bulk_create(
-                EvalExampleResult(run=run, index=ours["index"], expected=ours["expected"], metric=ours["metric"],
-                                  candidate_output=ours["output"], candidate_correct=ours["correct"],
-                                  baseline_output=theirs["output"], baseline_correct=theirs["correct"])
+                EvalExampleResult(run=run, index=ours["index"], expected=storable(ours["expected"]), metric=ours["metric"],
+                                  candidate_output=storable(ours["output"]), candidate_correct=ours["correct"],
+                                  baseline_output=storable(theirs["output"]), baseline_correct=theirs["correct"])
                 for ours, theirs in zip(comparison.candidate.examples, comparison.baseline.examples))
         _finished(run.pk)
     return True

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kiln_web.evals import runtime as evals_runtime
+from kiln_web.evals.actions import storable
 from kiln_web.evals.models import EvalRun
 from kiln_web.jobs.models import TrainingJob
 from kiln_web.jobs.worker import EmbeddedWorker
@@ -84,8 +85,9 @@ def test_gate_passes_and_the_candidate_is_activated(publishing_runner, api, sett
     assert run["candidate"]["summary"]["accuracy"] == 1.0
     assert run["baseline"]["kind"] == "adapter" and run["baseline"]["name"] == previous
     assert run["baseline"]["summary"]["accuracy"] == 0.0
-    assert run["examples"] == [{"index": 0, "expected": expected, "metric": "exact",
-                                "candidate": {"output": expected, "correct": True},
+    shown = storable(expected)  # as stored and shown (a NUL character, which kiln-tiny can generate, escaped)
+    assert run["examples"] == [{"index": 0, "expected": shown, "metric": "exact",
+                                "candidate": {"output": shown, "correct": True},
                                 "baseline": {"output": run["examples"][0]["baseline"]["output"], "correct": False}}]
     record = PromotionRecord.objects.get(job_id=job["id"])
     assert (record.outcome, record.decided_by, str(record.evaluation_id), record.previous_active) == (
@@ -252,3 +254,15 @@ def test_the_real_trainer_never_sees_the_promotion_fields(api, settings, adapter
     assert job["promotion"]["outcome"] == "promoted", job["promotion"]
     assert active_name() == adapter_name
 
+
+
+def test_outputs_with_nul_characters_are_stored_readably():
+    # a byte-level model (kiln-tiny) can generate U+0000; PostgreSQL text columns refuse it, so it is stored escaped
+    assert storable("a\x00b") == "a\\u0000b" and storable("plain") == "plain"
+
+
+def test_a_suite_with_a_nul_character_is_refused(api):
+    response = api.post("/v1/evals/suites", {"name": "nul", "content": '{"prompt": "a\\u0000", "expected": "b"}\n'
+                                                                      .replace("\\u0000", "\x00")})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_suite"
+    assert "NUL" in response.json()["error"]["message"]
