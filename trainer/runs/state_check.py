@@ -24,6 +24,7 @@ import numpy as np
 
 from trainer.runs.admission import PLANNING_SCHEMA_V3
 from trainer.runs.checkpoint_dir_names import BadField, InconsistentState, NoncanonicalName, checkpoint_basename
+from trainer.jsonio import strict_loads
 from trainer.runs.formats import (GUARDRAILS, MAX_IDLE_CANDIDATES, PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW,
                                   rollout_seed)
 from trainer.runs.state import ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE
@@ -185,19 +186,6 @@ def _jsonable(value) -> bool:
         return False
 
 
-def _refuse_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _no_duplicates(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # what every kind shares
 
@@ -212,10 +200,9 @@ class Context:
         if raw is None:
             raise c.bad(STATE_FILE, "is missing: every run checkpoint holds its state document")
         raw = bytes(raw)
-        try:
-            document = json.loads(raw.decode("ascii"), parse_constant=_refuse_constant,
-                                  object_pairs_hook=_no_duplicates)
-        except (UnicodeDecodeError, ValueError) as error:
+        try:  # strict (no duplicate keys, no NaN); integers unbounded (RNG states are 128-bit); ASCII by the
+            document = strict_loads(raw, bounded_ints=False)  # canonical-form comparison below
+        except ValueError as error:
             raise c.bad(STATE_FILE, f"is not strict ASCII JSON: {error}") from None
         if json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False).encode() != raw:
             raise c.bad(STATE_FILE, "is not in the canonical form runs write (sorted keys, compact); it was rewritten")
