@@ -5,10 +5,11 @@ import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from controlplane.services import ROOT, Stack
+from controlplane.services import REDIS_URL, ROOT, Stack
 
 CHROMIUM = Path(os.environ.get("KILN_TEST_CHROMIUM", "/usr/bin/chromium"))
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -23,6 +24,23 @@ def require_chromium() -> None:
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing; install it with: apt-get install chromium chromium-driver")
     pytest.importorskip("playwright.sync_api", reason="playwright is missing; pip install -e '.[test]'")
+
+
+@contextmanager
+def served(tmp_path_factory, name: str, redis_db: int | None = None, **env):
+    """Kiln as deployed for a browser test: `kiln up` in a fresh KILN_HOME. With REDIS_DB, a separate Celery worker
+    on that database of the test Redis (a database of its own: another Kiln stack on the same server, another
+    checkout's CI run, would otherwise consume this stack's tasks); else the embedded worker. Skips, saying why,
+    without Chromium, Playwright or (for REDIS_DB) Redis; stops everything it started."""
+    if redis_db is not None and REDIS_URL is None:
+        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
+    require_chromium()
+    redis_url = None if redis_db is None else urlunsplit(urlsplit(REDIS_URL)._replace(path=f"/{redis_db}"))
+    running = Stack(tmp_path_factory.mktemp(name), redis_url=redis_url, **env)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 @contextmanager

@@ -12,14 +12,11 @@ horizontal scrolling.
 import json
 import re
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from controlplane.services import REDIS_URL, Stack
-
-from .browser import (DESKTOP, PHONE, SHOTS, admin_password, chromium_browser, no_horizontal_scroll,
-                      require_chromium, shot)
+from .browser import (DESKTOP, PHONE, SHOTS, admin_password, chromium_browser, no_horizontal_scroll, served,
+                      shot)
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +26,8 @@ EPOCHS = 50  # 4 records x 50 epochs = 200 steps: long enough to watch and stop,
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if REDIS_URL is None:
-        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    require_chromium()
-    # a database of its own on the test Redis: another Kiln test stack on the same server (another
-    # checkout's CI run) would otherwise consume this stack's tasks from the shared "training" queue
-    redis_url = urlunsplit(urlsplit(REDIS_URL)._replace(path="/14"))
-    running = Stack(tmp_path_factory.mktemp("kiln-dashboard-home"), redis_url=redis_url)
-    try:
+    with served(tmp_path_factory, "kiln-dashboard-home", redis_db=14) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,7 @@ import time
 
 import pytest
 
-from controlplane.services import Stack
-
-from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, require_chromium, shot, sign_in
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, served, shot, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -23,12 +21,8 @@ SUITE = [{"prompt": "Say kiln.", "expected": ".*", "metric": "regex"},
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    require_chromium()
-    running = Stack(tmp_path_factory.mktemp("kiln-evals-home"), redis_url=None)  # the embedded worker is enough
-    try:
+    with served(tmp_path_factory, "kiln-evals-home") as running:  # the embedded worker is enough
         yield running
-    finally:
-        running.stop()
 
 
 def wait_for(read, until, what: str, timeout: float = 300):

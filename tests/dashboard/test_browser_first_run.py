@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from controlplane.services import ROOT, Stack
+from controlplane.services import ROOT
 
-from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, require_chromium, shot, sign_in
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, served, shot, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +18,8 @@ SAMPLE = ROOT / "static" / "samples" / "arithmetic.jsonl"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    require_chromium()
-    running = Stack(tmp_path_factory.mktemp("kiln-first-run-home"), redis_url=None)
-    try:
+    with served(tmp_path_factory, "kiln-first-run-home") as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_the_empty_jobs_page_shows_a_first_run_that_fits(stack):

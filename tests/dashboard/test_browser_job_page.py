@@ -15,9 +15,7 @@ import re
 
 import pytest
 
-from controlplane.services import REDIS_URL, Stack
-
-from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, require_chromium, sign_in
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, served, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +28,10 @@ TIMEOUT_MS = 120_000  # a wait for the worker (training, evaluation, canary) on 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    if REDIS_URL is None:
-        pytest.skip("KILN_TEST_REDIS_URL is unset (./dev test sets it when Redis answers)")
-    require_chromium()
-    from urllib.parse import urlsplit, urlunsplit
-
-    # a Redis database of its own (see test_browser.py), and no checkpointing unless a request asks for it
-    redis_url = urlunsplit(urlsplit(REDIS_URL)._replace(path="/13"))
-    running = Stack(tmp_path_factory.mktemp("kiln-job-page-home"), redis_url=redis_url,
-                    KILN_CHECKPOINT_INTERVAL="off", KILN_DEFAULT_BASE="kiln-tiny")
-    try:
+    # a Redis database of its own, and no checkpointing unless a request asks for it
+    with served(tmp_path_factory, "kiln-job-page-home", redis_db=13, KILN_CHECKPOINT_INTERVAL="off",
+                KILN_DEFAULT_BASE="kiln-tiny") as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
