@@ -11,6 +11,7 @@ import json
 import string
 from pathlib import Path
 
+from controlplane.rl_data import make_group
 from trainer.runs import checkpoint_dir, grpo, opd, sft
 from trainer.runs.admission import RunSettings
 
@@ -21,17 +22,7 @@ SFT_RECORDS = [
 ] + [{"prompt": "Say hello.", "completion": "Hello!"}]
 
 
-def _group(i):
-    prompt = ({"messages": [{"role": "user", "content": f"What is {i} times 3?"}]} if i % 2
-              else {"prompt": f"Q: {i} times 3 ="})
-    return {**prompt, "completions": [
-        {"text": f" {3 * i}.", "reward": 1.0},
-        {"text": f" {3 * i + 1}, I think", "reward": 0.0},
-        {"text": " I cannot say", "rewards": {"correct": 0.0, "polite": 1.0, "brief": None}},
-    ], "reward_weights": {"polite": 0.3}}
-
-
-GROUPS = [_group(i) for i in range(5)]
+GROUPS = [make_group(i) for i in range(5)]  # scored groups with text and chat prompts
 OPD_PROMPTS = ["Hello", {"prompt": "Tell me a story about"},
                {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}]
 
