@@ -53,8 +53,8 @@ def test_a_checkpoint_resumes_only_on_a_worker_of_its_identity(stack):
         job = stack.submit(request)
         stack.wait_held(adapter, job["id"])
         stack.client.cancel(job["id"])
+        first = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)  # the cancel releases the hold
         stack.release(adapter)
-        first = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
         assert first["status"] == "cancelled", first["error"]
         execution = first["identities"]["execution"]
         assert execution["blas"]["threads"] == 2 and execution["kiln"] not in ("0", None)

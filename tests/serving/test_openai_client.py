@@ -3,7 +3,6 @@ kiln-tiny base and a published adapter, loaded and activated with the `kiln adap
 and chat, streamed and not, with the streamed text equal to the whole answer; and 8 concurrent clients
 whose answers equal the same requests made one at a time."""
 
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,9 @@ def kiln(tmp_path_factory):
 
 
 def kiln_cli(kiln, *args) -> str:
-    env = {**os.environ, "KILN_URL": kiln.url, "KILN_TOKEN": kiln.token, "KILN_HOME": str(kiln.home)}
+    # the stack's own environment: its KILN_HOME and SQLite database (local commands such as `kiln token create`
+    # write there), never the DATABASE_URL the test run itself was given
+    env = {**kiln.env, "KILN_URL": kiln.url, "KILN_TOKEN": kiln.token}
     done = subprocess.run([sys.executable, "-m", "kiln_web.cli", *args], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
