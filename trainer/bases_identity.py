@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from trainer.config import TransformerConfig
+from trainer.checkpoint_format import parameter_signature
+from trainer.config import FAMILY_DEFAULTS, TransformerConfig
 from trainer.jsonio import canonical_bytes
 
 IDENTITY_SCHEMA = "kiln.base-identity"
@@ -18,9 +19,10 @@ SHARD_BYTES = 256 << 20  # FP32 bytes per shard: bounds the memory an import hol
 ARCHITECTURE_FIELDS = ("vocabulary_size", "maximum_context", "model_width", "head_count",
                        "block_count", "feed_forward_width", "kv_head_count", "head_size",
                        "rope_theta", "norm_epsilon", "tie_embeddings")  # TransformerConfig.architecture()
+FAMILY_FIELDS = tuple(FAMILY_DEFAULTS)  # architecture too, in architecture() only where not the Llama default
 # TransformerConfig fields a caller may set when loading: how to run, never what to run
 EXECUTION_OPTIONS = tuple(f.name for f in fields(TransformerConfig)
-                          if f.name not in ARCHITECTURE_FIELDS
+                          if f.name not in ARCHITECTURE_FIELDS and f.name not in FAMILY_FIELDS
                           and f.name not in ("initializer_seed", "initializer_range"))
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}\Z")
 
@@ -131,22 +133,8 @@ def directory_identity(directory) -> str:
 
 
 def parameter_shapes(config: TransformerConfig) -> dict:
-    """{Hugging Face Llama name: shape} of every base parameter, in the model's order."""
-    C, F, V = config.model_width, config.feed_forward_width, config.vocabulary_size
-    H, KV, D = config.head_count, config.kv_heads, config.head_dimension
-    shapes = {"model.embed_tokens.weight": (V, C)}
-    for i in range(config.block_count):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (H * D, C), p + "self_attn.k_proj.weight": (KV * D, C),
-            p + "self_attn.v_proj.weight": (KV * D, C), p + "self_attn.o_proj.weight": (C, H * D),
-            p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
-            p + "mlp.down_proj.weight": (C, F), p + "input_layernorm.weight": (C,),
-            p + "post_attention_layernorm.weight": (C,)})
-    shapes["model.norm.weight"] = (C,)
-    if not config.tie_embeddings:
-        shapes["lm_head.weight"] = (V, C)
-    return shapes
+    """{Hugging Face name: shape} of every base parameter, in the model's order."""
+    return dict(parameter_signature(config))
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,24 @@ import numpy as np
 
 from trainer.bases_identity import (CONFIG_FILE, TINY_ARCHITECTURE, TINY_SEED, TINY_SPECIALS, TINY_STD,
                                     TINY_TOKENIZER_CONFIG, file_digest, parameter_shapes, shard_files)
-from trainer.config import TransformerConfig
+from trainer.config import FAMILIES, LLAMA3_ROPE_KEYS, TransformerConfig
 from trainer.tensorfiles import SafetensorsFile
 from trainer.tokenizer import Tokenizer, byte_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_directory
+
+
+def phi3_fused_names(config, prefix="model.layers"):
+    """{Kiln name: (Phi-3's fused name, row slice)}: qkv_proj holds q, k, v and gate_up_proj gate, up."""
+    H, KV, D, F = config.head_count, config.kv_heads, config.head_dimension, config.feed_forward_width
+    parts = {}
+    for i in range(config.block_count):
+        attention, mlp = f"{prefix}.{i}.self_attn.", f"{prefix}.{i}.mlp."
+        qkv, gate_up = attention + "qkv_proj.weight", mlp + "gate_up_proj.weight"
+        parts[attention + "q_proj.weight"] = (qkv, slice(0, H * D))
+        parts[attention + "k_proj.weight"] = (qkv, slice(H * D, (H + KV) * D))
+        parts[attention + "v_proj.weight"] = (qkv, slice((H + KV) * D, (H + 2 * KV) * D))
+        parts[mlp + "gate_proj.weight"] = (gate_up, slice(0, F))
+        parts[mlp + "up_proj.weight"] = (gate_up, slice(F, 2 * F))
+    return parts
 
 
 class _Source:
@@ -186,36 +201,56 @@ class _HuggingFaceSource(_Source):
         self.hf_config = json.loads(config_path.read_text(encoding="utf-8"))
         self.config = self._config()
         self._files = {}
+        self._fused = (None, None)
         self._where = self._weight_map()
 
     def _config(self):
         hf, where = self.hf_config, self.path.name
-        model_type = hf.get("model_type")
-        if model_type != "llama":
-            raise ValueError(f"{where}: model_type {model_type!r} is not supported; Kiln imports "
-                             "Llama-architecture (model_type 'llama') directories")
+        family = hf.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(f"{where}: model_type {family!r} is not supported; Kiln imports "
+                             f"{', '.join(repr(f) for f in FAMILIES)} directories")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (silu only)")
-        for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag):
-                raise ValueError(f"{where}: {flag} is set; Kiln's Llama has no biases")
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type not in (None, "default"):
-            raise ValueError(f"{where}: rope type {rope_type!r} is not supported; Kiln's rotary "
-                             "positions are unscaled")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{where}: mlp_bias is set; Kiln's MLP projections have no biases")
+        if family != "qwen2" and hf.get("attention_bias"):
+            raise ValueError(f"{where}: attention_bias is set on a {family} model (a bias on o_proj too); "
+                             "Kiln supports q/k/v biases as Qwen2 has them, and no o_proj bias")
+        layer_types = set(hf.get("layer_types") or ())
+        if hf.get("use_sliding_window") or layer_types - {"full_attention"}:
+            raise ValueError(f"{where}: per-layer sliding attention (use_sliding_window / layer_types "
+                             f"{sorted(layer_types)}) is not supported")
+        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"{where}: rope type {rope_type!r} is not supported; Kiln supports unscaled "
+                             "rotary positions and Llama 3's 'llama3' scaling")
+        if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+            raise ValueError(f"{where}: partial rotary (partial_rotary_factor "
+                             f"{rope.get('partial_rotary_factor', hf.get('partial_rotary_factor'))}) is not supported")
+        scaling = None
+        if rope_type == "llama3":
+            try:
+                scaling = ("llama3", *(float(rope[key]) for key in LLAMA3_ROPE_KEYS))
+            except KeyError as exc:
+                raise ValueError(f"{where}: rope type 'llama3' lacks {exc.args[0]}") from None
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        heads = hf["num_attention_heads"]
+        heads = hf["num_attention_heads"] if "num_attention_heads" in hf else None
         try:
+            context = hf["max_position_embeddings"]
+            window = hf.get("sliding_window")
             return TransformerConfig(
-                vocabulary_size=hf["vocab_size"], maximum_context=hf["max_position_embeddings"],
-                model_width=hf["hidden_size"], head_count=heads,
+                vocabulary_size=hf["vocab_size"], maximum_context=context,
+                model_width=hf["hidden_size"], head_count=hf["num_attention_heads"],
                 kv_head_count=hf.get("num_key_value_heads") or heads,
                 block_count=hf["num_hidden_layers"], feed_forward_width=hf["intermediate_size"],
-                head_size=hf.get("head_dim") or hf["hidden_size"] // heads,
+                head_size=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
                 rope_theta=float(theta), norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), family=family,
+                attention_bias=family == "qwen2", qk_norm=family == "qwen3", rope_scaling=scaling,
+                # a window no shorter than the context hides nothing: the model is unwindowed
+                sliding_window=window if family in ("mistral", "phi3") and window and window < context else None)
         except KeyError as exc:
             raise ValueError(f"{where}: config.json lacks {exc.args[0]}") from None
 
@@ -232,16 +267,21 @@ class _HuggingFaceSource(_Source):
             for file in files:
                 for name in self._file(file.name).names:
                     weight_map[name] = file.name
-        expected = parameter_shapes(self.config)
+        expected = {name: (name, None) for name in parameter_shapes(self.config)}
+        if self.config.family == "phi3":
+            expected.update(phi3_fused_names(self.config))
         ignored = {n for n in weight_map if self.IGNORED.match(n)}
         if self.config.tie_embeddings:
             ignored.add("lm_head.weight")  # a tied output projection some savers still write
-        missing = [n for n in expected if n not in weight_map]
-        unknown = sorted(set(weight_map) - set(expected) - ignored)
+        stored = {source for source, _ in expected.values()}
+        missing = sorted({source for source in stored if source not in weight_map})
+        unknown = sorted(set(weight_map) - stored - ignored)
         if missing or unknown:
-            raise ValueError(f"{self.path.name}: the weights do not form the Llama model config.json "
+            raise ValueError(f"{self.path.name}: the weights do not form the {self.config.family} model config.json "
                              f"describes: missing {missing[:5]}, not understood {unknown[:5]}")
-        return {n: weight_map[n] for n in expected}
+        self._rows = {name: (source, rows) for name, (source, rows) in expected.items()}
+        return {name: weight_map[source] for name, (source, _) in expected.items()} | {
+            source: weight_map[source] for source in stored}
 
     def _file(self, name):
         if name not in self._files:
@@ -249,10 +289,15 @@ class _HuggingFaceSource(_Source):
         return self._files[name]
 
     def tensor(self, name):
-        file = self._file(self._where[name])
-        if name not in file.names:
-            raise ValueError(f"{file.path.name} does not hold {name}, though the index says so")
-        return file.float32(name)
+        source, rows = self._rows[name]
+        file = self._file(self._where[source])
+        if source not in file.names:
+            raise ValueError(f"{file.path.name} does not hold {source}, though the index says so")
+        if rows is None:
+            return file.float32(source)
+        if self._fused[0] != source:  # Phi-3's fused matrices: read once for their two or three parts
+            self._fused = (source, file.float32(source))
+        return np.ascontiguousarray(self._fused[1][rows])
 
     def tokenizer(self):
         return tokenizer_from_hf_directory(self.path)
@@ -266,6 +311,7 @@ class _HuggingFaceSource(_Source):
         for file in self._files.values():
             file.close()
         self._files = {}
+        self._fused = (None, None)
 
 
 class _RegisteredSource(_Source):

@@ -5,7 +5,9 @@ key/value heads, g = H/KV, D head size, G = B*KV head groups, P positions of the
 table, F feed-forward width, r LoRA rank.
 The q/k/v projections of a block share one fused [(H+2KV)*D, C] matrix and gate/up share
 one [2F, C] matrix; the named parameters are row views into them, so one matrix product
-serves three (or two) projections. Backward accumulates into the gradient buffers and
+serves three (or two) projections. The family options add Qwen2's q/k/v biases (one fused
+[(H+2KV)*D] vector), Qwen3's per-head q/k RMSNorm before rotary, Llama 3's rotary
+frequency scaling and a sliding attention window (Mistral, Phi-3). Backward accumulates into the gradient buffers and
 marks them pending; a frozen (quantized or LoRA-wrapped) base gets no weight gradients.
 """
 
@@ -34,8 +36,23 @@ def rope_tables(config):
     """cos and sin [P, D/2] float32 of the rotary angles, computed in float64."""
     D = config.head_dimension
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    if config.rope_scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, *config.rope_scaling[1:])
     angles = np.outer(np.arange(config.maximum_context, dtype=np.float64), inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)  # [P, D/2]
+
+
+def llama3_frequencies(inv_freq, factor, low_freq_factor, high_freq_factor, original_context):
+    """Llama 3.1's rotary scaling (transformers' _compute_llama3_parameters): long wavelengths are
+    divided by `factor`, short ones kept, those between interpolated smoothly."""
+    low_wavelength = original_context / low_freq_factor
+    high_wavelength = original_context / high_freq_factor
+    wavelength = 2 * np.pi / inv_freq
+    scaled = np.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < high_wavelength) & ~(wavelength > low_wavelength)
+    return np.where(medium, smoothed, scaled)
 
 
 class Block:
@@ -57,7 +74,18 @@ class Block:
         self.v = Parameter(prefix + "self_attn.v_proj.weight", self.qkv[q_rows + kv_rows:], None)
         self.gate = Parameter(prefix + "mlp.gate_proj.weight", self.gate_up[:F], None)
         self.up = Parameter(prefix + "mlp.up_proj.weight", self.gate_up[F:], None)
+        self.qkv_bias = self.q_bias = self.k_bias = self.v_bias = None
+        if config.attention_bias:  # Qwen2: one fused bias vector, the named biases are views
+            self.qkv_bias = np.zeros((H + 2 * KV) * D, dtype=np.float32)
+            self.q_bias = Parameter(prefix + "self_attn.q_proj.bias", self.qkv_bias[:q_rows], None)
+            self.k_bias = Parameter(prefix + "self_attn.k_proj.bias", self.qkv_bias[q_rows:q_rows + kv_rows], None)
+            self.v_bias = Parameter(prefix + "self_attn.v_proj.bias", self.qkv_bias[q_rows + kv_rows:], None)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's D values of q and k
+            self.q_norm = Parameter(prefix + "self_attn.q_norm.weight", np.ones(D, np.float32), None)
+            self.k_norm = Parameter(prefix + "self_attn.k_norm.weight", np.ones(D, np.float32), None)
         self.qkv_grad = None
+        self.qkv_bias_grad = None
         self.gate_up_grad = None
         # projection -> (fused output it writes, output columns); the input is the
         # fused product's input
@@ -160,8 +188,9 @@ class Block:
             dx += np.matmul(du, adapter.A.value)
 
     def parameters(self):
-        # Hugging Face Llama order within a block
-        return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.ln1, self.ln2]
+        # Hugging Face Llama order within a block (trainer.checkpoint_format.parameter_signature)
+        extra = [p for p in (self.q_bias, self.k_bias, self.v_bias, self.q_norm, self.k_norm) if p is not None]
+        return [self.q, self.k, self.v, self.o, *extra, self.gate, self.up, self.down, self.ln1, self.ln2]
 
     def allocate_grads(self):
         H = self.q.value.shape[0]
@@ -176,6 +205,14 @@ class Block:
         self.up.grad = self.gate_up_grad[F:]
         for p in (self.o, self.down, self.ln1, self.ln2):
             p.grad = np.zeros_like(p.value)
+        if self.qkv_bias is not None:
+            self.qkv_bias_grad = np.zeros_like(self.qkv_bias)
+            self.q_bias.grad = self.qkv_bias_grad[:H]
+            self.k_bias.grad = self.qkv_bias_grad[H:H + KVD]
+            self.v_bias.grad = self.qkv_bias_grad[H + KVD:]
+        for p in (self.q_norm, self.k_norm):
+            if p is not None:
+                p.grad = np.zeros_like(p.value)
 
 
 @dataclass
@@ -202,6 +239,32 @@ class BlockActivations:
     lora_o: dict
     lora_gate_up: dict
     lora_down: dict
+    q_normed: tuple = None  # qk_norm: (pre-norm queries [N*H,D], reciprocal RMS [N*H])
+    k_normed: tuple = None  # qk_norm: (pre-norm keys [N*KV,D], reciprocal RMS [N*KV])
+
+
+def _head_norm_forward(heads, norm, epsilon):
+    """RMSNorm over each head's D values: heads [B,T,h,D] (a view) -> (normed [B,T,h,D], (input, rstd))."""
+    B, T, h, D = heads.shape
+    raw = np.ascontiguousarray(heads).reshape(B * T * h, D)  # [N*h,D]
+    normed = np.empty_like(raw)
+    rstd = np.empty(raw.shape[0], np.float32)
+    kernels.rmsnorm_forward(raw, norm.value, epsilon, normed, rstd)
+    return normed.reshape(B, T, h, D), (raw, rstd)
+
+
+def _head_norm_backward(dnormed, saved, norm, trainable, out):
+    """dnormed [B,T,h,D] -> the pre-norm gradient written to out (a [B,T,h,D] view)."""
+    raw, rstd = saved
+    draw = np.zeros_like(raw)
+    rmsnorm_backward(dnormed.reshape(raw.shape), raw, norm, rstd, draw, trainable)
+    out[...] = draw.reshape(out.shape)
+
+
+def window_limits(config, past, T):
+    """The sliding window when it hides any key from a query at positions past..past+T-1, else None."""
+    window = config.sliding_window
+    return window if window is not None and past + T > window else None
 
 
 def block_forward(block, x, config, rope, B, T, kv=None):
@@ -219,12 +282,18 @@ def block_forward(block, x, config, rope, B, T, kv=None):
     rstd1 = np.empty(N, np.float32)
     kernels.rmsnorm_forward(x, block.ln1.value, config.norm_epsilon, h1, rstd1)
     qkv = block.base_forward("qkv", h1)  # [N,(H+2KV)D]
+    if block.qkv_bias is not None:
+        qkv += block.qkv_bias
     lora_qkv = block.lora_forward("qkv", h1, qkv)
     qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
     q = np.empty((B, KV, T, g, D), np.float32)
     k = np.empty((B, KV, T, 1, D), np.float32)
-    kernels.rope_forward(qkv4[:, :, :H], cos, sin, past, q)
-    kernels.rope_forward(qkv4[:, :, H:H + KV], cos, sin, past, k)
+    q_in, k_in, q_normed, k_normed = qkv4[:, :, :H], qkv4[:, :, H:H + KV], None, None
+    if block.q_norm is not None:
+        q_in, q_normed = _head_norm_forward(q_in, block.q_norm, config.norm_epsilon)
+        k_in, k_normed = _head_norm_forward(k_in, block.k_norm, config.norm_epsilon)
+    kernels.rope_forward(q_in, cos, sin, past, q)
+    kernels.rope_forward(k_in, cos, sin, past, k)
     v = np.ascontiguousarray(qkv4[:, :, H + KV:].transpose(0, 2, 1, 3))  # [B,KV,T,D]
     q3, k3, v3 = q.reshape(B * KV, T * g, D), k.reshape(B * KV, T, D), v.reshape(B * KV, T, D)
     if kv is not None:
@@ -233,10 +302,11 @@ def block_forward(block, x, config, rope, B, T, kv=None):
         values[:, past:past + T] = v3
         k3, v3 = keys[:, :past + T], values[:, :past + T]
     scale = 1.0 / np.sqrt(D)
+    window = window_limits(config, past, T)
     if config.attention_algorithm == "dense":
-        att, saved = attention.dense_forward(q3, k3, v3, scale, g, past)
+        att, saved = attention.dense_forward(q3, k3, v3, scale, g, past, window)
     else:
-        att, saved = attention.tiled_forward(q3, k3, v3, scale, g, config.attention_block_size, past)
+        att, saved = attention.tiled_forward(q3, k3, v3, scale, g, config.attention_block_size, past, window)
     attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
     x_mid = block.base_forward("o", attn)  # [N,C]
     lora_o = block.lora_forward("o", attn, x_mid)
@@ -254,7 +324,8 @@ def block_forward(block, x, config, rope, B, T, kv=None):
     saved_activations = BlockActivations(
         batch=B, time=T, x=x, h1=h1, rstd1=rstd1, q=q3, k=k3, v=v3, att=att, saved=saved,
         attn=attn, x_mid=x_mid, h2=h2, rstd2=rstd2, gate_up=gate_up, act=act,
-        lora_qkv=lora_qkv, lora_o=lora_o, lora_gate_up=lora_gate_up, lora_down=lora_down)
+        lora_qkv=lora_qkv, lora_o=lora_o, lora_gate_up=lora_gate_up, lora_down=lora_down,
+        q_normed=q_normed, k_normed=k_normed)
     return x_out, saved_activations
 
 
@@ -311,13 +382,30 @@ def block_backward(block, acts, d, config, rope, trainable):
         dq, dk, dv = attention.dense_backward(datt, acts.q, acts.k, acts.v, acts.saved, scale)
     else:
         dq, dk, dv = attention.tiled_backward(datt, acts.q, acts.k, acts.v, acts.att, acts.saved,
-                                              scale, g, config.attention_block_size)
+                                              scale, g, config.attention_block_size, 0,
+                                              window_limits(config, 0, T))
     dqkv = np.empty((N, (H + 2 * KV) * D), np.float32)  # [N,(H+2KV)D]
     dqkv4 = dqkv.reshape(B, T, H + 2 * KV, D)
-    kernels.rope_backward(dq.reshape(B, KV, T, g, D), cos, sin, 0, dqkv4[:, :, :H])
-    kernels.rope_backward(dk.reshape(B, KV, T, 1, D), cos, sin, 0, dqkv4[:, :, H:H + KV])
+    if block.q_norm is None:
+        kernels.rope_backward(dq.reshape(B, KV, T, g, D), cos, sin, 0, dqkv4[:, :, :H])
+        kernels.rope_backward(dk.reshape(B, KV, T, 1, D), cos, sin, 0, dqkv4[:, :, H:H + KV])
+    else:
+        dq_normed = np.empty((B, T, H, D), np.float32)
+        dk_normed = np.empty((B, T, KV, D), np.float32)
+        kernels.rope_backward(dq.reshape(B, KV, T, g, D), cos, sin, 0, dq_normed)
+        kernels.rope_backward(dk.reshape(B, KV, T, 1, D), cos, sin, 0, dk_normed)
+        _head_norm_backward(dq_normed, acts.q_normed, block.q_norm, trainable, dqkv4[:, :, :H])
+        _head_norm_backward(dk_normed, acts.k_normed, block.k_norm, trainable, dqkv4[:, :, H:H + KV])
     dqkv4[:, :, H + KV:] = dv.reshape(B, KV, T, D).transpose(0, 2, 1, 3)
     _weight_grad([block.q, block.k, block.v], block.qkv_grad, dqkv, acts.h1, trainable)
+    if trainable and block.qkv_bias is not None:
+        bias_sum = np.sum(dqkv, axis=0, dtype=np.float32)  # [(H+2KV)D]
+        if block.q_bias.pending:
+            block.qkv_bias_grad += bias_sum
+        else:
+            block.qkv_bias_grad[...] = bias_sum
+        for p in (block.q_bias, block.k_bias, block.v_bias):
+            p.pending = True
     dh1 = block.base_input_grad("qkv", dqkv)  # [N,C]
     block.lora_backward("qkv", acts.h1, dqkv, dh1, acts.lora_qkv)
     rmsnorm_backward(dh1, acts.x, block.ln1, acts.rstd1, d, trainable)

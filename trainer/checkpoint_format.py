@@ -68,8 +68,9 @@ class IndeterminateStateError(CheckpointError):
 def parameter_signature(config: TransformerConfig) -> list[tuple[str, tuple]]:
     """[(name, shape)] of the base parameters DecoderOnlyTransformer builds for `config`.
 
-    The plain twin of the model's layout (Hugging Face Llama names and order), so an
-    archive can be checked without allocating a model; tests compare it with the model.
+    The plain twin of the model's layout (Hugging Face Llama names and order; Qwen2's q/k/v
+    biases and Qwen3's q_norm/k_norm after the attention weights), so an archive can be
+    checked without allocating a model; tests compare it with the model.
     """
     C, F, V = config.model_width, config.feed_forward_width, config.vocabulary_size
     H, KV, D = config.head_count, config.kv_heads, config.head_dimension
@@ -81,6 +82,14 @@ def parameter_signature(config: TransformerConfig) -> list[tuple[str, tuple]]:
             (prefix + "self_attn.k_proj.weight", (KV * D, C)),
             (prefix + "self_attn.v_proj.weight", (KV * D, C)),
             (prefix + "self_attn.o_proj.weight", (C, H * D)),
+        ]
+        if config.attention_bias:
+            signature += [(prefix + "self_attn.q_proj.bias", (H * D,)),
+                          (prefix + "self_attn.k_proj.bias", (KV * D,)),
+                          (prefix + "self_attn.v_proj.bias", (KV * D,))]
+        if config.qk_norm:
+            signature += [(prefix + "self_attn.q_norm.weight", (D,)), (prefix + "self_attn.k_norm.weight", (D,))]
+        signature += [
             (prefix + "mlp.gate_proj.weight", (F, C)),
             (prefix + "mlp.up_proj.weight", (F, C)),
             (prefix + "mlp.down_proj.weight", (C, F)),

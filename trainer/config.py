@@ -1,8 +1,20 @@
-"""TransformerConfig: the shape and execution options of one Llama-family decoder."""
+"""TransformerConfig: the shape and execution options of one Llama-family decoder.
+
+The family fields (`family`, `attention_bias`, `qk_norm`, `rope_scaling`, `sliding_window`)
+describe how Llama 3, Qwen2/2.5, Qwen3, Mistral and Phi-3 differ from the plain Llama
+shape; at their defaults the model is SmolLM2's Llama, and to_dict()/architecture() leave
+them out, so every configuration written before they existed keeps its bytes and identity.
+"""
 
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ROPE_SCALING_TYPES = ("llama3",)
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# the family fields and their defaults (the plain Llama shape): written only when they differ
+FAMILY_DEFAULTS = {"family": "llama", "attention_bias": False, "qk_norm": False, "rope_scaling": None,
+                   "sliding_window": None}
 ATTENTION_ALGORITHMS = ("dense", "tiled")
 CHECKPOINTING_POLICIES = ("none", "blocks")
 LOSS_ROUTES = ("full_logits", "kt_tape_flce")
@@ -28,6 +40,11 @@ class TransformerConfig:
     activation_checkpointing: str = "none"  # "none", or "blocks": recompute each block
     loss_route: str = "full_logits"  # or "kt_tape_flce": chunked fused linear cross-entropy
     loss_chunk_tokens: int = 64  # rows per chunk of the fused route
+    family: str = "llama"  # the Hugging Face model_type its names and exports follow (FAMILIES)
+    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)
+    rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original context)
+    sliding_window: int | None = None  # a query sees at most this many keys, itself included (Mistral, Phi-3)
 
     def __post_init__(self):
         positive = ("vocabulary_size", "maximum_context", "model_width", "head_count",
@@ -69,6 +86,32 @@ class TransformerConfig:
                               ("loss_route", LOSS_ROUTES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self._check_family()
+
+    def _check_family(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {window!r}")
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if isinstance(scaling, list):  # from JSON
+            object.__setattr__(self, "rope_scaling", scaling := tuple(scaling))
+        if not isinstance(scaling, tuple) or not scaling or scaling[0] not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope_scaling must be None or (type, ...) with a type in {ROPE_SCALING_TYPES}, "
+                             f"got {scaling!r}")
+        if len(scaling) != 1 + len(LLAMA3_ROPE_KEYS) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in scaling[1:]):
+            raise ValueError(f"rope_scaling {scaling[0]!r} takes ({', '.join(LLAMA3_ROPE_KEYS)}), finite and "
+                             f"positive, got {scaling[1:]!r}")
+        if scaling[2] == scaling[3]:
+            raise ValueError("rope_scaling llama3: low_freq_factor and high_freq_factor must differ")
 
     @property
     def kv_heads(self) -> int:
@@ -79,7 +122,14 @@ class TransformerConfig:
         return self.head_size if self.head_size is not None else self.model_width // self.head_count
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field, but the family fields only where they differ from the plain Llama shape."""
+        data = asdict(self)
+        for name, default in FAMILY_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = list(data["rope_scaling"])
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "TransformerConfig":
@@ -97,4 +147,9 @@ class TransformerConfig:
         keys = ("vocabulary_size", "maximum_context", "model_width", "head_count", "block_count",
                 "feed_forward_width", "kv_head_count", "head_size", "rope_theta",
                 "norm_epsilon", "tie_embeddings")
-        return {k: getattr(self, k) for k in keys}
+        architecture = {k: getattr(self, k) for k in keys}
+        for name, default in FAMILY_DEFAULTS.items():
+            if getattr(self, name) != default:
+                value = getattr(self, name)
+                architecture[name] = list(value) if isinstance(value, tuple) else value
+        return architecture

@@ -226,7 +226,7 @@ class DecoderOnlyTransformer(Closeable):
             p.grad = None
             p.pending = False
         for block in self._blocks:
-            block.qkv_grad = block.gate_up_grad = None
+            block.qkv_grad = block.gate_up_grad = block.qkv_bias_grad = None
         self._grads_allocated = False
 
     def adapter_parameters(self) -> ParameterList:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from trainer import TransformerConfig
+from trainer.config import FAMILY_DEFAULTS
 
 REQUIRED = dict(vocabulary_size=32, maximum_context=16, model_width=16, head_count=4, block_count=1,
                 feed_forward_width=24)
@@ -94,9 +95,34 @@ def test_dict_round_trip_through_json():
                                attention_algorithm="tiled", activation_checkpointing="blocks",
                                loss_route="kt_tape_flce", loss_chunk_tokens=7, initializer_seed=3)
     data = config.to_dict()
-    assert set(data) == {f.name for f in dataclasses.fields(TransformerConfig)}
+    # the family fields are written only where they differ from the plain Llama shape
+    assert set(data) == {f.name for f in dataclasses.fields(TransformerConfig)} - set(FAMILY_DEFAULTS)
     assert TransformerConfig.from_dict(data) == config
     assert TransformerConfig.from_dict(json.loads(json.dumps(data))) == config
+
+
+def test_family_fields_round_trip_and_enter_the_architecture():
+    plain = TransformerConfig(**REQUIRED)
+    config = TransformerConfig(**REQUIRED, family="qwen3", qk_norm=True, attention_bias=True, sliding_window=5,
+                               rope_scaling=("llama3", 8.0, 1.0, 4.0, 32.0))
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["rope_scaling"] == ["llama3", 8.0, 1.0, 4.0, 32.0] and data["family"] == "qwen3"
+    assert TransformerConfig.from_dict(data) == config
+    assert set(config.architecture()) - set(plain.architecture()) == set(FAMILY_DEFAULTS)
+    assert "family" not in plain.architecture()  # configurations written before families keep their identity
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("family", "gpt2", "family must be one of"),
+    ("sliding_window", 0, "sliding_window must be a positive integer"),
+    ("rope_scaling", ("yarn", 2.0), "rope_scaling must be None or (type, ...)"),
+    ("rope_scaling", ("llama3", 8.0, 1.0), "rope_scaling 'llama3' takes"),
+    ("rope_scaling", ("llama3", 8.0, 2.0, 2.0, 32.0), "must differ"),
+    ("qk_norm", 1, "qk_norm must be a bool"),
+])
+def test_family_fields_are_checked(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TransformerConfig(**REQUIRED, **{field: value})
 
 
 def test_to_dict_is_a_copy():

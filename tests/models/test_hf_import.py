@@ -62,8 +62,15 @@ def test_unsupported_directories_are_refused_naming_the_reason(save_tiny_llama, 
         import_base(variant("scaled", rope_scaling={"rope_type": "llama3", "factor": 8.0},
                             rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0}),
                     "x", root=tmp_path)
-    with pytest.raises(ValueError, match="model_type 'qwen2'"):
-        import_base(variant("qwen", model_type="qwen2"), "x", root=tmp_path)
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        import_base(variant("yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0}),
+                    "x", root=tmp_path)
+    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
+        import_base(variant("neox", model_type="gpt_neox"), "x", root=tmp_path)
+    with pytest.raises(ValueError, match="do not form the qwen2 model .* missing .*q_proj.bias"):
+        import_base(variant("qwen", model_type="qwen2"), "x", root=tmp_path)  # Llama weights lack the biases
+    with pytest.raises(ValueError, match="per-layer sliding attention"):
+        import_base(variant("qwen-window", model_type="qwen2", use_sliding_window=True), "x", root=tmp_path)
     with pytest.raises(ValueError, match="missing"):  # more layers than the weights hold
         import_base(variant("deeper", num_hidden_layers=3), "x", root=tmp_path)
     no_tokenizer = variant("no-tokenizer")
