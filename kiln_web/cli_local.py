@@ -249,8 +249,10 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else home / "qualification" / f"latest-{args.backend}.json"
     try:
         receipt = qualify(backend=args.backend, output=output, routes=args.route)
-    except RuntimeError as error:
+    except RuntimeError as error:  # BackendUnavailable: no receipt is written (none ran)
         print(f"kiln qualify: {error}", file=sys.stderr)
+        if getattr(error, "code", None) == "backend_unavailable":
+            print(f"kiln qualify: no receipt written; {output} is left as it was", file=sys.stderr)
         return 2
     stamped = output.with_name(f"receipt-{args.backend}-{receipt['created'].replace(':', '')}.json")
     stamped.write_text(json.dumps(receipt, indent=1, sort_keys=True) + "\n")

@@ -340,7 +340,9 @@ KILN_CHECKPOINT_INTERVAL = (None if (env_str("KILN_CHECKPOINT_INTERVAL") or "").
 KILN_DEFAULT_BASE = env_str("KILN_DEFAULT_BASE")
 # a promotion gate whose suite has fewer examples decides nothing (inconclusive); a request's gate.min_examples wins
 KILN_GATE_MIN_EXAMPLES = env_int("KILN_GATE_MIN_EXAMPLES", 20, minimum=1)
-KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "cpu", ("cpu", "cuda"))
+# auto: cuda when the CUDA loader finds a device (compute capability >= 8.0) and a passing `kiln qualify --backend
+# cuda` receipt holds for this envelope, else cpu (trainer.runs.backend); a request's config.backend overrides it
+KILN_TRAINING_BACKEND = env_choice("KILN_TRAINING_BACKEND", "auto", ("auto", "cpu", "cuda"))
 # largest request body the API reads (inline SFT data is sent in the body)
 KILN_UPLOAD_MAX_BYTES = env_int("KILN_UPLOAD_MAX_BYTES", 64 << 20, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = KILN_UPLOAD_MAX_BYTES

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from trainer import teachers
 
-RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # kiln_web.dashboard.readers checks this name
+from trainer.runs.backend import RECEIPT_SCHEMA, BackendUnavailable, require_cuda  # noqa: F401 (read from here)
+
 CHILD_TIMEOUT_SECONDS = 1800  # one child trains a few steps of kiln-tiny; this only bounds a hung one
 COMPARED = ("execution", "loaded", "seed", "configuration", "loss_history", "outcome", "checkpoints")
 SFT_RECORDS = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
@@ -205,9 +206,13 @@ def _qualify_route(name, kind, cancel_at, request, work: Path, bases_root: Path,
 
 
 def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
-    """Run the qualification; returns (and writes, when `output` is given) the receipt."""
-    if backend != "cpu":
-        raise RuntimeError(f"backend {backend!r} is not available in this build; qualify runs on cpu")
+    """Run the qualification; returns (and writes, when `output` is given) the receipt. A backend that cannot
+    run here (cuda without a usable device) raises BackendUnavailable with the loader's reason before anything
+    runs, and no receipt is written: a receipt is evidence of runs, and none ran."""
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"backend must be cpu or cuda, got {backend!r}")
+    if backend == "cuda":
+        require_cuda()
     from trainer.bases import load_base, show_base
     from trainer.runs.admission import execution_identity
     with tempfile.TemporaryDirectory(prefix="kiln-qualify-") as directory:

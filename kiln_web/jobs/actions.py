@@ -161,7 +161,9 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
             teachers.do_record_teacher_content(admission.identities["teacher"])
         lineage.record_admission(job)  # replay.jsonl and the adapter's lineage.json; refuses if unwritable
         resumed = f", resuming from {job.resume_from}" if job.resume_from else ""
-        _event(job, EventLevel.INFO, f"queued: {job.total_steps} steps, seed {job.effective_seed}{resumed}")
+        chosen = (job.identities or {}).get("backend") if isinstance(job.identities, dict) else None
+        backend = f", backend {chosen['resolved']} ({chosen['reason']})" if isinstance(chosen, dict) else ""
+        _event(job, EventLevel.INFO, f"queued: {job.total_steps} steps, seed {job.effective_seed}{resumed}{backend}")
         _status_changed(job)
         job_id = job.pk
         transaction.on_commit(lambda: enqueue_job(job_id))

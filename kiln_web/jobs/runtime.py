@@ -91,11 +91,53 @@ def run_settings(module: ModuleType | None = None):
     )
 
 
-def execution_identity() -> dict:
-    """This process's execution identity for KILN_TRAINING_BACKEND (trainer.runs.execution): computed once per
-    process, at a worker's start; what its checkpoints record and what a resume it dequeues must match."""
+def execution_identity(backend: str | None = None) -> dict:
+    """This process's execution identity (trainer.runs.execution) for BACKEND, None: for this worker's own backend
+    (worker_backend): computed once per process, at a worker's start; what its checkpoints record and what a
+    resume it dequeues must match."""
     module = _module("trainer.runs.execution", "the execution identity")
-    return module.execution_identity(settings.KILN_TRAINING_BACKEND)
+    return module.execution_identity(backend or worker_backend())
+
+
+def worker_backend() -> str:
+    """The backend this process trains on when a job does not say: KILN_TRAINING_BACKEND, with auto resolved
+    from this machine's capabilities (trainer.runs.backend.resolve_backend)."""
+    if settings.KILN_TRAINING_BACKEND != "auto":
+        return settings.KILN_TRAINING_BACKEND
+    return _module("trainer.runs.admission", "the backend selection").choose_backend(
+        None, "auto", settings.KILN_HOME).resolved
+
+
+def resolve_backend(requested: str | None) -> dict:
+    """REQUESTED (auto, cpu, cuda; None: KILN_TRAINING_BACKEND) resolved from capabilities: {requested, resolved,
+    reason}. ActionRefused-ready: raises BackendRefused (code backend_unavailable, the loader's reason) when cuda
+    is asked for and cannot run here."""
+    module = _module("trainer.runs.admission", "the backend selection")
+    try:
+        return module.choose_backend(requested, settings.KILN_TRAINING_BACKEND, settings.KILN_HOME).to_dict()
+    except module.BackendUnavailable as error:
+        raise BackendRefused(error.message) from None
+
+
+def require_backend(backend: str) -> None:
+    """Dequeue-time check: BackendRefused (backend_unavailable, the loader's reason) unless BACKEND can run in this
+    process now (cpu always can; cuda when the loader's probe finds the device)."""
+    if backend == "cuda":
+        module = _module("trainer.runs.backend", "the backend selection")
+        try:
+            module.require_cuda()
+        except module.BackendUnavailable as error:
+            raise BackendRefused(error.message) from None
+
+
+class BackendRefused(RuntimeError):
+    """A backend that cannot run here; the refusal's code and message."""
+
+    code = "backend_unavailable"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 def default_base() -> str:

@@ -85,6 +85,11 @@ class QuantizationConfig(Strict):
 MAX_SEED = 2**63 - 1
 BASE_ADAPTER = ("weights-only warm start of a new run: an absolute PEFT adapter directory (a finished run's snapshot, "
                 "e.g. $KILN_HOME/adapters/NAME) in the adapter registry or a data root; the LoRA shape becomes its own")
+BACKEND = ("the backend the run computes on. auto: cuda when the CUDA loader finds a device of compute capability "
+           ">= 8.0 and a passing `kiln qualify --backend cuda` receipt holds for this server's envelope, else cpu; "
+           "cuda without such a device is refused (400 backend_unavailable, with the loader's reason); absent: the "
+           "server's KILN_TRAINING_BACKEND. The resolved one is effective_config.backend, and identities.backend "
+           "says why; a resume must resolve to its checkpoint's backend")
 DEFAULT_BASE = ("absent: the server's default base (KILN_DEFAULT_BASE; unset: SmolLM2-135M-Instruct once registered, "
                 "else kiln-tiny), reported in effective_config")
 
@@ -121,6 +126,7 @@ class SFTConfig(Strict):
         "sft", "max_sequence_length", "tokens per example (longer ones are truncated); "))
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
         "sft", "activation_checkpointing", "recompute block activations in backward to save memory; "))
+    backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=BACKEND)
 
 
 class SFTRequest(OneSource):
@@ -184,6 +190,7 @@ class GRPOConfig(Strict):
                                                             "byte cursor (files too large to hold); "))
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
         "grpo", "activation_checkpointing"))
+    backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=BACKEND)
 
 
 class GRPORequest(OneSource):
@@ -240,6 +247,7 @@ class OPDConfig(Strict):
     guardrails: OPDGuardrails | None = None
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
         "opd", "activation_checkpointing"))
+    backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=BACKEND)
 
 
 class OPDRequest(OneSource):
@@ -323,7 +331,8 @@ class JobOut(Schema):
     effective_seed: int | None
     effective_config: dict[str, Any]
     identities: dict[str, Any] = Field(description="base, dataset, tokenizer, execution and planning identity "
-                                                   "(OPD: also teacher and base_adapter)")
+                                                   "(OPD: also teacher and base_adapter), and backend: how the run's "
+                                                   "backend was chosen {requested, resolved, reason}")
     teacher: TeacherRef | None = Field(None, description="OPD: the teacher alias and its revisions")
     resume_from: str | None = Field(description="the checkpoint this run resumed from")
     progress: Progress

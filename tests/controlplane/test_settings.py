@@ -48,7 +48,7 @@ def test_run_settings_from_django_settings(settings, tmp_path):
     built = run_settings()
     assert built == fake_sft.RunSettings(
         home=settings.KILN_HOME, registry=settings.KILN_HOME / "adapters", bases_root=settings.KILN_HOME,
-        data_roots=(settings.KILN_HOME / "datasets", tmp_path), default_checkpoint_interval=25, backend="cpu")
+        data_roots=(settings.KILN_HOME / "datasets", tmp_path), default_checkpoint_interval=25, backend="auto")
     assert built.registry.is_dir() and (settings.KILN_HOME / "datasets").is_dir()
 
 
@@ -59,7 +59,7 @@ def test_run_settings_from_django_settings(settings, tmp_path):
     ("KILN_DATA_ROOTS", "data", "KILN_DATA_ROOTS entry 'data' must be an absolute path"),
     ("KILN_UPLOAD_MAX_BYTES", "-1", "KILN_UPLOAD_MAX_BYTES=-1 is below the minimum"),
     ("KILN_LOST_AFTER_SECONDS", "5", "must be at least three heartbeats"),
-    ("KILN_TRAINING_BACKEND", "tpu", "KILN_TRAINING_BACKEND='tpu' is not one of: cpu, cuda"),
+    ("KILN_TRAINING_BACKEND", "tpu", "KILN_TRAINING_BACKEND='tpu' is not one of: auto, cpu, cuda"),
 ])
 def test_bad_training_settings_stop_the_start(tmp_path, variable, value, words):
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}

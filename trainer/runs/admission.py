@@ -16,6 +16,8 @@ from pathlib import Path
 from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
+from trainer.runs.backend import (BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, probe_cuda,
+                                  resolve_backend)
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, OPTIMIZER_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
 from trainer.runs.execution import KERNEL_CONTRACT, execution_identity  # noqa: F401  (re-exported)
@@ -27,8 +29,9 @@ MANIFEST_FIELDS = {"training", "planning", "execution", "base", "tokenizer", "da
 IDENTITY_FIELDS = ("base", "tokenizer", "dataset", "execution", "planning")  # bound into every checkpoint
 # compared at admission; "execution" is compared at dequeue by the worker that will train (revalidate)
 ADMISSION_FIELDS = ("base", "tokenizer", "dataset", "planning")
-# capability-derived loss routes of each backend, in order of preference
-BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits")}
+# capability-derived loss routes of each backend, in order of preference (cuda: the chunked fused route only;
+# the full [tokens, vocabulary] logits are what the fused route exists to avoid on a device)
+BACKEND_LOSS_ROUTES = {"cpu": ("kt_tape_flce", "full_logits"), "cuda": ("kt_tape_flce",)}
 
 
 class RequestError(ValueError):
@@ -67,7 +70,7 @@ class RunSettings:
     data_roots: tuple = ()
     default_checkpoint_interval: int | None = None  # server-level training.checkpoint_interval
     default_base: str = BUILTIN_TINY  # the base a request without base_model trains (trainer.bases.default_base)
-    backend: str = "cpu"
+    backend: str = "cpu"  # the server default a request without config.backend takes: auto, cpu or cuda
 
 
 # -- fields ----------------------------------------------------------------------------------
@@ -202,6 +205,8 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
         raise RequestError("config.resume_checkpoint", "must be a checkpoint basename")
     if c["activation_checkpointing"] not in ("none", "blocks"):
         raise RequestError("config.activation_checkpointing", "must be none or blocks")
+    if c.get("backend") is not None and c["backend"] not in BACKENDS:
+        raise RequestError("config.backend", f"must be one of {', '.join(BACKENDS)} (absent: the server's default)")
     return c
 
 
@@ -274,25 +279,65 @@ def lora_config(config: dict, seed: int) -> LoraConfig:
 
 
 def comparable_config(config: dict) -> dict:
-    """The effective configuration as bound into a checkpoint (no resume pointer, no seed)."""
-    return {k: v for k, v in config.items() if k not in ("resume_checkpoint", "seed")}
+    """The effective configuration as bound into a checkpoint (no resume pointer, no seed, no backend: the
+    execution identity binds the backend, and checkpoints written before config.backend existed must still
+    compare equal)."""
+    return {k: v for k, v in config.items() if k not in ("resume_checkpoint", "seed", "backend")}
 
 
 # -- identities ------------------------------------------------------------------------------
 
 
-def select_loss_route(backend: str) -> str:
+def choose_backend(requested: str | None, default: str, home, need_bytes: int | None = None) -> BackendChoice:
+    """trainer.runs.backend.resolve_backend with this process's cuda execution identity (what a receipt must hold
+    for); ValueError or BackendUnavailable as it raises them."""
+    return resolve_backend(requested, default, home, lambda: execution_identity("cuda"), need_bytes)
+
+
+def admit_backend(config: dict, settings: RunSettings, need_bytes: int | None = None) -> BackendChoice:
+    """Resolve config.backend (None: the server's settings.backend) from capabilities (trainer.runs.backend) and
+    record the resolved one in the effective configuration; AdmissionError backend_unavailable, with the loader's
+    reason, when cuda is asked for and cannot run here."""
+    try:
+        choice = choose_backend(config.get("backend"), settings.backend, settings.home, need_bytes)
+    except BackendUnavailable as error:
+        raise AdmissionError("backend_unavailable", f"{error.message}; ask for backend cpu or auto, or run on a "
+                                                    "machine whose CUDA device the loader finds") from None
+    except ValueError as error:
+        raise RequestError("config.backend", str(error)) from None
+    config["backend"] = choice.resolved
+    return choice
+
+
+def run_backend(admission) -> str:
+    """The backend an admitted run computes on: its effective configuration's (runs admitted before
+    config.backend existed: the backend of the execution identity admission recorded, which was cpu)."""
+    backend = (admission.effective_config or {}).get("backend")
+    if backend is None:
+        backend = ((admission.identities or {}).get("execution") or {}).get("backend") or "cpu"
+    return backend
+
+
+def select_loss_route(backend: str, capabilities: dict | None = None) -> str:
+    """The loss route admission budgets, derived from the backend and its capabilities (the CUDA loader's probe;
+    None: probed here): cpu as it always was, cuda the chunked fused route, once the probe finds a device."""
     routes = BACKEND_LOSS_ROUTES.get(backend)
     if not routes:
         raise AdmissionError("backend_unavailable", f"backend {backend!r} has no loss route here")
+    if backend == "cuda":
+        reason = cuda_unavailable(probe_cuda() if capabilities is None else capabilities)
+        if reason is not None:
+            raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {reason}")
     return routes[0]
 
 
-def require_loss_route(route: str, settings: RunSettings) -> None:
-    """AdmissionError unless this worker's backend can run the admitted loss route."""
-    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+def require_loss_route(route: str, backend: str) -> None:
+    """AdmissionError unless this process can run the admitted loss route on the run's BACKEND (rechecked before
+    allocation: a cuda run needs the device now)."""
+    if route not in BACKEND_LOSS_ROUTES.get(backend, ()):
         raise AdmissionError("loss_route_unavailable", f"loss route {route!r} is not available on backend "
-                                                       f"{settings.backend!r}")
+                                                       f"{backend!r}")
+    select_loss_route(backend)
 
 
 def planning_identity(objective: str, config: dict, loss_route: str) -> dict:
@@ -308,16 +353,21 @@ def planning_identity(objective: str, config: dict, loss_route: str) -> dict:
     }
 
 
-def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSettings, planning: dict) -> dict:
-    """The identities every kind binds into its checkpoints (kinds may add their own)."""
-    return {
+def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSettings, planning: dict,
+                   backend: BackendChoice | None = None) -> dict:
+    """The identities every kind binds into its checkpoints (kinds may add their own), and BACKEND, how the
+    run's backend was chosen ({requested, resolved, reason}; shown on the job, bound into no checkpoint)."""
+    identities = {
         "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
         "tokenizer": tokenizer.identity(),
         "dataset": dataset,
         # this process's identity; a worker replaces it with its own at claim (revalidate compares that one)
-        "execution": execution_identity(settings.backend),
+        "execution": execution_identity(config.get("backend") or settings.backend),
         "planning": planning,
     }
+    if backend is not None:
+        identities["backend"] = backend.to_dict()
+    return identities
 
 
 # -- drift -----------------------------------------------------------------------------------
@@ -382,17 +432,24 @@ def check_planning_schema(manifest: dict, expected: str = PLANNING_SCHEMA_V3,
             [difference("planning.schema", schema, expected)])
 
 
-def refuse_drift(manifest: dict, request_view: dict, seed):
-    """AdmissionError("resume_drift") listing every field where the request differs."""
+def refuse_drift(manifest: dict, request_view: dict, seed, backend: str | None = None):
+    """AdmissionError("resume_drift") listing every field where the request differs; BACKEND, the request's
+    resolved backend, is compared with the one the checkpoint's execution identity records."""
     checkpoint_view = {key: manifest.get(key) for key in request_view}
     differences = []
+    hint = ""
+    held = (manifest.get("execution") or {}).get("backend") if isinstance(manifest.get("execution"), dict) else None
+    if backend is not None and held != backend:
+        differences.append(difference("execution.backend", held, backend))
+        hint = (f"; the checkpoint was trained on backend {held}: ask for config.backend {held} to continue it, or "
+                "start a new run warm-started from its adapter with base_adapter (weights only)")
     compare("", checkpoint_view, request_view, differences)
     if seed is not None and seed != manifest["seed"]:
         differences.append(difference("seed", manifest["seed"], seed))
     if differences:
         raise AdmissionError("resume_drift", "the request differs from the checkpoint in "
                              f"{len(differences)} field(s); exact resume continues the same run, "
-                             "so restore the original request or start a new run", differences)
+                             f"so restore the original request or start a new run{hint}", differences)
 
 
 def resume_record(loaded) -> dict:
@@ -407,7 +464,7 @@ def admit_resume(loaded, training: dict, config: dict, identities: dict) -> dict
     The execution identity is not compared here: the process that trains compares its own at dequeue."""
     view = {"training": training, "config": comparable_config(config),
             **{key: identities[key] for key in ADMISSION_FIELDS}}
-    refuse_drift(loaded.manifest, view, config["seed"])
+    refuse_drift(loaded.manifest, view, config["seed"], backend=identities["execution"]["backend"])
     return resume_record(loaded)
 
 
@@ -434,7 +491,7 @@ def revalidate(admission: Admission, settings: RunSettings, route_field: str = "
                              "checkpoints must stay immutable", differences)
     refuse_execution_drift(loaded.manifest.get("execution"), admission.identities["execution"])
     route = admission.identities["planning"][route_field]
-    if route not in BACKEND_LOSS_ROUTES.get(settings.backend, ()):
+    if route not in BACKEND_LOSS_ROUTES.get(run_backend(admission), ()):
         raise AdmissionError("loss_route_unavailable", f"this worker cannot run the admitted loss route {route!r}")
 
 

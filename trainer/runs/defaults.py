@@ -37,6 +37,7 @@ SFT_DEFAULTS = {
     "max_sequence_length": 512,
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
+    "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
 }
 
 GRPO_DEFAULTS = {
@@ -63,6 +64,7 @@ GRPO_DEFAULTS = {
     "streaming": False,
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
+    "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
 }
 
 OPD_DEFAULTS = {
@@ -87,6 +89,7 @@ OPD_DEFAULTS = {
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "guardrails": GUARDRAIL_DEFAULTS,
     "activation_checkpointing": "none",
+    "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
 }
 
 DEFAULTS = {"sft": SFT_DEFAULTS, "grpo": GRPO_DEFAULTS, "opd": OPD_DEFAULTS}

@@ -12,6 +12,11 @@ native_builds  SHA-256 of each built native_ext library
 kiln           the installed distribution's version
 code           SHA-256 over the trainer/ and native_ext/ sources and built libraries that run
 precision, kernel_contract
+gpu            cuda only: the device's name and compute capability, the driver, runtime and cuBLAS versions
+               and the SHA-256 of the CUDA library (native_ext.cuda.probe); a cpu identity has no such field
+
+The cpu identity's fields and values are those every existing checkpoint records: change them and no
+checkpoint resumes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 
 KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
+KERNEL_CONTRACTS = {"cpu": KERNEL_CONTRACT, "cuda": "kiln-cuda-kernels-v1"}
 CPUINFO = Path("/proc/cpuinfo")
 # instruction-set flags whose presence changes which kernels BLAS and numpy dispatch to (shown in full;
 # every flag is also bound through cpu_flags_sha256)
@@ -32,7 +38,13 @@ CODE_SUFFIXES = (".py", ".so", ".pyd", ".dylib")  # the sources and the built li
 
 
 def execution_identity(backend: str) -> dict:
-    """This process's identity for BACKEND, computed once (a worker computes it at start)."""
+    """This process's identity for BACKEND, computed once (a worker computes it at start). A cuda identity is
+    kept only once the device is found (its gpu fields are then the device's): whether a cuda run may start
+    is the probe's answer at that moment (trainer.runs.backend.require_cuda), never this cache's."""
+    if backend == "cuda":
+        from trainer.runs.backend import cuda_unavailable, probe_cuda
+        if cuda_unavailable(probe_cuda()) is not None:
+            return compute_execution_identity(backend)
     return dict(_cached(backend))
 
 
@@ -49,7 +61,8 @@ def compute_execution_identity(backend: str) -> dict:
     import trainer
 
     native = Path(native_ext.__file__).parent
-    return {
+    gpu = gpu_identity() if backend == "cuda" else None
+    identity = {
         "backend": backend,
         "device": device_identity(),
         "python": platform.python_version(),
@@ -59,8 +72,25 @@ def compute_execution_identity(backend: str) -> dict:
         "kiln": kiln_version(),
         "code": code_digest((Path(trainer.__file__).parent, native)),
         "precision": "float32",
-        "kernel_contract": KERNEL_CONTRACT,
+        "kernel_contract": KERNEL_CONTRACTS.get(backend, KERNEL_CONTRACT),
     }
+    if gpu is not None:
+        identity["gpu"] = gpu
+    return identity
+
+
+def gpu_identity() -> dict:
+    """The CUDA device a run uses and the evidence of its stack (free memory is no part of it: it varies); every
+    field None when the loader finds no usable device (such a process cannot start a cuda run)."""
+    from trainer.runs.backend import cuda_device, cuda_unavailable, probe_cuda
+
+    probe = probe_cuda()
+    device = (cuda_device(probe) if cuda_unavailable(probe) is None else None) or {}
+    return {"name": device.get("name"), "compute_capability": device.get("compute_capability"),
+            "total_memory": device.get("total_memory"), "driver_version": _text(probe.get("driver_version")),
+            "runtime_version": _text(probe.get("runtime_version")),
+            "cublas_version": _text(probe.get("cublas_version")),
+            "library_sha256": probe.get("library_sha256")}
 
 
 def kiln_version() -> str:

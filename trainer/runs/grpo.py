@@ -23,6 +23,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
+from trainer.runs.admission import admit_backend, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_request, check_shared,
@@ -145,7 +146,8 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, base = _prepare(request, settings)
-    loss_route = select_loss_route(settings.backend)
+    backend = admit_backend(config, settings)
+    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
     kind, dataset, _, path = read_groups(
@@ -154,7 +156,8 @@ def admit_grpo(request: dict, settings: RunSettings) -> Admission:
         raise RequestError("groups", "the dataset has no groups")
     steps_per_epoch = math.ceil(dataset["groups"] / config["groups_per_step"])
     total_steps = steps_per_epoch * config["epochs"] * config["num_iterations"]
-    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route))
+    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route),
+                                backend)
     identities["base_adapter"] = base_adapter_identity(config)
     resume = None
     if config["resume_checkpoint"] is not None:
@@ -245,7 +248,7 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
-    require_loss_route(route, settings)
+    require_loss_route(route, run_backend(admission))
     _, base = _prepare(admission.request, settings)
     if base.identity != admission.identities["base"]["identity"]:
         raise AdmissionError("base_changed", "the base model changed after admission")

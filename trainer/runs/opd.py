@@ -23,6 +23,7 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
+from trainer.runs.admission import admit_backend, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -180,7 +181,8 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
     from trainer.bases import show_base
     config, records, raw, kind, base = _prepare(request, settings)
-    loss_route = select_loss_route(settings.backend)
+    backend = admit_backend(config, settings)
+    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
     for index, record in enumerate(records):
@@ -194,7 +196,8 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
                                  [difference("teacher.tokenizer", teacher_base.tokenizer, tokenizer.identity())])
     dataset = {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "prompts": len(records),
                "order": "source"}
-    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route))
+    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route),
+                                backend)
     identities.update(teacher=teacher, base_adapter=base_adapter_identity(config))
     resume = None
     if config["resume_checkpoint"] is not None:
@@ -281,7 +284,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
-    require_loss_route(route, settings)
+    require_loss_route(route, run_backend(admission))
     _, records, raw, _, base = _prepare(admission.request, settings)
     if sha256_hex(raw) != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the prompts changed after admission")

@@ -23,6 +23,7 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
+from trainer.runs.admission import admit_backend, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -193,13 +194,15 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, records, raw, kind, base = _prepare(request, settings)
-    loss_route = select_loss_route(settings.backend)
+    backend = admit_backend(config, settings)
+    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
     steps_per_epoch = _steps_per_epoch(len(examples), config)
     dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
                "order": "source"}
-    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(config, loss_route))
+    identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(config, loss_route),
+                                backend)
     identities["base_adapter"] = base_adapter_identity(config)
     resume = None
     if config["resume_checkpoint"] is not None:
@@ -286,7 +289,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
     config = admission.effective_config
     seed = admission.effective_seed
     loss_route = admission.identities["planning"]["sft_loss_route"]
-    require_loss_route(loss_route, settings)
+    require_loss_route(loss_route, run_backend(admission))
     config_now, records, raw, kind, base = _prepare(admission.request, settings)
     if hashlib.sha256(raw).hexdigest() != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the dataset changed after admission")

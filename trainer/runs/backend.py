@@ -1,0 +1,145 @@
+"""The training backend a run computes on: `auto`, `cpu` or `cuda`, resolved from capabilities, never from names.
+
+cuda is usable when the CUDA loader's probe (native_ext.cuda.probe) loads the library and finds a device of
+compute capability >= 8.0 (with free memory for the run's planned need, when that is known). `cuda` asked for
+explicitly needs only that; without it the request is refused (`backend_unavailable`, with the loader's reason).
+`auto` picks cuda only when it is usable AND a passing `kiln qualify --backend cuda` receipt
+($KILN_HOME/qualification/latest-cuda.json) holds for this exact execution envelope; otherwise cpu, and the
+choice records why. Device and vendor names never enter the decision.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BACKENDS = ("auto", "cpu", "cuda")
+MIN_CAPABILITY = (8, 0)  # the CUDA kernels' floor (Ampere's 8.0: TF32-free FP32 paths, cp.async)
+RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # what trainer.qualify writes (kiln_web.dashboard.readers checks it)
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend a run needs cannot run in this process; `reason` is the loader's."""
+
+    code = "backend_unavailable"
+
+    def __init__(self, backend: str, reason: str):
+        self.backend, self.reason = backend, reason
+        self.message = f"backend {backend} is unavailable here: {reason}"
+        super().__init__(self.message)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """What a request asked for (after the server default), what it resolved to, and why."""
+
+    requested: str
+    resolved: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def probe_cuda() -> dict:
+    """The CUDA loader's probe (never raises); a build without the loader reads as library_missing."""
+    try:
+        from native_ext import cuda
+    except ImportError as error:
+        return {"library": None, "library_sha256": None, "available": False, "code": "library_missing",
+                "reason": f"the CUDA loader native_ext.cuda is not in this build ({error})", "devices": []}
+    return cuda.probe(min_capability=MIN_CAPABILITY)
+
+
+def _capability(device: dict) -> tuple:
+    try:
+        return tuple(int(part) for part in str(device.get("compute_capability")).split(".")[:2])
+    except ValueError:
+        return (0, 0)
+
+
+def cuda_device(probe: dict) -> dict | None:
+    """The device a run uses: the first one of compute capability >= MIN_CAPABILITY, or None."""
+    return next((d for d in probe.get("devices") or () if _capability(d) >= MIN_CAPABILITY), None)
+
+
+def cuda_unavailable(probe: dict, need_bytes: int | None = None) -> str | None:
+    """Why cuda cannot run here (the loader's reason), or None when it can."""
+    if not probe.get("available"):
+        return probe.get("reason") or probe.get("code") or "the CUDA loader reports no usable device"
+    device = cuda_device(probe)
+    if device is None:
+        return f"no device of compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    free = device.get("free_memory")
+    if need_bytes and isinstance(free, int) and free < need_bytes:
+        return f"device {device.get('index')} has {free} bytes free; the run plans {need_bytes}"
+    return None
+
+
+def require_cuda(need_bytes: int | None = None) -> dict:
+    """The probe, when cuda can run here; else BackendUnavailable with the reason."""
+    probe = probe_cuda()
+    reason = cuda_unavailable(probe, need_bytes)
+    if reason is not None:
+        raise BackendUnavailable("cuda", reason)
+    return probe
+
+
+def receipt_path(home) -> Path:
+    return Path(home) / "qualification" / "latest-cuda.json"
+
+
+def _differing(prefix: str, held, now, out: list) -> None:
+    if isinstance(held, dict) and isinstance(now, dict):
+        for key in sorted(set(held) | set(now)):
+            _differing(f"{prefix}.{key}", held.get(key), now.get(key), out)
+    elif held != now:
+        out.append(prefix)
+
+
+def unqualified(home, identity: dict) -> str | None:
+    """Why no passing cuda qualification receipt holds for IDENTITY (this process's cuda execution identity),
+    or None when one does."""
+    path = receipt_path(home)
+    try:
+        receipt = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"no qualification receipt ({path}); run: kiln qualify --backend cuda"
+    except (OSError, ValueError) as error:
+        return f"the qualification receipt {path} cannot be read ({error})"
+    if not isinstance(receipt, dict) or receipt.get("schema") != RECEIPT_SCHEMA or receipt.get("backend") != "cuda":
+        return f"{path} is not a cuda qualification receipt ({RECEIPT_SCHEMA})"
+    if receipt.get("passed") is not True:
+        return f"the qualification receipt {path} failed; run: kiln qualify --backend cuda"
+    held = (receipt.get("envelope") or {}).get("execution")
+    fields: list = []
+    _differing("execution", held, identity, fields)
+    if fields:
+        shown = ", ".join(fields[:4]) + (", ..." if len(fields) > 4 else "")
+        return (f"the qualification receipt {path} holds for another envelope ({shown} differ); "
+                "run: kiln qualify --backend cuda")
+    return None
+
+
+def resolve_backend(requested: str | None, default: str, home, cuda_identity, need_bytes: int | None = None
+                    ) -> BackendChoice:
+    """REQUESTED (a request's backend; None: DEFAULT, the server's KILN_TRAINING_BACKEND) resolved to cpu or cuda;
+    CUDA_IDENTITY() is this process's cuda execution identity, which a receipt must hold for (auto only).
+    ValueError on a name that is not a backend; BackendUnavailable when cuda is asked for and cannot run."""
+    wanted = requested if requested is not None else default
+    if wanted not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {wanted!r}")
+    source = "requested" if requested is not None else "the server default (KILN_TRAINING_BACKEND)"
+    if wanted == "cpu":
+        return BackendChoice("cpu", "cpu", f"cpu: {source}")
+    if wanted == "cuda":
+        require_cuda(need_bytes)
+        return BackendChoice("cuda", "cuda", f"cuda: {source}")
+    reason = cuda_unavailable(probe_cuda(), need_bytes)
+    if reason is not None:
+        return BackendChoice("auto", "cpu", f"auto: cuda unavailable: {reason}")
+    reason = unqualified(home, cuda_identity())
+    if reason is not None:
+        return BackendChoice("auto", "cpu", f"auto: cuda not qualified: {reason}")
+    return BackendChoice("auto", "cuda", "auto: cuda available and qualified for this envelope")
