@@ -77,6 +77,8 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     for kind in (sft, grpo):
         kind.add_argument("--base-adapter", metavar="DIR", help="weights-only warm start from a PEFT adapter "
                           "directory (a finished run's snapshot) in the adapter registry or a data root")
+    for kind in (sft, grpo, opd):
+        add_backend_argument(kind)
     for kind in (grpo, opd):
         add_optimizer_arguments(kind)
         kind.add_argument("--upload", action="store_true", help="send the data inline even from a data root")
@@ -108,10 +110,19 @@ def add_train(parser: argparse.ArgumentParser) -> None:
 
 
 SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_checkpoint", "learning_rate",
-               "batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_sequence_length", "base_adapter")
+               "batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_sequence_length", "base_adapter",
+               "backend")
 GRPO_OPTIONS = ("base_model", "seed", "learning_rate", "epochs", "groups_per_step", "loss_type", "beta",
-                "num_iterations", "checkpoint_interval", "resume_checkpoint", "base_adapter")
-OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint")
+                "num_iterations", "checkpoint_interval", "resume_checkpoint", "base_adapter", "backend")
+OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint", "backend")
+BACKENDS = ("auto", "cpu", "cuda")
+
+
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """config.backend: the server resolves auto, and refuses cuda without a device (backend_unavailable)."""
+    parser.add_argument("--backend", choices=BACKENDS, help="auto: cuda when the server's CUDA device is found and "
+                        "qualified, else cpu; cuda is refused without a device (default: the server's "
+                        "KILN_TRAINING_BACKEND)")
 
 
 def _sft_body(args: argparse.Namespace) -> dict:
@@ -241,6 +252,9 @@ def _print_job(job: dict) -> None:
     print(f"adapter    {job['adapter']} ({job['kind']}, {source})")
     print(f"progress   {progress['committed_step']}/{total if total is not None else '?'} steps")
     print(f"seed       {job.get('effective_seed')}")
+    chosen = (job.get("identities") or {}).get("backend")
+    if isinstance(chosen, dict):
+        print(f"backend    {chosen.get('resolved')} ({chosen.get('reason')})")
     if job.get("resume_from"):
         print(f"resumed    from {job['resume_from']}")
     teacher = job.get("teacher")
@@ -284,8 +298,10 @@ def _submitted(client, job: dict, args: argparse.Namespace) -> int:
         cli_serving.show(job, True, None)
         return 0
     resumed = f", resuming from {job['resume_from']}" if job.get("resume_from") else ""
+    backend = (job.get("effective_config") or {}).get("backend")
+    backend = f", backend {backend}" if backend else ""
     print(f"job {job['id']} {job['status']} ({job['adapter']}, {job['progress']['total_steps']} steps, "
-          f"seed {job['effective_seed']}{resumed})", flush=True)
+          f"seed {job['effective_seed']}{backend}{resumed})", flush=True)
     if not args.wait:
         print(f"follow it with: kiln train status --job-id {job['id']}")
         return 0

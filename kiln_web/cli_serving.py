@@ -200,6 +200,9 @@ def add_eval(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--suite", required=True)
     run.add_argument("--base", help="the adapter's base (default: the one it was trained over)")
     run.add_argument("--max-new-tokens", type=int)
+    run.add_argument("--backend", choices=("auto", "cpu", "cuda"), help="auto: cuda when the server's CUDA device "
+                     "is found and qualified, else cpu; cuda is refused without a device (default: the server's "
+                     "KILN_TRAINING_BACKEND)")
     run.add_argument("--wait", action="store_true", help="follow the run until it ends")
     status = commands.add_parser("status", help="one evaluation run, per example")
     status.add_argument("--id", required=True)
@@ -270,6 +273,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 body["base"] = args.base
             if args.max_new_tokens:
                 body["max_new_tokens"] = args.max_new_tokens
+            if args.backend:
+                body["backend"] = args.backend
             run = client.request("POST", "/evals/runs", body)
             print(f"evaluation {run['id']} {run['status']}", flush=True)
             if args.wait:

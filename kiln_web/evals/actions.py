@@ -146,11 +146,13 @@ def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) ->
 
 def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None = None, baseline: str | None = None,
                           training_job=None, purpose: str = EvalPurpose.MANUAL,
-                          max_new_tokens: int = MAX_NEW_TOKENS) -> EvalRun:
+                          max_new_tokens: int = MAX_NEW_TOKENS, backend: str | None = None) -> EvalRun:
     """Queue an evaluation of CANDIDATE (an adapter with a PEFT snapshot that USER may use) on SUITE against
     BASELINE (an adapter over the same base that USER may use, or that base), else against USER's active adapter
     when it is over the candidate's base, else against the base itself; a worker runs it (Celery with REDIS_URL,
-    else the embedded worker). A baseline over another base is refused (409 cross_base_comparison)."""
+    else the embedded worker). A baseline over another base is refused (409 cross_base_comparison). BACKEND (auto,
+    cpu, cuda; None: KILN_TRAINING_BACKEND) is resolved now; cuda without a device is refused (400
+    backend_unavailable, with the loader's reason)."""
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
 
@@ -163,12 +165,17 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     if candidate_base is None or not serving_runtime.is_base(candidate_base):
         raise ActionRefused(400, "base_not_found", f"cannot evaluate {candidate!r}: base {candidate_base!r} is not "
                                                    "registered; name one (base)")
+    try:
+        resolved, why = runtime.resolve_backend(backend)
+    except runtime.EvaluationError as error:
+        raise ActionRefused(400, error.code, error.message, field="backend") from None
     with transaction.atomic():
         chosen = (_baseline(user, candidate, candidate_base) if baseline is None else
                   _named_baseline(user, candidate, candidate_base, baseline))
         run = EvalRun.objects.create(owner=user, suite=suite_row, suite_digest=suite_row.digest, candidate=adapter,
                                      candidate_base=candidate_base, training_job=training_job, purpose=purpose,
-                                     max_new_tokens=max_new_tokens, **chosen)
+                                     max_new_tokens=max_new_tokens, backend=resolved, backend_reason=why[:500],
+                                     **chosen)
         run_id = run.pk
         transaction.on_commit(lambda: enqueue_evaluation(run_id))
     return run

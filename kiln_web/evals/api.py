@@ -47,7 +47,8 @@ def create_run(request: HttpRequest, payload: RunIn):
     one named (yours or shared with you), else your active adapter when it is over the candidate's base, else that
     base itself; a baseline over another base is refused (409 cross_base_comparison, naming both bases)."""
     run = actions.do_enqueue_evaluation(request.auth, payload.adapter, payload.suite, base=payload.base,
-                                        baseline=payload.baseline, max_new_tokens=payload.max_new_tokens)
+                                        baseline=payload.baseline, max_new_tokens=payload.max_new_tokens,
+                                        backend=payload.backend)
     return Status(201, run.to_dict())
 
 

@@ -85,6 +85,8 @@ class EvalRun(Owned, models.Model):
                                      related_name="evaluations")
     purpose = models.CharField(max_length=16, choices=EvalPurpose.choices, default=EvalPurpose.MANUAL)
     max_new_tokens = models.PositiveIntegerField(default=64)
+    backend = models.CharField(max_length=8, default="cpu", help_text="the backend resolved when it was queued")
+    backend_reason = models.CharField(max_length=500, blank=True, help_text="why that backend (auto's reasoning)")
     status = models.CharField(max_length=16, choices=EvalStatus.choices, default=EvalStatus.QUEUED)
     candidate_summary = models.JSONField(null=True, blank=True, help_text="{suite, suite_digest, correct, total, "
                                                                           "accuracy}")
@@ -120,6 +122,7 @@ class EvalRun(Owned, models.Model):
             "training_job": str(self.training_job_id) if self.training_job_id else None,
             "purpose": self.purpose,
             "max_new_tokens": self.max_new_tokens,
+            "backend": {"resolved": self.backend, "reason": self.backend_reason or None},
             "status": self.status,
             "error": {"code": self.error_code, "message": self.error_message} if self.error_code else None,
             "worker_id": self.worker_id or None,

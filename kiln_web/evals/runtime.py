@@ -22,6 +22,33 @@ class EvaluationError(Exception):
         self.code, self.message = code, message
 
 
+def resolve_backend(requested: str | None) -> tuple[str, str]:
+    """(resolved backend, why) of REQUESTED (auto, cpu, cuda; None: KILN_TRAINING_BACKEND), as training admission
+    resolves it; EvaluationError backend_unavailable (the loader's reason) when cuda is asked for without a device."""
+    from django.conf import settings
+
+    from trainer.runs.admission import choose_backend
+    from trainer.runs.backend import BackendUnavailable
+
+    try:
+        choice = choose_backend(requested, settings.KILN_TRAINING_BACKEND, settings.KILN_HOME)
+    except BackendUnavailable as error:
+        raise EvaluationError("backend_unavailable", f"{error.message}; ask for backend cpu or auto") from None
+    return choice.resolved, choice.reason
+
+
+def require_backend(backend: str) -> None:
+    """Dequeue-time check: EvaluationError backend_unavailable unless BACKEND can run in this worker now."""
+    from trainer.runs.backend import BackendUnavailable, require_cuda
+
+    if backend == "cuda":
+        try:
+            require_cuda()
+        except BackendUnavailable as error:
+            raise EvaluationError("backend_unavailable", f"this worker cannot run the evaluation's backend: "
+                                                         f"{error.message}") from None
+
+
 @dataclass
 class Comparison:
     candidate: object  # trainer.evals.EvalResult

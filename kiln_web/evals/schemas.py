@@ -43,6 +43,11 @@ class RunIn(Strict):
         "what to compare with: an adapter over the candidate's base, or that base; one over another base is refused "
         "(409 cross_base_comparison). Absent: your active adapter when it is over the candidate's base, else the base"))
     max_new_tokens: int = Field(64, ge=1, le=4096, description="greedy tokens per example")
+    backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=(
+        "the backend generation runs on. auto: cuda when the CUDA loader finds a device of compute capability >= 8.0 "
+        "and a passing `kiln qualify --backend cuda` receipt holds for this server's envelope, else cpu; cuda without "
+        "such a device is refused (400 backend_unavailable, with the loader's reason); absent: the server's "
+        "KILN_TRAINING_BACKEND"))
 
 
 class Summary(Schema):
@@ -70,6 +75,11 @@ class BaselineOut(Schema):
     summary: Summary | None
 
 
+class RunBackend(Schema):
+    resolved: Literal["cpu", "cuda"]
+    reason: str | None
+
+
 class RunError(Schema):
     code: str
     message: str
@@ -85,6 +95,7 @@ class RunOut(Schema):
     training_job: str | None = Field(description="the training job whose promotion gate asked for this run")
     purpose: Literal["manual", "gate"]
     max_new_tokens: int
+    backend: RunBackend | None = Field(None, description="the backend resolved when the run was queued, and why")
     status: Literal["queued", "running", "succeeded", "failed"]
     error: RunError | None
     worker_id: str | None
