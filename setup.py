@@ -1,8 +1,20 @@
-"""Build the Cython kernels in native_ext/ (pyproject.toml holds everything else)."""
+"""Build the Cython kernels in native_ext/ and, where nvcc and cuBLAS are found, the CUDA library
+native_ext/libkiln_cuda.so from native_ext/cuda (pyproject.toml holds everything else)."""
+
+import concurrent.futures
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # Kernels are single-threaded: BLAS owns the cores, and OpenMP threads spinning beside
 # OpenBLAS's own made every kernel many times slower on a 2-core machine.
@@ -25,7 +37,96 @@ extensions = [
     for module, header in KERNELS
 ]
 
+# The CUDA library: the Ampere and Hopper binaries and Hopper PTX (for newer GPUs to JIT), -O3,
+# --fmad=false so a*b+c rounds twice as in the CPU kernels (-ffp-contract=off), no fast math
+# (IEEE division and sqrt), the CUDA runtime linked statically (only libcuda.so.1 is needed at run
+# time, and a machine without a driver can still load the library and say so), cuBLAS from the
+# nvidia-cublas wheel found through an rpath.
+CUDA_DIR = Path("native_ext/cuda")
+CUDA_LIBRARY = "libkiln_cuda.so"
+CUDA_ARCHITECTURES = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+                      "-gencode", "arch=compute_90,code=compute_90"]
+NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"]
+
+
+def say(message):
+    print(f"kiln build: {message}", file=sys.stderr, flush=True)
+
+
+def find_nvcc():
+    candidates = [os.environ.get("KILN_NVCC"), shutil.which("nvcc")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(os.path.join(home, "bin", "nvcc"))
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def find_cublas(nvcc):
+    """(include dir, lib dir, library file name) of cuBLAS: $KILN_CUBLAS_HOME, the nvidia-cublas wheel
+    in this environment (CUDA 13 and 12 layouts), then the toolkit beside nvcc; None when absent."""
+    homes = [os.environ.get("KILN_CUBLAS_HOME")]
+    for key in ("purelib", "platlib"):
+        site = sysconfig.get_paths()[key]  # the target environment's site-packages, also under build isolation
+        homes += [os.path.join(site, "nvidia", "cu13"), os.path.join(site, "nvidia", "cublas")]
+    toolkit = os.path.dirname(os.path.dirname(nvcc))
+    homes.append(toolkit)
+    for home in filter(None, homes):
+        header = os.path.join(home, "include", "cublas_v2.h")
+        for lib in ("lib", "lib64"):
+            found = sorted(glob.glob(os.path.join(home, lib, "libcublas.so*")))
+            if os.path.isfile(header) and found:
+                return os.path.join(home, "include"), os.path.join(home, lib), os.path.basename(found[0])
+    return None
+
+
+def build_cuda_library(target_dir):
+    """Compile native_ext/cuda/*.cu into TARGET_DIR/libkiln_cuda.so, or say why not and return."""
+    if os.environ.get("KILN_SKIP_CUDA") == "1":
+        return say("KILN_SKIP_CUDA=1: the CUDA library is not built")
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return say("nvcc not found (PATH, $CUDA_HOME, /usr/local/cuda): the CUDA library is not built; "
+                   "the CPU backend is unaffected")
+    cublas = find_cublas(nvcc)
+    if cublas is None:
+        return say("cuBLAS headers not found: install the wheel (pip install nvidia-cublas) or set "
+                   "KILN_CUBLAS_HOME; the CUDA library is not built")
+    include, lib, library_file = cublas
+    sources = sorted(CUDA_DIR.glob("*.cu"))
+    target = Path(target_dir) / CUDA_LIBRARY
+    inputs = sources + sorted(CUDA_DIR.glob("*.h")) + [Path(__file__)]
+    if target.exists() and all(p.stat().st_mtime <= target.stat().st_mtime for p in inputs):
+        return say(f"{target} is up to date")
+    say(f"building {target} with {nvcc} (cuBLAS from {lib})")
+    with tempfile.TemporaryDirectory(prefix="kiln-cuda-") as scratch:
+        def compile_one(source):
+            obj = os.path.join(scratch, source.stem + ".o")
+            subprocess.run([nvcc, "-c", str(source), "-o", obj, "-I", str(CUDA_DIR), "-I", include,
+                            *NVCC_FLAGS, *CUDA_ARCHITECTURES], check=True)
+            return obj
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            objects = list(pool.map(compile_one, sources))
+        staged = os.path.join(scratch, CUDA_LIBRARY)
+        subprocess.run([nvcc, "-shared", "-o", staged, *objects, "-cudart", "static", "-L", lib,
+                        f"-l:{library_file}", "-Xlinker", f"-rpath,{lib}"], check=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(staged, str(target) + ".tmp")
+        os.chmod(str(target) + ".tmp", 0o755)
+        os.replace(str(target) + ".tmp", target)  # a process that has the old file open keeps it
+
+
+class BuildWithCuda(build_ext):
+    """The Cython extensions as before, then the CUDA library beside them (skipped with a reason)."""
+
+    def run(self):
+        super().run()
+        in_place = self.inplace or getattr(self, "editable_mode", False)
+        build_cuda_library("native_ext" if in_place else os.path.join(self.build_lib, "native_ext"))
+
+
 setup(
+    cmdclass={"build_ext": BuildWithCuda},
     ext_modules=cythonize(
         extensions,
         language_level=3,

@@ -1,0 +1,55 @@
+/* What the .cu files of libkiln_cuda.so share: status recording, the check macros, the cuBLAS
+ * handle, launch geometry. Not installed as an API; kiln_cuda.h is the ABI. */
+#ifndef KILN_CUDA_INTERNAL_H
+#define KILN_CUDA_INTERNAL_H
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "kiln_cuda.h"
+#include "kiln_cuda_index.h"
+
+int kiln_record_cuda(cudaError_t error, const char *where);
+int kiln_record_cublas(cublasStatus_t status, const char *where);
+int kiln_record_argument(const char *where, const char *message);
+
+#define KILN_CUDA(expr)                                                     \
+    do {                                                                    \
+        cudaError_t kiln_error_ = (expr);                                   \
+        if (kiln_error_ != cudaSuccess) return kiln_record_cuda(kiln_error_, #expr); \
+    } while (0)
+#define KILN_BLAS(expr)                                                     \
+    do {                                                                    \
+        cublasStatus_t kiln_status_ = (expr);                               \
+        if (kiln_status_ != CUBLAS_STATUS_SUCCESS) return kiln_record_cublas(kiln_status_, #expr); \
+    } while (0)
+#define KILN_REQUIRE(condition, message)                                    \
+    do {                                                                    \
+        if (!(condition)) return kiln_record_argument(__func__, message);   \
+    } while (0)
+/* after a kernel launch: the launch error, if any, names the kernel */
+#define KILN_LAUNCHED(name) KILN_CUDA(cudaGetLastError())
+/* a call that itself returns a Kiln status */
+#define KILN_TRY(expr)                                                      \
+    do {                                                                    \
+        int kiln_status_ = (expr);                                          \
+        if (kiln_status_ != 0) return kiln_status_;                         \
+    } while (0)
+
+struct KilnBlas {
+    cublasHandle_t handle;
+    void *workspace;
+    size_t workspace_bytes;
+    cudaStream_t stream;
+};
+
+static inline cudaStream_t kiln_stream(void *stream) { return (cudaStream_t)stream; }
+
+static inline unsigned kiln_grid(int64_t work, int threads) {
+    int64_t blocks = kiln_ceil_div(work, threads);
+    return (unsigned)(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
+}
+
+#define KILN_THREADS 256
+
+#endif
