@@ -380,6 +380,8 @@ class JobForm(forms.Form):
         where = error.get("field")
         if where:
             self._add_at(tuple(where.split(".")), error["message"])
+        elif error.get("code") == "backend_unavailable" and "backend" in self.fields:
+            self.add_error("backend", error["message"])
         elif error.get("code") in CHECKPOINT_CODES and "resume_checkpoint" in self.fields:
             self.add_error("resume_checkpoint", error["message"])
         elif error.get("code", "").startswith("dataset") and "dataset_path" in self.fields:

@@ -397,7 +397,20 @@ def identity_rows(job: TrainingJob) -> list[tuple[str, str]]:
     execution = identities.get("execution") or {}
     if execution.get("backend"):
         rows.append(("backend", str(execution["backend"])))
+    if isinstance(execution.get("gpu"), dict):
+        rows.append(("gpu", gpu_text(execution["gpu"])))
     return rows
+
+
+def gpu_text(gpu: dict) -> str:
+    """A cuda execution identity's device and stack on one line."""
+    parts = [str(gpu.get("name") or "no device"),
+             *(f"{label} {gpu[key]}" for key, label in (("compute_capability", "compute capability"),
+                                                         ("driver_version", "driver"), ("runtime_version", "runtime"),
+                                                         ("cublas_version", "cuBLAS")) if gpu.get(key))]
+    if gpu.get("library_sha256"):
+        parts.append(f"library sha256 {str(gpu['library_sha256'])[:16]}…")
+    return ", ".join(parts)
 
 
 def job_row(job: TrainingJob) -> dict:
@@ -462,6 +475,8 @@ def _envelope_rows(envelope: dict) -> list[tuple[str, str]]:
         elif key == "blas" and isinstance(value, list):
             value = "; ".join(" ".join(str(part) for part in entry if part not in (None, "None")) + " threads"
                               for entry in value if isinstance(entry, list)) or None
+        elif key == "gpu" and isinstance(value, dict):
+            value = gpu_text(value)
         elif key == "native_builds" and isinstance(value, dict):
             value = ", ".join(f"{name} {str(digest)[:12]}…" for name, digest in sorted(value.items())) or "none"
         elif isinstance(value, (dict, list)):
