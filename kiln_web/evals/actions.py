@@ -156,6 +156,10 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
 
+    try:
+        resolved, why = runtime.resolve_backend(backend)
+    except runtime.EvaluationError as error:
+        raise ActionRefused(400, error.code, error.message, field="backend") from None
     adapter = serving_actions.adapter_for(user, candidate, manage=False)  # theirs, or shared with them
     if not serving_runtime.has_snapshot(candidate):
         raise ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
@@ -165,10 +169,6 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     if candidate_base is None or not serving_runtime.is_base(candidate_base):
         raise ActionRefused(400, "base_not_found", f"cannot evaluate {candidate!r}: base {candidate_base!r} is not "
                                                    "registered; name one (base)")
-    try:
-        resolved, why = runtime.resolve_backend(backend)
-    except runtime.EvaluationError as error:
-        raise ActionRefused(400, error.code, error.message, field="backend") from None
     with transaction.atomic():
         chosen = (_baseline(user, candidate, candidate_base) if baseline is None else
                   _named_baseline(user, candidate, candidate_base, baseline))

@@ -1,0 +1,330 @@
+"""Backend selection (issue #17): `auto`, `cpu` or `cuda` resolved from capabilities (the CUDA loader's probe and a
+cuda qualification receipt), never from names; the resolved backend and why on the job; `cuda` without a device
+refused (backend_unavailable, the loader's reason) through the API, the CLI and the dashboard form, and at dequeue;
+a resume on another backend refused with the drift table; the cuda execution identity's GPU fields; the cpu
+identity unchanged.
+
+No test needs a GPU: native_ext.cuda.probe is replaced where a device must seem present (or absent with a known
+reason)."""
+
+import copy
+import json
+import re
+import sys
+import types
+
+import pytest
+
+import native_ext
+from kiln_web.cli import main
+from kiln_web.jobs.models import JobStatus, TrainingJob
+from kiln_web.jobs.worker import EmbeddedWorker
+from trainer.runs import admission, backend, execution
+from trainer.runs.defaults import DEFAULTS
+
+from .conftest import sft_body
+
+NO_DRIVER = "libcuda.so.1 cannot be opened (no NVIDIA driver in this test)"
+DEVICE = {"index": 0, "name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
+          "free_memory": 79 << 30}
+AVAILABLE = {"library": "/opt/kiln/libkiln_cuda.so", "library_sha256": "ab" * 32,
+             "symbols": {"declared": 12, "resolved": 12, "missing": []}, "available": True, "reason": None,
+             "code": None, "devices": [DEVICE], "driver_version": "12040", "runtime_version": "12020",
+             "cublas_version": "120201"}
+UNAVAILABLE = {"library": None, "library_sha256": None, "symbols": {"declared": 12, "resolved": 0, "missing": []},
+               "available": False, "reason": NO_DRIVER, "code": "driver_missing", "devices": [],
+               "driver_version": None, "runtime_version": None, "cublas_version": None}
+# the cpu execution identity's fields, as every checkpoint written before backend selection records them
+CPU_FIELDS = {"backend", "device", "python", "numpy", "blas", "native_builds", "kiln", "code", "precision",
+              "kernel_contract"}
+GPU_FIELDS = {"name", "compute_capability", "total_memory", "driver_version", "runtime_version", "cublas_version",
+              "library_sha256"}
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """set(result): native_ext.cuda.probe answers RESULT (a fake loader module when the real one is absent).
+    The per-process identity cache is emptied before and after, so no fake device outlives the test."""
+    try:
+        from native_ext import cuda as module
+    except ImportError:
+        module = types.ModuleType("native_ext.cuda")
+        monkeypatch.setitem(sys.modules, "native_ext.cuda", module)
+        monkeypatch.setattr(native_ext, "cuda", module, raising=False)
+    calls = []
+
+    def set_result(result):
+        def fake_probe(min_capability=(8, 0)):
+            calls.append(min_capability)
+            return copy.deepcopy(result)
+        monkeypatch.setattr(module, "probe", fake_probe, raising=False)
+
+    set_result.calls = calls
+    execution._cached.cache_clear()
+    yield set_result
+    execution._cached.cache_clear()
+
+
+def write_receipt(home, **changes):
+    """A cuda qualification receipt for this process's cuda envelope (as `kiln qualify --backend cuda` writes)."""
+    receipt = {"schema": backend.RECEIPT_SCHEMA, "passed": True, "backend": "cuda", "failures": [],
+               "envelope": {"execution": execution.compute_execution_identity("cuda")}, "routes": [],
+               "created": "2026-12-01T00:00:00Z"}
+    receipt.update(changes)
+    path = backend.receipt_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(receipt))
+    return path
+
+
+def resolve(requested, home, default="auto", need_bytes=None):
+    return admission.choose_backend(requested, default, home, need_bytes)
+
+
+# -- resolution (no database) --
+
+
+def test_auto_picks_cpu_on_this_machine_and_says_why(tmp_path):
+    choice = resolve(None, tmp_path)
+    assert choice.requested == "auto" and choice.resolved == "cpu"
+    # here: the loader finds no device (or, on a machine with one, no receipt qualifies it in this fresh home)
+    assert re.match(r"auto: cuda (unavailable|not qualified): \S", choice.reason), choice.reason
+
+
+def test_auto_picks_cuda_with_a_device_and_a_passing_receipt_for_this_envelope(probe, tmp_path):
+    probe(AVAILABLE)
+    write_receipt(tmp_path)
+    choice = resolve(None, tmp_path)
+    assert (choice.requested, choice.resolved) == ("auto", "cuda"), choice.reason
+    assert probe.calls and probe.calls[0] == (8, 0)  # the loader is asked for the kernels' capability floor
+    assert resolve("cpu", tmp_path).resolved == "cpu"  # asked for: no probe decides it
+
+
+def test_auto_stays_on_cpu_without_a_receipt_for_this_exact_envelope(probe, tmp_path):
+    probe(AVAILABLE)
+    choice = resolve("auto", tmp_path)
+    assert choice.resolved == "cpu" and "no qualification receipt" in choice.reason
+    assert "kiln qualify --backend cuda" in choice.reason
+    write_receipt(tmp_path, passed=False)
+    assert "failed" in resolve("auto", tmp_path).reason
+    other = execution.compute_execution_identity("cuda")
+    other["gpu"]["driver_version"] = "11080"
+    write_receipt(tmp_path, envelope={"execution": other})
+    choice = resolve("auto", tmp_path)
+    assert choice.resolved == "cpu" and "execution.gpu.driver_version" in choice.reason
+    write_receipt(tmp_path)
+    assert resolve("auto", tmp_path).resolved == "cuda"
+
+
+def test_auto_decides_on_capabilities_never_on_names(probe, tmp_path):
+    old = {**AVAILABLE, "devices": [{**DEVICE, "name": "Test Accelerator H200", "compute_capability": "7.5"}]}
+    probe(old)
+    choice = resolve("auto", tmp_path)
+    assert choice.resolved == "cpu" and "compute capability >= 8.0" in choice.reason
+    probe({**AVAILABLE, "devices": [{**DEVICE, "name": "anything at all"}]})
+    write_receipt(tmp_path)
+    assert resolve("auto", tmp_path).resolved == "cuda"
+    small = resolve("auto", tmp_path, need_bytes=(79 << 30) + 1)  # more than the device has free
+    assert small.resolved == "cpu" and "bytes free" in small.reason
+
+
+def test_cuda_without_a_device_is_refused_with_the_loaders_reason(probe, tmp_path):
+    probe(UNAVAILABLE)
+    with pytest.raises(backend.BackendUnavailable) as refused:
+        resolve("cuda", tmp_path)
+    assert refused.value.code == "backend_unavailable" and NO_DRIVER in str(refused.value)
+    with pytest.raises(backend.BackendUnavailable):
+        resolve(None, tmp_path, default="cuda")  # the server's KILN_TRAINING_BACKEND=cuda likewise
+    assert resolve(None, tmp_path).reason == f"auto: cuda unavailable: {NO_DRIVER}"
+    with pytest.raises(ValueError):
+        resolve("tpu", tmp_path)
+
+
+def test_the_loss_route_follows_backend_and_capabilities(probe):
+    assert admission.select_loss_route("cpu") == "kt_tape_flce"  # as before backend selection
+    assert admission.BACKEND_LOSS_ROUTES["cpu"] == ("kt_tape_flce", "full_logits")
+    assert admission.select_loss_route("cuda", AVAILABLE) == "kt_tape_flce"  # the chunked fused route
+    with pytest.raises(admission.AdmissionError) as refused:
+        admission.select_loss_route("cuda", UNAVAILABLE)
+    assert refused.value.code == "backend_unavailable" and NO_DRIVER in refused.value.message
+    probe(UNAVAILABLE)
+    with pytest.raises(admission.AdmissionError):
+        admission.require_loss_route("kt_tape_flce", "cuda")  # the trainer's recheck before allocation
+    admission.require_loss_route("full_logits", "cpu")
+
+
+def test_backend_is_a_request_field_of_every_kind_bound_by_the_execution_identity():
+    assert all(DEFAULTS[kind]["backend"] is None for kind in ("sft", "grpo", "opd"))
+    config = {"output_name": "x", "backend": "cpu", "seed": 3, "resume_checkpoint": "c", "epochs": 1}
+    assert admission.comparable_config(config) == {"output_name": "x", "epochs": 1}  # manifests as before
+
+
+# -- the execution identity --
+
+
+def test_the_cuda_identity_carries_the_gpu_fields(probe):
+    probe(AVAILABLE)
+    identity = execution.compute_execution_identity("cuda")
+    assert set(identity) == CPU_FIELDS | {"gpu"}
+    assert identity["backend"] == "cuda" and identity["kernel_contract"] == "kiln-cuda-kernels-v1"
+    assert identity["gpu"] == {"name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
+                               "driver_version": "12040", "runtime_version": "12020", "cublas_version": "120201",
+                               "library_sha256": "ab" * 32}
+    assert execution.execution_identity("cuda") == identity  # kept once the device is found
+    probe(UNAVAILABLE)
+    assert execution.compute_execution_identity("cuda")["gpu"] == dict.fromkeys(GPU_FIELDS)
+
+
+def test_the_cpu_identity_is_unchanged_whatever_the_loader_finds(probe):
+    before = execution.compute_execution_identity("cpu")
+    assert set(before) == CPU_FIELDS and before["kernel_contract"] == "kiln-cpu-kernels-v1"
+    probe(AVAILABLE)
+    assert execution.compute_execution_identity("cpu") == before
+    assert execution.execution_identity("cpu") == before
+
+
+# -- through the API, the worker, the CLI and the dashboard (the real SFT admission) --
+
+
+@pytest.fixture
+def real_sft(settings):
+    settings.KILN_SFT_RUNNER = "trainer.runs.sft"
+    settings.KILN_HEARTBEAT_SECONDS = 3600
+    settings.KILN_CANCEL_POLL_SECONDS = 0
+    return settings
+
+
+@pytest.mark.django_db
+def test_the_api_records_the_resolved_backend_and_why(real_sft, api, adapter_name, probe):
+    probe(UNAVAILABLE)
+    response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, seed=1))
+    assert response.status_code == 201, response.content
+    job = response.json()
+    assert job["effective_config"]["backend"] == "cpu"
+    assert job["identities"]["backend"] == {"requested": "auto", "resolved": "cpu",
+                                            "reason": f"auto: cuda unavailable: {NO_DRIVER}"}
+    assert job["identities"]["execution"]["backend"] == "cpu" and "gpu" not in job["identities"]["execution"]
+    events = api.get(f"/v1/train/jobs/{job['id']}/events").json()["items"]
+    assert any(f"backend cpu (auto: cuda unavailable: {NO_DRIVER})" in e["message"] for e in events)
+
+
+@pytest.mark.django_db
+def test_the_api_refuses_cuda_without_a_device(real_sft, api, adapter_name, probe):
+    probe(UNAVAILABLE)
+    response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, backend="cuda"))
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "backend_unavailable" and NO_DRIVER in error["message"]
+    assert not TrainingJob.objects.exists()
+    real_sft.KILN_TRAINING_BACKEND = "cuda"  # the server's default, when the request does not say
+    refused = api.post("/v1/train/sft", sft_body(adapter_name, records=2))
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "backend_unavailable"
+    bad = api.post("/v1/train/sft", sft_body(adapter_name, records=2, backend="gpu"))
+    assert bad.status_code in (400, 422)
+    evaluation = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "any", "backend": "cuda"})
+    assert evaluation.status_code == 400, evaluation.content
+    assert evaluation.json()["error"]["code"] == "backend_unavailable"
+    assert NO_DRIVER in evaluation.json()["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_a_resume_on_another_backend_is_refused_and_a_warm_start_across_backends_is_admitted(
+        real_sft, api, adapter_name, probe):
+    body = sft_body(adapter_name, records=4, epochs=1, batch_size=1, checkpoint_interval=2, seed=5)
+    first = api.post("/v1/train/sft", {**body, "config": {**body["config"], "backend": "cpu"}})
+    assert first.status_code == 201, first.content
+    assert EmbeddedWorker().run_once()
+    done = TrainingJob.objects.get(pk=first.json()["id"])
+    assert done.status == JobStatus.SUCCEEDED, done.error_message
+    basename = f"{adapter_name}-checkpoint-step-00000002.kiln-checkpoint"
+
+    probe(AVAILABLE)  # a device is found: cuda may be asked for
+    resume = {**body, "config": {**body["config"], "resume_checkpoint": basename, "backend": "cuda"}}
+    refused = api.post("/v1/train/sft", resume)
+    assert refused.status_code == 409, refused.content
+    error = refused.json()["error"]
+    assert error["code"] == "resume_drift"
+    assert error["differences"] == [{"field": "execution.backend", "checkpoint": "cpu", "request": "cuda"}]
+    assert "config.backend cpu" in error["message"] and "base_adapter" in error["message"]
+    same = api.post("/v1/train/sft", {**resume, "config": {**resume["config"], "backend": "cpu"}})
+    assert same.status_code == 201, same.content  # the checkpoint's own backend continues it
+    assert api.post(f"/v1/train/jobs/{same.json()['id']}/cancel").status_code == 200
+
+    snapshot = done.result["final_adapter"]["path"]
+    warm = sft_body(f"{adapter_name}-warm", records=4, seed=5, backend="cuda", base_adapter=snapshot)
+    admitted = api.post("/v1/train/sft", warm)
+    assert admitted.status_code == 201, admitted.content  # weights only: no backend to continue
+    job = admitted.json()
+    assert job["effective_config"]["backend"] == "cuda" and job["identities"]["base_adapter"]["path"] == snapshot
+    assert job["identities"]["execution"]["gpu"]["name"] == "Test Accelerator"
+
+    probe(UNAVAILABLE)  # the worker that dequeues it has no device: refused there, with the loader's reason
+    assert EmbeddedWorker().run_once()
+    failed = TrainingJob.objects.get(pk=job["id"])
+    assert failed.status == JobStatus.FAILED and failed.error_code == "backend_unavailable"
+    assert NO_DRIVER in failed.error_message and failed.committed_step == 0
+
+
+@pytest.fixture
+def cli(live_server, real_sft, monkeypatch, capsys, ada, tmp_path):
+    """`kiln ...` in-process against the live test server as ada: (exit code, stdout, stderr)."""
+    monkeypatch.setenv("KILN_URL", live_server.url)
+    monkeypatch.setenv("KILN_TOKEN", ada.token)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+    def run(*argv):
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cli_refuses_cuda_without_a_device_and_reports_the_backend(cli, tmp_path, adapter_name, probe):
+    probe(UNAVAILABLE)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in sft_body("x", records=2)["data"]))
+    code, out, err = cli("train", "sft", "--file", str(data), "--adapter", adapter_name, "--backend", "cuda")
+    assert code == 1 and "backend_unavailable" in err and NO_DRIVER in err, (out, err)
+    assert not TrainingJob.objects.exists()
+    code, out, err = cli("train", "sft", "--file", str(data), "--adapter", adapter_name, "--backend", "auto")
+    assert code == 0 and "backend cpu" in out, (out, err)
+    job_id = TrainingJob.objects.get().pk
+    code, out, _ = cli("train", "status", "--job-id", str(job_id))
+    assert code == 0 and f"backend    cpu (auto: cuda unavailable: {NO_DRIVER})" in out
+    code, out, err = cli("eval", "run", "--adapter", adapter_name, "--suite", "any", "--backend", "cuda")
+    assert code == 1 and "backend_unavailable" in err and NO_DRIVER in err, (out, err)
+
+
+def test_kiln_qualify_cuda_without_a_device_exits_non_zero_and_writes_no_receipt(probe, monkeypatch, tmp_path,
+                                                                                 capsys):
+    probe(UNAVAILABLE)
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    assert main(["qualify", "--backend", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert NO_DRIVER in err and "no receipt written" in err
+    assert not (tmp_path / "qualification").exists()
+
+
+@pytest.mark.django_db
+def test_the_dashboard_form_shows_backend_unavailable_on_the_backend_field(real_sft, ada, adapter_name, probe):
+    from django.test import Client
+
+    from dashboard.conftest import csrf_post, upload
+
+    probe(UNAVAILABLE)
+    client = Client()
+    client.force_login(ada)
+    form = client.get("/jobs/new/sft/").content.decode()
+    assert 'name="backend"' in form and all(f'value="{b}"' in form for b in ("auto", "cpu", "cuda"))
+    response = csrf_post(client, "/jobs/new/sft/", {"output_name": adapter_name, "data": upload(), "backend": "cuda"})
+    assert response.status_code == 400
+    page = response.content.decode()
+    block = re.search(r'data-field="backend">(.*?)</div>', page, re.S)
+    assert block, page[:2000]
+    errors = re.findall(r'class="field-error"[^>]*>(.*?)</p>', block.group(1), re.S)
+    assert errors and NO_DRIVER in " ".join(errors), errors
+    assert not TrainingJob.objects.exists()
