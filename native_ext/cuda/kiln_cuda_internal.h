@@ -9,9 +9,11 @@
 #include "kiln_cuda.h"
 #include "kiln_cuda_index.h"
 
-int kiln_record_cuda(cudaError_t error, const char *where);
-int kiln_record_cublas(cublasStatus_t status, const char *where);
-int kiln_record_argument(const char *where, const char *message);
+/* record the failure for kiln_cuda_last_error() and return its status; not exported */
+#define KILN_INTERNAL __attribute__((visibility("hidden")))
+KILN_INTERNAL int kiln_record_cuda(cudaError_t error, const char *where);
+KILN_INTERNAL int kiln_record_cublas(cublasStatus_t status, const char *where);
+KILN_INTERNAL int kiln_record_argument(const char *where, const char *message);
 
 #define KILN_CUDA(expr)                                                     \
     do {                                                                    \
