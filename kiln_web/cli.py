@@ -10,8 +10,8 @@ from collections.abc import Callable
 from kiln_web import cli_serving
 from kiln_web.cli_local import add_base, add_checkpoint, add_qualify, cmd_base, cmd_checkpoint, cmd_qualify
 from kiln_web.cli_remote import add_teacher, add_train, cmd_teacher, cmd_train
-from kiln_web.cli_server import (add_token, add_up, add_worker, cmd_doctor, cmd_token, cmd_up, cmd_version,
-                                 cmd_worker)
+from kiln_web.cli_server import (add_doctor, add_token, add_up, add_worker, cmd_doctor, cmd_token, cmd_up,
+                                 cmd_version, cmd_worker)
 
 
 # name, help, add arguments, run. A new subcommand is one more row.
@@ -26,7 +26,8 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | No
     ("eval", "evaluation suites and runs (through the API)", cli_serving.add_eval, cli_serving.cmd_eval),
     ("checkpoint", "verify, show or prune .kiln-checkpoint directories (locally)", add_checkpoint, cmd_checkpoint),
     ("token", "create API tokens (in the local database)", add_token, cmd_token),
-    ("doctor", "show the Python, numpy, BLAS, native kernels and configuration in use", None, cmd_doctor),
+    ("doctor", "show the Python, numpy, BLAS, native kernels, CUDA backend and configuration in use",
+     add_doctor, cmd_doctor),
     ("version", "print the Kiln version", None, cmd_version),
     ("base", "import, list and show base models ($KILN_HOME/bases)", add_base, cmd_base),
     ("qualify", "prove fresh-repeat and cancel-then-resume equivalence on this backend; write a receipt",

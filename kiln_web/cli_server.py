@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -196,22 +197,54 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_doctor(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def cuda_doctor_lines(cuda: dict) -> list[str]:
+    """The CUDA backend in one or two lines, from native_ext.cuda.probe()."""
+    symbols = cuda["symbols"]
+    library = f"{cuda['library'] or 'no library'}, {symbols['resolved']}/{symbols['declared']} symbols"
+    if symbols["missing"]:
+        library += f" (missing {', '.join(symbols['missing'][:3])})"
+    if not cuda["available"]:
+        return [f"unavailable [{cuda['code']}]: {cuda['reason']}", f"({library})"]
+    devices = "; ".join(f"{d['index']}: {d['name']} (compute {d['compute_capability']}, "
+                        f"{d['total_memory'] / 2**30:.0f} GiB, {(d['free_memory'] or 0) / 2**30:.0f} GiB free)"
+                        for d in cuda["devices"])
+    return [f"available: {devices}",
+            f"driver {cuda['driver_version']} runtime {cuda['runtime_version']} cuBLAS {cuda['cublas_version']} "
+            f"({library})"]
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     ok = True
+    as_json = getattr(args, "json", False)
+    report: dict = {}
 
     def line(label: str, value: str) -> None:
-        print(f"{label:<11}{value}")
+        if not as_json:
+            print(f"{label:<11}{value}")
+
+    def finish(status: int) -> int:
+        if as_json:
+            report["ok"] = status == 0
+            print(json.dumps(report, indent=2, default=str))
+        return status
 
     import kiln_web
 
+    report.update(kiln=kiln_web.__version__, python={"version": platform.python_version(), "executable": sys.executable})
     line("kiln", kiln_web.__version__)
     line("python", f"{platform.python_version()} ({sys.executable})")
 
     import numpy
     from threadpoolctl import threadpool_info
 
+    report["numpy"] = {"version": numpy.__version__, "path": os.path.dirname(numpy.__file__)}
     line("numpy", f"{numpy.__version__} ({os.path.dirname(numpy.__file__)})")
     blas = [pool for pool in threadpool_info() if pool.get("user_api") == "blas"]
+    report["blas"] = blas
     for pool in blas:
         line("blas", f"{pool['internal_api']} {pool.get('version')} "
              f"{pool.get('threading_layer', '')} threads={pool['num_threads']} ({pool['filepath']})")
@@ -222,32 +255,45 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from native_ext import _kernels
     except ImportError as exc:
         ok = False
+        report["native_ext"] = {"imports": False, "error": str(exc)}
         line("native_ext", f"_kernels does not import ({exc}); build it with: pip install -e .")
     else:
+        report["native_ext"] = {"imports": True, "path": _kernels.__file__}
         line("native_ext", f"_kernels imports ({_kernels.__file__})")
+
+    from native_ext import cuda
+
+    report["cuda"] = cuda.probe()  # never raises; the CPU backend does not need it
+    for index, text in enumerate(cuda_doctor_lines(report["cuda"])):
+        line("cuda" if index == 0 else "", text)
 
     from django.core.exceptions import ImproperlyConfigured
 
     try:
         setup_django()
     except ImproperlyConfigured as exc:
+        report["settings"] = {"error": str(exc)}
         line("settings", f"error: {exc}")
-        return 1
+        return finish(1)
     from django.conf import settings
 
+    report["kiln_home"] = str(settings.KILN_HOME)
     line("KILN_HOME", str(settings.KILN_HOME))
     database = settings.DATABASES["default"]
     if database["ENGINE"].endswith("sqlite3"):
-        line("database", f"sqlite {database['NAME']}")
+        report["database"] = f"sqlite {database['NAME']}"
     else:
-        line("database", f"postgresql {database['NAME']} on {database.get('HOST') or 'local socket'}"
-             f":{database.get('PORT') or 5432} as {database.get('USER') or '(default user)'}")
+        report["database"] = (f"postgresql {database['NAME']} on {database.get('HOST') or 'local socket'}"
+                              f":{database.get('PORT') or 5432} as {database.get('USER') or '(default user)'}")
+    line("database", report["database"])
     if settings.KILN_EMBEDDED_WORKER:
-        line("broker", "memory:// (embedded; set REDIS_URL for separate workers)")
+        report["broker"] = "memory:// (embedded; set REDIS_URL for separate workers)"
     else:
-        line("broker", hide_password(settings.CELERY_BROKER_URL))
-    line("channels", settings.CHANNEL_LAYERS["default"]["BACKEND"].rsplit(".", 1)[-1])
-    return 0 if ok else 1
+        report["broker"] = hide_password(settings.CELERY_BROKER_URL)
+    line("broker", report["broker"])
+    report["channels"] = settings.CHANNEL_LAYERS["default"]["BACKEND"].rsplit(".", 1)[-1]
+    line("channels", report["channels"])
+    return finish(0 if ok else 1)
 
 
 def cmd_version(args: argparse.Namespace) -> int:
