@@ -55,9 +55,10 @@ void kiln_index_nf4(const uint8_t *packed, int64_t start, int64_t count, int64_t
     }
 }
 
+// a lone last element is padded with code 7 (0.0), as the quantizer pads a zero
 void kiln_index_nf4_pack(const int64_t *codes, int64_t count, uint8_t *packed) {
     for (int64_t i = 0; i < count; i += 2)
-        packed[i / 2] = (uint8_t)kiln_nf4_pack((int)codes[i], i + 1 < count ? (int)codes[i + 1] : 0);
+        packed[i / 2] = (uint8_t)kiln_nf4_pack((int)codes[i], i + 1 < count ? (int)codes[i + 1] : 7);
 }
 
 void kiln_index_absmax_scale(const int64_t *block, int64_t *out, int64_t count) {

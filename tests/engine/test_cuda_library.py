@@ -1,0 +1,348 @@
+"""The CUDA library without a GPU: it is built where nvcc and cuBLAS are, every symbol the loader declares is
+exported, the loader's coded reasons (library_missing, load_failed, symbol_missing, driver_missing or
+no_device), `kiln doctor --json`, setup.py's skip messages, and the index helpers of kiln_cuda_index.h
+compiled for the host against numpy. The kernels themselves are tested on a GPU in test_cuda_kernels.py.
+"""
+
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from native_ext import cuda, nf4, reference
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA_DIR = ROOT / "native_ext" / "cuda"
+
+
+def _nvcc():
+    for candidate in (os.environ.get("KILN_NVCC"), shutil.which("nvcc"),
+                      os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nvcc"),
+                      "/usr/local/cuda/bin/nvcc"):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _cublas_header():
+    homes = [os.environ.get("KILN_CUBLAS_HOME")]
+    for key in ("purelib", "platlib"):
+        site = sysconfig.get_paths()[key]
+        homes += [os.path.join(site, "nvidia", "cu13"), os.path.join(site, "nvidia", "cublas")]
+    if _nvcc():
+        homes.append(os.path.dirname(os.path.dirname(_nvcc())))
+    return next((h for h in homes if h and os.path.isfile(os.path.join(h, "include", "cublas_v2.h"))), None)
+
+
+def _built_library():
+    """The installed library; skips (with the reason) only where the install could not build it."""
+    if _nvcc() is None:
+        pytest.skip("nvcc is not installed, so the install does not build libkiln_cuda.so")
+    if _cublas_header() is None:
+        pytest.skip("the cuBLAS headers (nvidia-cublas wheel) are not installed, so libkiln_cuda.so is not built")
+    path = ROOT / "native_ext" / cuda.LIBRARY_NAME
+    assert path.is_file(), f"nvcc and cuBLAS are here but {path} was not built: run `pip install -e .`"
+    return path
+
+
+@pytest.fixture
+def no_override(monkeypatch):
+    monkeypatch.delenv(cuda.ENVIRONMENT_VARIABLE, raising=False)
+
+
+def test_the_install_builds_the_library_where_nvcc_and_cublas_are(no_override):
+    path = _built_library()
+    assert cuda.library_path() == path
+    newest_source = max(p.stat().st_mtime for p in CUDA_DIR.glob("*.cu"))
+    assert path.stat().st_mtime >= newest_source, "libkiln_cuda.so is older than a .cu source: rebuild"
+
+
+def test_every_declared_symbol_is_exported_and_every_export_is_declared():
+    path = _built_library()
+    exported = cuda.elf_dynamic_symbols(path)
+    missing = sorted(set(cuda.SYMBOLS) - exported)
+    assert not missing, f"declared in SYMBOLS but not exported: {missing}"
+    undeclared = sorted(exported - set(cuda.SYMBOLS))
+    assert not undeclared, f"exported but not declared in SYMBOLS (or not prefixed kiln_cuda_): {undeclared}"
+    if shutil.which("nm"):  # the ELF reader agrees with binutils
+        listing = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True,
+                                 check=True).stdout
+        assert {line.split()[-1] for line in listing.splitlines() if line.strip()} == exported
+
+
+def test_every_c_declaration_has_a_symbols_entry_with_its_argument_count():
+    header = (CUDA_DIR / "kiln_cuda.h").read_text()
+    text = " ".join(header.split())
+    for name, (_, argtypes) in cuda.SYMBOLS.items():
+        at = text.index(f" {name}(")
+        parameters = text[at + len(name) + 2:text.index(")", at)].strip()
+        count = 0 if parameters in ("", "void") else parameters.count(",") + 1
+        assert count == len(argtypes), f"{name}: {count} C parameters, {len(argtypes)} argtypes in SYMBOLS"
+
+
+def test_the_loader_binds_every_symbol(no_override):
+    path = _built_library()
+    try:
+        library = cuda.open_library(path)
+    except cuda.CudaUnavailable as error:  # e.g. libcublas not found: the coded reason, then stop here
+        assert error.code == "load_failed" and str(path) in str(error)
+        pytest.skip(f"the library does not load on this machine: {error}")
+    for name, (restype, argtypes) in cuda.SYMBOLS.items():
+        function = getattr(library, name)
+        assert function.restype is restype and list(function.argtypes) == argtypes, name
+    version = ctypes.c_int(0)
+    assert library.kiln_cuda_abi_version(ctypes.byref(version)) == 0 and version.value == cuda.ABI_VERSION
+    # an argument check fails with KILN_CUDA_BAD_ARGUMENT and says why, without touching a device
+    assert library.kiln_cuda_swiglu_forward(None, None, 4, 0, None) == 2001
+    assert "F positive" in cuda.last_error(library)
+
+
+def _driver_present():
+    try:
+        ctypes.CDLL(cuda.DRIVER_LIBRARY)
+    except OSError:
+        return False
+    return True
+
+
+def test_probe_says_plainly_why_there_is_no_gpu(no_override):
+    _built_library()
+    result = cuda.probe()
+    if result["available"]:
+        pytest.skip("a usable GPU is here; test_cuda_kernels.py covers it")
+    assert result["symbols"] == {"declared": len(cuda.SYMBOLS), "resolved": len(cuda.SYMBOLS), "missing": []}
+    assert result["library_sha256"] == hashlib.sha256(Path(result["library"]).read_bytes()).hexdigest()
+    if not _driver_present():
+        assert result["code"] == "driver_missing"
+        assert "libcuda.so.1" in result["reason"] and "not installed" in result["reason"]
+    else:
+        assert result["code"] in ("no_device", "device_too_old", "driver_missing")
+    assert result["devices"] == [] or result["code"] == "device_too_old"
+    assert result["runtime_version"], "the statically linked CUDA runtime reports its version without a driver"
+    with pytest.raises(cuda.CudaUnavailable) as raised:
+        cuda.load()
+    assert raised.value.code == result["code"] and raised.value.path == result["library"]
+
+
+def test_a_missing_override_file_is_library_missing_naming_the_path(monkeypatch, tmp_path):
+    missing = tmp_path / "nowhere" / "libkiln_cuda.so"
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(missing))
+    assert cuda.library_path() == missing
+    result = cuda.probe()
+    assert (result["available"], result["code"], result["library"]) == (False, "library_missing", str(missing))
+    assert str(missing) in result["reason"] and cuda.ENVIRONMENT_VARIABLE in result["reason"]
+    with pytest.raises(cuda.CudaUnavailable) as raised:
+        cuda.load()
+    assert raised.value.code == "library_missing" and raised.value.path == str(missing)
+    assert str(missing) in str(raised.value)
+
+
+def test_no_library_at_all_is_library_missing_with_the_build_command(monkeypatch):
+    monkeypatch.delenv(cuda.ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.setattr(cuda, "library_path", lambda: None)
+    result = cuda.probe()
+    assert result["code"] == "library_missing" and "pip install -e ." in result["reason"]
+
+
+def _tiny_library(tmp_path, names, file_name="libpartial.so"):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    source = tmp_path / "partial.c"
+    source.write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in names))
+    output = tmp_path / file_name
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(output), str(source)], check=True)
+    return output
+
+
+def test_a_library_lacking_a_symbol_is_symbol_missing_naming_it(monkeypatch, tmp_path):
+    dropped = "kiln_cuda_attention_backward"
+    path = _tiny_library(tmp_path, [name for name in cuda.SYMBOLS if name != dropped])
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(path))
+    result = cuda.probe()
+    assert (result["available"], result["code"]) == (False, "symbol_missing")
+    assert dropped in result["reason"]
+    assert result["symbols"]["missing"] == [dropped]
+    assert result["symbols"]["resolved"] == len(cuda.SYMBOLS) - 1
+    with pytest.raises(cuda.CudaUnavailable) as raised:
+        cuda.open_library()
+    assert raised.value.code == "symbol_missing" and raised.value.path == str(path) and dropped in str(raised.value)
+
+
+def test_a_file_that_is_not_a_library_is_load_failed(monkeypatch, tmp_path):
+    path = tmp_path / "libkiln_cuda.so"
+    path.write_text("not an ELF file\n")
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(path))
+    result = cuda.probe()
+    assert (result["available"], result["code"]) == (False, "load_failed")
+    assert str(path) in str(cuda.CudaUnavailable(result["code"], path, result["reason"]))
+
+
+def test_kiln_doctor_json_has_the_cuda_object(capsys, no_override):
+    from kiln_web.cli import main
+
+    status = main(["doctor", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 or not report["native_ext"]["imports"]
+    probe = report["cuda"]
+    for key in ("library", "symbols", "available", "reason", "code", "devices", "driver_version", "runtime_version",
+                "cublas_version", "library_sha256"):
+        assert key in probe, key
+    assert probe["symbols"]["declared"] == len(cuda.SYMBOLS)
+    assert probe["available"] == cuda.probe()["available"]
+
+
+def test_kiln_doctor_text_names_the_cuda_reason(capsys, monkeypatch, tmp_path):
+    from kiln_web.cli import main
+
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(tmp_path / "absent.so"))
+    main(["doctor"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cuda")]
+    assert len(lines) == 1 and "unavailable [library_missing]" in lines[0] and "absent.so" in lines[0]
+
+
+# -- setup.py's CUDA step --------------------------------------------------------------------------------
+
+
+def _setup_cuda_namespace():
+    """The CUDA part of setup.py (setup.py itself imports Cython, which only the build environment has)."""
+    import concurrent.futures
+    import sys
+    import tempfile
+
+    text = (ROOT / "setup.py").read_text()
+    namespace = {"concurrent": concurrent, "glob": glob, "os": os, "shutil": shutil, "subprocess": subprocess,
+                 "sys": sys, "sysconfig": sysconfig, "tempfile": tempfile, "Path": Path,
+                 "__file__": str(ROOT / "setup.py")}
+    exec(compile(text[text.index("CUDA_DIR ="):text.index("class BuildWithCuda")], "setup.py", "exec"), namespace)
+    return namespace
+
+
+def test_setup_skips_the_cuda_library_with_a_reason_without_nvcc(tmp_path, capsys):
+    namespace = _setup_cuda_namespace()
+    namespace["find_nvcc"] = lambda: None
+    namespace["build_cuda_library"](tmp_path)
+    assert "nvcc not found" in capsys.readouterr().err
+    assert not (tmp_path / cuda.LIBRARY_NAME).exists()
+
+
+def test_setup_skips_the_cuda_library_with_a_reason_without_cublas(tmp_path, capsys):
+    namespace = _setup_cuda_namespace()
+    namespace["find_nvcc"] = lambda: "/usr/bin/true"
+    namespace["find_cublas"] = lambda nvcc: None
+    namespace["build_cuda_library"](tmp_path)
+    assert "pip install nvidia-cublas" in capsys.readouterr().err
+    assert not (tmp_path / cuda.LIBRARY_NAME).exists()
+
+
+# -- the index helpers, compiled for the host ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (g++) to build the host index helpers")
+    output = tmp_path_factory.mktemp("index") / "libkiln_index.so"
+    subprocess.run([compiler, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(output),
+                    str(CUDA_DIR / "index_host.cpp")], check=True)
+    return ctypes.CDLL(str(output))
+
+
+def _p(array):
+    return array.ctypes.data_as(ctypes.c_void_p)
+
+
+I64 = ctypes.c_int64
+
+
+@pytest.mark.parametrize("g,past,key_start,window", [(1, 0, 0, 0), (2, 0, 4, 0), (3, 5, 2, 0), (2, 3, 0, 4)])
+def test_attention_mask_matches_numpy(index, g, past, key_start, window):
+    R, S = 12, 9
+    mask = np.zeros((R, S), np.uint8)
+    index.kiln_index_mask(I64(R), I64(S), I64(g), I64(past), I64(key_start), I64(window), _p(mask))
+    query = past + np.arange(R)[:, None] // g  # [R,1]
+    keys = key_start + np.arange(S)[None, :]  # [1,S]
+    expected = keys <= query
+    if window:
+        expected &= query - keys < window
+    else:
+        np.testing.assert_array_equal(expected, reference._causal_mask(R, S, g, past, key_start))
+    np.testing.assert_array_equal(mask.astype(bool), expected)
+
+
+def test_tile_bounds_last_key_and_first_row_match_the_mask(index):
+    T, g, past, tile = 11, 3, 4, 4
+    R, S = T * g, past + T
+    starts = np.arange(0, R, tile, dtype=np.int64)
+    ends = np.empty_like(starts)
+    index.kiln_index_tile_end(_p(starts), I64(tile), I64(R), _p(ends), I64(len(starts)))
+    np.testing.assert_array_equal(ends, np.minimum(starts + tile, R))
+    counts = np.arange(0, 40, dtype=np.int64)
+    blocks = np.empty_like(counts)
+    index.kiln_index_ceil_div(_p(counts), I64(7), _p(blocks), I64(len(counts)))
+    np.testing.assert_array_equal(blocks, -(-counts // 7))
+    mask = reference._causal_mask(R, S, g, past, 0)  # [R,S]
+    last = np.empty_like(ends)
+    index.kiln_index_last_key(I64(S), _p(ends), I64(g), I64(past), _p(last), I64(len(ends)))
+    for end, last_key in zip(ends, last):  # keys seen by any row before `end`
+        assert last_key == np.flatnonzero(mask[:end].any(axis=0)).max() + 1
+    key_starts = np.arange(S, dtype=np.int64)
+    first = np.empty_like(key_starts)
+    index.kiln_index_first_row(_p(key_starts), I64(g), I64(past), _p(first), I64(S))
+    for key, row in zip(key_starts, first):  # the first row that sees `key` (or any later key)
+        assert row == np.flatnonzero(mask[:, key:].any(axis=1)).min()
+
+
+def test_rope_output_layout_and_gqa_heads_match_the_cpu_kernel(index):
+    B, T, KV, g, D = 2, 3, 2, 3, 4
+    flat = np.empty(B * T * KV * g * D, np.int64)
+    index.kiln_index_rope_out(I64(B), I64(T), I64(KV), I64(g), I64(D), _p(flat))
+    # reference.rope_forward's layout: [B,T,NH,D] reshaped to [B,T,KV,g,D] and moved to [B,KV,T,g,D]
+    positions = np.arange(B * KV * T * g * D).reshape(B, KV, T, g, D)
+    expected = positions.transpose(0, 2, 1, 3, 4).reshape(-1)  # out index of each (b, t, h, d)
+    np.testing.assert_array_equal(flat, expected)
+    heads = np.arange(KV * g, dtype=np.int64)
+    kv_head, slot = np.empty_like(heads), np.empty_like(heads)
+    index.kiln_index_gqa(_p(heads), I64(g), _p(kv_head), _p(slot), I64(len(heads)))
+    np.testing.assert_array_equal(kv_head, heads // g)
+    np.testing.assert_array_equal(slot, heads % g)
+
+
+@pytest.mark.parametrize("n,block_size,start", [(130, 64, 0), (130, 64, 5), (97, 32, 33)])
+def test_nf4_byte_nibble_and_block_match_the_quantizer(index, n, block_size, start):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    packed = np.zeros((n + 1) // 2, np.uint8)
+    absmax = np.zeros(-(-n // block_size), np.float32)
+    nf4.quantize(x, block_size, packed, absmax)
+    count = n - start
+    byte, nibble, block = (np.empty(count, np.int64) for _ in range(3))
+    index.kiln_index_nf4(_p(packed), I64(start), I64(count), I64(block_size), _p(byte), _p(nibble), _p(block))
+    decoded = nf4.NF4_CODE[nibble] * absmax[block]
+    expected = np.empty(count, np.float32)
+    nf4.reference_dequantize(packed, block_size, start, expected, absmax)
+    np.testing.assert_array_equal(decoded, expected)
+    positions = np.arange(start, n)
+    np.testing.assert_array_equal(byte, positions // 2)
+    np.testing.assert_array_equal(block, positions // block_size)
+    repacked = np.zeros_like(packed)
+    codes = np.empty(n, np.int64)
+    scratch = np.empty(n, np.int64)
+    index.kiln_index_nf4(_p(packed), I64(0), I64(n), I64(block_size), _p(scratch), _p(codes), _p(scratch))
+    index.kiln_index_nf4_pack(_p(codes), I64(n), _p(repacked))
+    np.testing.assert_array_equal(repacked, packed)  # high nibble first, a lone last element padded with code 7 (0.0)
+
+
+def test_absmax_scale_index_matches_the_double_quantization_layout(index):
+    blocks = np.arange(1000, dtype=np.int64)
+    out = np.empty_like(blocks)
+    index.kiln_index_absmax_scale(_p(blocks), _p(out), I64(len(blocks)))
+    scales = np.arange(-(-len(blocks) // nf4.ABSMAX_BLOCK_SIZE))
+    np.testing.assert_array_equal(out, np.repeat(scales, nf4.ABSMAX_BLOCK_SIZE)[:len(blocks)])
