@@ -227,6 +227,24 @@ def test_the_api_refuses_cuda_without_a_device(real_sft, api, adapter_name, prob
     assert NO_DRIVER in evaluation.json()["error"]["message"]
 
 
+def test_the_planned_need_is_the_resident_base_weights():
+    base = types.SimpleNamespace(parameter_count=1000)
+    assert admission.planned_device_bytes({}, base) == 4000
+    nf4 = {"quantization": {"type": "nf4", "block_size": 64, "double_quantization": False}}
+    assert admission.planned_device_bytes(nf4, base) == 500 + 4 * 16
+    assert admission.planned_device_bytes({}, types.SimpleNamespace()) is None
+
+
+@pytest.mark.django_db
+def test_cuda_is_refused_when_the_device_has_less_free_memory_than_the_run_plans(real_sft, api, adapter_name,
+                                                                                probe):
+    probe({**AVAILABLE, "devices": [{**DEVICE, "free_memory": 1024}]})  # kiln-tiny's weights need more
+    response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, backend="cuda"))
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "backend_unavailable" and "1024 bytes free" in error["message"]
+
+
 @pytest.mark.slow
 @pytest.mark.django_db
 def test_a_resume_on_another_backend_is_refused_and_a_warm_start_across_backends_is_admitted(

@@ -294,10 +294,24 @@ def choose_backend(requested: str | None, default: str, home, need_bytes: int | 
     return resolve_backend(requested, default, home, lambda: execution_identity("cuda"), need_bytes)
 
 
-def admit_backend(config: dict, settings: RunSettings, need_bytes: int | None = None) -> BackendChoice:
-    """Resolve config.backend (None: the server's settings.backend) from capabilities (trainer.runs.backend) and
-    record the resolved one in the effective configuration; AdmissionError backend_unavailable, with the loader's
-    reason, when cuda is asked for and cannot run here."""
+def planned_device_bytes(config: dict, base) -> int | None:
+    """A floor of the device memory a run needs: the base's weights as they reside (FP32, or NF4 codes and
+    their FP32 block scales); None when the base does not say how many parameters it has."""
+    count = getattr(base, "parameter_count", None)
+    if not isinstance(count, int) or count <= 0:
+        return None
+    quantization = config.get("quantization")
+    if quantization:
+        return count // 2 + 4 * -(-count // quantization["block_size"])
+    return 4 * count
+
+
+def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoice:
+    """Resolve config.backend (None: the server's settings.backend) from capabilities (trainer.runs.backend; the
+    device must have free at least the floor of what the run over BASE needs) and record the resolved one in the
+    effective configuration; AdmissionError backend_unavailable, with the loader's reason, when cuda is asked for
+    and cannot run here."""
+    need_bytes = None if base is None else planned_device_bytes(config, base)
     try:
         choice = choose_backend(config.get("backend"), settings.backend, settings.home, need_bytes)
     except BackendUnavailable as error:

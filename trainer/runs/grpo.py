@@ -146,7 +146,7 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, base = _prepare(request, settings)
-    backend = admit_backend(config, settings)
+    backend = admit_backend(config, settings, base)
     loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]

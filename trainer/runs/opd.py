@@ -181,7 +181,7 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
     from trainer.bases import show_base
     config, records, raw, kind, base = _prepare(request, settings)
-    backend = admit_backend(config, settings)
+    backend = admit_backend(config, settings, base)
     loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]

@@ -194,7 +194,7 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, records, raw, kind, base = _prepare(request, settings)
-    backend = admit_backend(config, settings)
+    backend = admit_backend(config, settings, base)
     loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
