@@ -1,0 +1,390 @@
+"""The CUDA kernels against their numpy twins, on a GPU (skipped, with the probe's reason, without one).
+
+Tolerances are stated per test as a maximum relative difference (max |gpu - twin| / max |twin|). Where the
+arithmetic is the same operation for operation (embedding gather and gradient, NF4 decoding, Adam, scale)
+the comparison is exact. Every kernel that reduces is also run twice and compared with `==`: no atomics,
+fixed reduction orders, so one device gives the same bits every run.
+Dimension letters as in native_ext/reference.py.
+"""
+
+import ctypes
+from ctypes import byref, c_void_p
+
+import numpy as np
+import pytest
+
+from native_ext import cuda, kernels, nf4, reference
+from trainer import attention
+
+PROBE = cuda.probe()
+pytestmark = pytest.mark.skipif(not PROBE["available"], reason=f"no usable GPU: {PROBE['reason']}")
+
+F32, I64 = np.float32, np.int64
+FP32 = 0  # the precision argument: IEEE FP32, no TF32
+rng = np.random.default_rng(17)
+
+
+def rel(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    scale = np.max(np.abs(expected), initial=0.0)
+    difference = np.max(np.abs(actual - expected), initial=0.0)
+    return difference / scale if scale else difference
+
+
+def close(actual, expected, tolerance, what):
+    difference = rel(actual, expected)
+    assert difference <= tolerance, f"{what}: max relative difference {difference:.2e} > {tolerance:.0e}"
+
+
+def normal(*shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(F32)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return cuda.load()
+
+
+@pytest.fixture(scope="module")
+def blas(lib):
+    handle = c_void_p(0)
+    cuda.check(lib, lib.kiln_cuda_blas_create(byref(handle), None, 32 << 20), "kiln_cuda_blas_create")
+    yield handle.value
+    lib.kiln_cuda_blas_destroy(handle.value)
+
+
+class Gpu:
+    """Device copies of numpy arrays for one test, freed at its end; call() runs a kernel and synchronises."""
+
+    def __init__(self, lib):
+        self.lib, self.arrays = lib, []
+
+    def put(self, array):
+        device = cuda.DeviceArray.from_host(self.lib, array)
+        self.arrays.append(device)
+        return device
+
+    def zeros(self, shape, dtype=F32):
+        device = cuda.DeviceArray.zeros(self.lib, shape, dtype)
+        self.arrays.append(device)
+        return device
+
+    def call(self, name, *args):
+        cuda.check(self.lib, getattr(self.lib, name)(*args), name)
+        cuda.check(self.lib, self.lib.kiln_cuda_device_synchronize(), f"{name} (synchronize)")
+
+    def free(self):
+        for device in self.arrays:
+            device.free()
+
+
+@pytest.fixture
+def gpu(lib):
+    arrays = Gpu(lib)
+    yield arrays
+    arrays.free()
+
+
+def test_probe_sees_a_capable_device():
+    assert PROBE["code"] is None and PROBE["devices"]
+    for device in PROBE["devices"]:
+        assert tuple(map(int, device["compute_capability"].split("."))) >= (8, 0)
+        assert 0 < device["free_memory"] <= device["total_memory"]
+    assert PROBE["driver_version"] and PROBE["runtime_version"] and PROBE["cublas_version"]
+
+
+def test_streams_events_and_copies(lib, gpu):
+    stream, start, end = c_void_p(0), c_void_p(0), c_void_p(0)
+    gpu.call("kiln_cuda_stream_create", byref(stream))
+    gpu.call("kiln_cuda_event_create", byref(start))
+    gpu.call("kiln_cuda_event_create", byref(end))
+    x = normal(1000)
+    a = gpu.put(x)
+    b = gpu.zeros(x.shape)
+    gpu.call("kiln_cuda_event_record", start.value, stream.value)
+    gpu.call("kiln_cuda_memcpy_d2d", b.ptr, a.ptr, x.nbytes, stream.value)
+    gpu.call("kiln_cuda_event_record", end.value, stream.value)
+    gpu.call("kiln_cuda_stream_synchronize", stream.value)
+    gpu.call("kiln_cuda_event_synchronize", end.value)
+    elapsed = ctypes.c_float(-1)
+    gpu.call("kiln_cuda_event_elapsed_ms", byref(elapsed), start.value, end.value)
+    assert elapsed.value >= 0
+    np.testing.assert_array_equal(b.to_host(), x)
+    for name, handle in (("kiln_cuda_event_destroy", start), ("kiln_cuda_event_destroy", end),
+                         ("kiln_cuda_stream_destroy", stream)):
+        gpu.call(name, handle.value)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_gemm_is_fp32(gpu, blas, trans_a, trans_b):
+    M, N, K = 67, 45, 129
+    A = normal(K, M) if trans_a else normal(M, K)
+    B = normal(N, K) if trans_b else normal(K, N)
+    C = normal(M, N)
+    expected = 0.5 * ((A.T if trans_a else A).astype(np.float64) @ (B.T if trans_b else B)) + 2.0 * C
+    dc = gpu.put(C)
+    gpu.call("kiln_cuda_gemm", blas, trans_a, trans_b, M, N, K, 0.5, gpu.put(A).ptr, A.shape[1], gpu.put(B).ptr,
+             B.shape[1], 2.0, dc.ptr, N, FP32)
+    close(dc.to_host(), expected, 1e-5, "gemm (FP32, no TF32)")
+
+
+def test_gemm_strided_batched(gpu, blas):
+    batch, M, N, K = 5, 33, 17, 40
+    A, B = normal(batch, M, K), normal(batch, N, K)
+    dc = gpu.zeros((batch, M, N))
+    gpu.call("kiln_cuda_gemm_strided_batched", blas, 0, 1, M, N, K, 1.0, gpu.put(A).ptr, K, M * K, gpu.put(B).ptr,
+             K, N * K, 0.0, dc.ptr, N, M * N, batch, FP32)
+    close(dc.to_host(), np.matmul(A.astype(np.float64), B.transpose(0, 2, 1)), 1e-5, "strided batched gemm")
+
+
+def test_embedding_forward_and_its_gradient_are_exact(gpu):
+    N, C, V = 300, 72, 41
+    table, dout = normal(V, C), normal(N, C)
+    tokens = rng.integers(0, V, N).astype(I64)  # many repeats: the gradient's order matters
+    out = gpu.zeros((N, C))
+    dtokens = gpu.put(tokens)
+    gpu.call("kiln_cuda_embedding_forward", dtokens.ptr, gpu.put(table).ptr, out.ptr, N, C, V, None)
+    np.testing.assert_array_equal(out.to_host(), table[tokens])
+    start = normal(V, C)
+    dtable = gpu.put(start)
+    gpu.call("kiln_cuda_embedding_backward", gpu.put(dout).ptr, dtokens.ptr, dtable.ptr, N, C, V, None)
+    expected = start.copy()
+    kernels.embedding_backward(dout, tokens, expected)  # the CPU kernel: token order, float32 adds
+    np.testing.assert_array_equal(dtable.to_host(), expected)
+
+
+def test_rmsnorm_forward_and_backward(gpu, lib):
+    N, C, eps = 131, 576, 1e-5
+    x, weight, dout = normal(N, C), normal(C), normal(N, C)
+    out, rstd = gpu.zeros((N, C)), gpu.zeros((N,))
+    dx_ = gpu.put(x)
+    gpu.call("kiln_cuda_rmsnorm_forward", dx_.ptr, gpu.put(weight).ptr, eps, out.ptr, rstd.ptr, N, C, None)
+    expected_out, expected_rstd = np.empty_like(x), np.empty(N, F32)
+    reference.rmsnorm_forward(x, weight, eps, expected_out, expected_rstd)
+    close(out.to_host(), expected_out, 1e-6, "rmsnorm out")
+    close(rstd.to_host(), expected_rstd, 1e-6, "rmsnorm rstd")
+    bytes_ = ctypes.c_size_t(0)
+    gpu.call("kiln_cuda_rmsnorm_backward_workspace", N, C, byref(bytes_))
+    workspace = gpu.zeros((bytes_.value,), np.uint8)
+    dx0, dw0 = normal(N, C), normal(C)  # backward accumulates
+    results = []
+    for _ in range(2):
+        dx, dw = gpu.put(dx0), gpu.put(dw0)
+        gpu.call("kiln_cuda_rmsnorm_backward", gpu.put(dout).ptr, dx_.ptr, gpu.put(weight).ptr,
+                 gpu.put(expected_rstd).ptr, dx.ptr, dw.ptr, workspace.ptr, N, C, None)
+        results.append((dx.to_host(), dw.to_host()))
+    expected_dx, expected_dw = dx0.copy(), dw0.copy()
+    reference.rmsnorm_backward(dout, x, weight, expected_rstd, expected_dx, expected_dw)
+    close(results[0][0], expected_dx, 1e-5, "rmsnorm dx")
+    close(results[0][1], expected_dw, 1e-5, "rmsnorm dweight")
+    assert all(np.array_equal(a, b) for a, b in zip(*results)), "rmsnorm backward is not deterministic"
+
+
+def test_rope_forward_and_backward_with_a_strided_input(gpu):
+    B, T, KV, g, D, P, offset = 2, 9, 2, 3, 64, 32, 5
+    H = KV * g
+    fused = normal(B, T, (H + 2 * KV) * D)  # the q/k/v projection output; q is a strided view into it
+    x = fused[..., :H * D].reshape(B, T, H, D)
+    angles = np.arange(P)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None, :]
+    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)  # [P,D/2]
+    strides = [s // 4 for s in x.strides[:3]]
+    out = gpu.zeros((B, KV, T, g, D))
+    dcos, dsin = gpu.put(cos), gpu.put(sin)
+    gpu.call("kiln_cuda_rope_forward", gpu.put(fused).ptr, *strides, dcos.ptr, dsin.ptr, P, offset, out.ptr, B, T,
+             KV, g, D, None)
+    expected = np.empty((B, KV, T, g, D), F32)
+    reference.rope_forward(x, cos, sin, offset, expected)
+    close(out.to_host(), expected, 1e-6, "rope forward")
+    dout = normal(B, KV, T, g, D)
+    dfused = gpu.zeros(fused.shape)
+    gpu.call("kiln_cuda_rope_backward", gpu.put(dout).ptr, dcos.ptr, dsin.ptr, P, offset, dfused.ptr, *strides, B, T,
+             KV, g, D, None)
+    expected_dx = np.empty((B, T, H, D), F32)
+    reference.rope_backward(dout, cos, sin, offset, expected_dx)
+    got = dfused.to_host()
+    close(got[..., :H * D].reshape(B, T, H, D), expected_dx, 1e-6, "rope backward")
+    assert not got[..., H * D:].any(), "rope backward wrote outside the q columns"
+
+
+def test_swiglu_forward_and_backward(gpu):
+    N, F = 77, 1536
+    gate_up, dout = normal(N, 2 * F, scale=3.0), normal(N, F)
+    out, dgate_up = gpu.zeros((N, F)), gpu.zeros((N, 2 * F))
+    dgu = gpu.put(gate_up)
+    gpu.call("kiln_cuda_swiglu_forward", dgu.ptr, out.ptr, N, F, None)
+    expected = np.empty((N, F), F32)
+    reference.swiglu_forward(gate_up, expected)
+    close(out.to_host(), expected, 1e-6, "swiglu forward")
+    gpu.call("kiln_cuda_swiglu_backward", gpu.put(dout).ptr, dgu.ptr, dgate_up.ptr, N, F, None)
+    expected_grad = np.empty_like(gate_up)
+    reference.swiglu_backward(dout, gate_up, expected_grad)
+    close(dgate_up.to_host(), expected_grad, 1e-6, "swiglu backward")
+
+
+@pytest.mark.parametrize("G,T,g,D,past", [(3, 37, 3, 64, 0), (2, 70, 1, 128, 0), (2, 20, 2, 32, 13)])
+def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, past):
+    S = past + T
+    R = T * g
+    q, k, v, dout = normal(G, R, D), normal(G, S, D), normal(G, S, D), normal(G, R, D)
+    scale = 1.0 / np.sqrt(D)
+    expected_out, probs = attention.dense_forward(q, k, v, scale, g, past)
+    expected_dq, expected_dk, expected_dv = attention.dense_backward(dout, q, k, v, probs, scale)
+    dq_, dk_, dv_ = gpu.put(q), gpu.put(k), gpu.put(v)
+    out, lse = gpu.zeros((G, R, D)), gpu.zeros((G, R))
+    gpu.call("kiln_cuda_attention_forward", dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr, G, T, g, S, D, past, scale,
+             None)
+    close(out.to_host(), expected_out, 1e-5, "attention out")
+    logits = np.where(reference._causal_mask(R, S, g, past, 0), np.matmul(q, k.transpose(0, 2, 1)) * F32(scale),
+                      -np.inf).astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    close(lse.to_host(), (np.log(np.exp(logits - top).sum(-1, keepdims=True)) + top)[..., 0], 1e-5,
+          "attention logsumexp")
+    grads = []
+    for _ in range(2):
+        dq, dk, dv, delta = (gpu.zeros(shape) for shape in ((G, R, D), (G, S, D), (G, S, D), (G, R)))
+        gpu.call("kiln_cuda_attention_backward", gpu.put(dout).ptr, dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr,
+                 dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, S, D, past, scale, None)
+        grads.append([a.to_host() for a in (dq, dk, dv)])
+    for name, got, expected in zip(("dq", "dk", "dv"), grads[0], (expected_dq, expected_dk, expected_dv)):
+        close(got, expected, 1e-4, f"attention {name}")
+    assert all(np.array_equal(a, b) for a, b in zip(*grads)), "attention backward is not deterministic"
+
+
+def _cross_entropy_twin(hidden, weight, targets, mode, grad_scale, row_scales, ignore=-100):
+    logits = hidden.astype(np.float64) @ weight.T.astype(np.float64)  # [N,V]
+    N = len(targets)
+    ignored = targets == ignore
+    safe = np.where(ignored, 0, targets)
+    top = logits.max(1, keepdims=True)
+    lse = (np.log(np.exp(logits - top).sum(1, keepdims=True)) + top)[:, 0]
+    logp = logits[np.arange(N), safe] - lse
+    if mode == 0:
+        return np.where(ignored, 0.0, logp), None, None
+    grad = np.exp(logits - lse[:, None])
+    grad[np.arange(N), safe] -= 1.0
+    if mode == 1:
+        grad *= grad_scale
+        grad[ignored] = 0.0
+        losses = np.where(ignored, 0.0, -logp)
+    else:
+        grad *= row_scales[:, None]
+        losses = -logp
+    return losses, grad @ weight, grad.T @ hidden
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_fused_linear_cross_entropy_in_chunks(gpu, blas, mode):
+    N, C, V, chunk = 45, 96, 1003, 16  # a partial last chunk
+    hidden, weight = normal(N, C), normal(V, C, scale=0.2)
+    targets = rng.integers(0, V, N).astype(I64)
+    targets[[3, 20]] = -100
+    row_scales = rng.random(N).astype(F32)
+    row_scales[[3, 20]] = 0.0
+    grad_scale = 1.0 / N
+    per_row = gpu.zeros((N,))
+    dhidden = gpu.zeros((N, C)) if mode else None
+    head0 = normal(V, C)
+    dhead = gpu.put(head0) if mode else None
+    workspace = gpu.zeros((chunk, V))
+    gpu.call("kiln_cuda_fused_linear_cross_entropy", blas, gpu.put(hidden).ptr, gpu.put(weight).ptr,
+             gpu.put(targets).ptr, N, C, V, chunk, mode, grad_scale, gpu.put(row_scales).ptr if mode == 2 else None,
+             -100, per_row.ptr, dhidden.ptr if mode else None, dhead.ptr if mode else None, workspace.ptr, FP32)
+    losses, expected_dhidden, expected_dhead = _cross_entropy_twin(hidden, weight, targets, mode, grad_scale,
+                                                                   row_scales)
+    close(per_row.to_host(), losses, 1e-5, f"mode {mode} per-row values")
+    if mode:
+        close(dhidden.to_host(), expected_dhidden, 1e-5, f"mode {mode} dhidden")
+        close(dhead.to_host() - head0, expected_dhead, 1e-5, f"mode {mode} head gradient")
+
+
+@pytest.mark.parametrize("n,block_size,start,count", [(4096, 64, 0, 4096), (1001, 64, 37, 900), (300, 32, 1, 299)])
+def test_nf4_dequantize_is_exact(gpu, n, block_size, start, count):
+    x = normal(n)
+    packed, absmax = np.zeros((n + 1) // 2, np.uint8), np.zeros(-(-n // block_size), F32)
+    nf4.quantize(x, block_size, packed, absmax)
+    out = gpu.zeros((count,))
+    gpu.call("kiln_cuda_nf4_dequantize", gpu.put(packed).ptr, gpu.put(absmax).ptr, out.ptr, start, count,
+             block_size, None)
+    expected = np.empty(count, F32)
+    nf4.reference_dequantize(packed, block_size, start, expected, absmax)
+    np.testing.assert_array_equal(out.to_host(), expected)
+
+
+def test_nf4_double_quantized_absmax_decodes_exactly(gpu):
+    absmax = (rng.random(700) * 3).astype(F32)
+    offset = nf4.absmax_mean(absmax)
+    codes, scales = np.zeros(700, np.uint8), np.zeros(-(-700 // nf4.ABSMAX_BLOCK_SIZE), F32)
+    nf4.quantize_absmax(absmax, offset, codes, scales)
+    decoded = gpu.zeros((700,))
+    gpu.call("kiln_cuda_nf4_decode_absmax", gpu.put(codes).ptr, gpu.put(scales).ptr,
+             gpu.put(np.ascontiguousarray(nf4.DYNAMIC_MAP)).ptr, float(offset), decoded.ptr, 700, None)
+    expected = nf4.DYNAMIC_MAP[codes] * np.repeat(scales, nf4.ABSMAX_BLOCK_SIZE)[:700] + F32(offset)
+    np.testing.assert_array_equal(decoded.to_host(), expected.astype(F32))
+
+
+def test_nf4_linear_dequantizes_tiles_then_multiplies(gpu, blas):
+    N, K, M, block_size, tile_rows = 19, 192, 130, 64, 48  # a partial last tile
+    weight, x = normal(M, K), normal(N, K)
+    packed, absmax = np.zeros(M * K // 2, np.uint8), np.zeros(M * K // block_size, F32)
+    nf4.quantize(weight.reshape(-1), block_size, packed, absmax)
+    dense = np.empty(M * K, F32)
+    nf4.reference_dequantize(packed, block_size, 0, dense, absmax)
+    out = gpu.zeros((N, M))
+    gpu.call("kiln_cuda_nf4_linear", blas, gpu.put(x).ptr, gpu.put(packed).ptr, gpu.put(absmax).ptr, block_size,
+             out.ptr, 0.0, gpu.zeros((tile_rows, K)).ptr, tile_rows, N, K, M, FP32)
+    close(out.to_host(), x.astype(np.float64) @ dense.reshape(M, K).T, 1e-5, "nf4 linear")
+
+
+def test_lora_forward_and_backward(gpu, blas):
+    N, K, M, r, scaling = 29, 64, 80, 8, 2.0
+    x, A, B, dout = normal(N, K), normal(r, K), normal(M, r), normal(N, M)
+    base = normal(N, M)
+    out, xa = gpu.put(base), gpu.zeros((N, r))
+    dx_, dA_, dB_ = gpu.put(x), gpu.put(A), gpu.put(B)
+    gpu.call("kiln_cuda_lora_forward", blas, dx_.ptr, dA_.ptr, dB_.ptr, scaling, xa.ptr, out.ptr, N, K, M, r, FP32)
+    x64 = x.astype(np.float64)
+    expected_xa = x64 @ A.T
+    close(xa.to_host(), expected_xa, 1e-5, "lora xa")
+    close(out.to_host(), base + scaling * expected_xa @ B.T, 1e-5, "lora out")
+    dA0, dB0, dx0 = normal(r, K), normal(M, r), normal(N, K)
+    dA, dB, dx, dxa = gpu.put(dA0), gpu.put(dB0), gpu.put(dx0), gpu.zeros((N, r))
+    gpu.call("kiln_cuda_lora_backward", blas, dx_.ptr, dA_.ptr, dB_.ptr, xa.ptr, gpu.put(dout).ptr, scaling, dA.ptr,
+             dB.ptr, dx.ptr, dxa.ptr, N, K, M, r, FP32)
+    expected_dxa = scaling * dout.astype(np.float64) @ B
+    close(dB.to_host() - dB0, scaling * dout.T.astype(np.float64) @ expected_xa, 1e-5, "lora dB")
+    close(dA.to_host() - dA0, expected_dxa.T @ x64, 1e-5, "lora dA")
+    close(dx.to_host() - dx0, expected_dxa @ A, 1e-5, "lora dx")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_adam_matches_the_cpu_kernel_bit_for_bit(gpu, weight_decay):
+    n = 10007
+    param, grad, m, v = normal(n), normal(n), normal(n, scale=0.1), np.abs(normal(n, scale=0.01))
+    step = 7
+    args = (1e-3, 0.9, 0.999, 1e-8, weight_decay, 1.0 - 0.9 ** step, 1.0 - 0.999 ** step)
+    dp, dm, dv = gpu.put(param), gpu.put(m), gpu.put(v)
+    gpu.call("kiln_cuda_adam_update", dp.ptr, gpu.put(grad).ptr, dm.ptr, dv.ptr, n, *args, None)
+    kernels.adam_update(param, grad, m, v, *args)
+    np.testing.assert_array_equal(dp.to_host(), param)
+    np.testing.assert_array_equal(dm.to_host(), m)
+    np.testing.assert_array_equal(dv.to_host(), v)
+
+
+def test_gradient_norm_and_clip(gpu):
+    tensors = [normal(n) for n in (1, 300, 70001, 1 << 20)]
+    workspace, sums, norm = gpu.zeros((cuda.NORM_BLOCKS,), np.float64), gpu.zeros((len(tensors),), np.float64), \
+        gpu.zeros((1,), np.float64)
+    device = [gpu.put(t) for t in tensors]
+    values = []
+    for _ in range(2):
+        for i, t in enumerate(device):
+            gpu.call("kiln_cuda_sum_squares", t.ptr, t.shape[0], workspace.ptr, sums.ptr + 8 * i, None)
+        gpu.call("kiln_cuda_global_norm", sums.ptr, len(tensors), norm.ptr, None)
+        values.append(norm.to_host()[0])
+    expected = np.sqrt(sum(float(np.dot(t.astype(np.float64), t)) for t in tensors))
+    assert abs(values[0] - expected) <= 1e-12 * expected
+    assert values[0] == values[1], "the gradient norm is not deterministic"
+    factor = np.float32(1.0 / (values[0] + 1e-6))  # trainer/runs/step.py's clip factor
+    gpu.call("kiln_cuda_scale", device[2].ptr, tensors[2].shape[0], float(factor), None)
+    np.testing.assert_array_equal(device[2].to_host(), tensors[2] * factor)
