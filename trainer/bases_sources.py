@@ -9,6 +9,7 @@ import numpy as np
 
 from trainer.bases_identity import (CONFIG_FILE, TINY_ARCHITECTURE, TINY_SEED, TINY_SPECIALS, TINY_STD,
                                     TINY_TOKENIZER_CONFIG, file_digest, parameter_shapes, shard_files)
+from trainer.blocks import llama3_frequencies
 from trainer.config import FAMILIES, LLAMA3_ROPE_KEYS, TransformerConfig
 from trainer.tensorfiles import SafetensorsFile
 from trainer.tokenizer import Tokenizer, byte_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_directory
@@ -61,11 +62,62 @@ def _gguf_field(field):
     return field.parts[field.data[0]].tolist()[0]
 
 
+# the Kiln (Hugging Face) name in a block -> llama.cpp's (gguf's TensorNameMap)
 _GGUF_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm"}
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight"}
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")  # llama.cpp architectures (Mistral converts as llama)
+
+
+def llama3_scaling_from_factors(factors, theta, head_size):
+    """("llama3", factor, low_freq_factor, high_freq_factor, original context) whose divisors are
+    `factors` (llama.cpp's rope_freqs.weight), or None when they follow no such scaling.
+
+    The divisors depend on (factor, a, b) only, with s = a * inv_freq - b between the two
+    wavelength bounds, so low_freq_factor is taken as 1 (as in every Llama 3.x) and the rest
+    solved from two smoothed frequencies; the result is checked against every divisor.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_size, 2, dtype=np.float64) / head_size))
+    if factors.shape != inv_freq.shape or not np.all(np.isfinite(factors)) or factors.min() < 1 - 1e-6:
+        return None
+    factor = float(factors.max())
+    if factor <= 1:
+        return None
+    medium = np.flatnonzero((factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6)))
+    wavelength = 2 * np.pi / inv_freq
+    if len(medium) >= 2:
+        smooth = (1.0 / factors[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)  # s, linear in inv_freq
+        a, b = np.polyfit(inv_freq[medium], smooth, 1)
+        b = -b
+        if not (a > 0 and b > 0):
+            return None
+        high = float(round(1.0 + 1.0 / b, 4))
+        original = float(round(2 * np.pi * a / b))
+    else:  # one smoothed frequency or none: the divisors fix less, and any bounds that give them fit
+        kept, divided = wavelength[factors <= 1 + 1e-6], wavelength[factors >= factor * (1 - 1e-6)]
+        shortest_divided = divided.min() if len(divided) else np.inf
+        longest_kept = kept.max() if len(kept) else 0.0
+        if not np.isfinite(shortest_divided):
+            return None
+        original = float(np.floor(shortest_divided))
+        if len(medium) == 1:  # s at that wavelength fixes high once original is chosen
+            m = medium[0]
+            smooth = (1.0 / factors[m] - 1.0 / factor) / (1.0 - 1.0 / factor)
+            if not 0 < smooth < 1 or original <= wavelength[m]:
+                return None
+            high = float(1.0 + (original / wavelength[m] - 1.0) / smooth)
+        else:
+            high = float(round(original / max(longest_kept, 1e-12) * 0.99, 4)) if len(kept) else 2.0
+        if high <= 1 or original / high <= longest_kept:
+            return None
+    candidate = ("llama3", float(round(factor, 4)), 1.0, high, original)
+    expected = inv_freq / llama3_frequencies(inv_freq, *candidate[1:])
+    return candidate if np.allclose(expected, factors, rtol=1e-5, atol=0) else None
 
 
 def undo_gguf_qk_permutation(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -100,59 +152,86 @@ class _GgufSource(_Source):
         self._names = self._name_map()
 
     def _config(self):
-        md = self.metadata
-        architecture = md.get("general.architecture")
-        if architecture != "llama":
-            raise ValueError(f"{self.path.name}: GGUF architecture {architecture!r} is not supported; "
-                             "Kiln imports Llama-architecture GGUF files")
+        md, where = self.metadata, self.path.name
+        arch = md.get("general.architecture")
+        if arch not in GGUF_FAMILIES:
+            raise ValueError(f"{where}: GGUF architecture {arch!r} is not supported; Kiln imports "
+                             f"{', '.join(repr(a) for a in GGUF_FAMILIES)} GGUF files")
 
         def need(key):
-            value = md.get(f"llama.{key}")
+            value = md.get(f"{arch}.{key}")
             if value is None:
-                raise ValueError(f"{self.path.name}: the GGUF metadata lacks llama.{key}")
+                raise ValueError(f"{where}: the GGUF metadata lacks {arch}.{key}")
             return int(value)
 
-        if md.get("llama.expert_count"):
-            raise ValueError(f"{self.path.name}: mixture-of-experts Llama files are not supported")
-        scaling = md.get("llama.rope.scaling.type")
-        if scaling not in (None, "none") or "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"{self.path.name}: rotary scaling ({scaling or 'rope_freqs.weight'}) "
-                             "is not supported; Kiln's rotary positions are unscaled")
+        if md.get(f"{arch}.expert_count"):
+            raise ValueError(f"{where}: mixture-of-experts files are not supported")
+        scaling_type = md.get(f"{arch}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            raise ValueError(f"{where}: rotary scaling type {scaling_type!r} is not supported")
+        if any(name.startswith("rope_factors_") for name in self.tensors):
+            raise ValueError(f"{where}: long-context rotary factors (rope_factors_long/short) are not supported")
         embedding = self.tensors.get("token_embd.weight")
         if embedding is None:
-            raise ValueError(f"{self.path.name}: no token_embd.weight tensor")
+            raise ValueError(f"{where}: no token_embd.weight tensor")
         width, vocabulary = (int(x) for x in embedding.shape[:2])
         heads = need("attention.head_count")
-        head_size = int(md.get("llama.attention.key_length") or width // heads)
-        if int(md.get("llama.attention.value_length") or head_size) != head_size:
-            raise ValueError(f"{self.path.name}: key and value head sizes differ")
-        rotary = int(md.get("llama.rope.dimension_count") or head_size)
+        head_size = int(md.get(f"{arch}.attention.key_length") or width // heads)
+        if int(md.get(f"{arch}.attention.value_length") or head_size) != head_size:
+            raise ValueError(f"{where}: key and value head sizes differ")
+        rotary = int(md.get(f"{arch}.rope.dimension_count") or head_size)
         if rotary != head_size:
-            raise ValueError(f"{self.path.name}: partial rotary ({rotary} of {head_size} dimensions) "
-                             "is not supported")
+            raise ValueError(f"{where}: partial rotary ({rotary} of {head_size} dimensions) is not supported")
         if need("embedding_length") != width:
-            raise ValueError(f"{self.path.name}: llama.embedding_length {need('embedding_length')} "
+            raise ValueError(f"{where}: {arch}.embedding_length {need('embedding_length')} "
                              f"!= token_embd width {width}")
+        theta = _f32_value(md.get(f"{arch}.rope.freq_base", 10000.0))
+        context = need("context_length")
+        window = md.get(f"{arch}.attention.sliding_window")
         return TransformerConfig(
-            vocabulary_size=vocabulary, maximum_context=need("context_length"), model_width=width,
-            head_count=heads, kv_head_count=int(md.get("llama.attention.head_count_kv") or heads),
+            vocabulary_size=vocabulary, maximum_context=context, model_width=width,
+            head_count=heads, kv_head_count=int(md.get(f"{arch}.attention.head_count_kv") or heads),
             block_count=need("block_count"), feed_forward_width=need("feed_forward_length"),
-            head_size=head_size, rope_theta=_f32_value(md.get("llama.rope.freq_base", 10000.0)),
-            norm_epsilon=_f32_value(md.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            tie_embeddings="output.weight" not in self.tensors)
+            head_size=head_size, rope_theta=theta,
+            norm_epsilon=_f32_value(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_embeddings="output.weight" not in self.tensors, family=arch,
+            attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+            rope_scaling=self._rope_scaling(theta, head_size),
+            sliding_window=int(window) if arch == "phi3" and window and int(window) < context else None)
+
+    def _rope_scaling(self, theta, head_size):
+        """Llama 3's scaling from llama.cpp's rope_freqs.weight (one divisor per frequency), or None."""
+        tensor = self.tensors.get("rope_freqs.weight")
+        if tensor is None:
+            return None
+        factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+        scaling = llama3_scaling_from_factors(factors, theta, head_size)
+        if scaling is None:
+            raise ValueError(f"{self.path.name}: rope_freqs.weight does not follow Llama 3's rotary scaling; "
+                             "other frequency factors are not supported")
+        return scaling
 
     def _name_map(self):
-        names = {"model.embed_tokens.weight": "token_embd.weight",
-                 "model.norm.weight": "output_norm.weight"}
-        if not self.config.tie_embeddings:
+        arch, config = self.metadata["general.architecture"], self.config
+        names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+        if not config.tie_embeddings:
             names["lm_head.weight"] = "output.weight"
-        for i in range(self.config.block_count):
-            for short, long in _GGUF_BLOCK_NAMES.items():
-                names[f"model.layers.{i}.{long}.weight"] = f"blk.{i}.{short}.weight"
-        missing = [g for g in names.values() if g not in self.tensors]
-        unknown = sorted(set(self.tensors) - set(names.values()))
+        for i in range(config.block_count):
+            for long, short in _GGUF_BLOCK_NAMES.items():
+                names[f"model.layers.{i}.{long}"] = f"blk.{i}.{short}"
+        self._rows = {}
+        if arch == "phi3":  # fused attn_qkv and ffn_up (gate, then up), as Phi-3's qkv_proj and gate_up_proj
+            for name, (fused, rows) in phi3_fused_names(config).items():
+                block = name.split(".")[2]
+                names[name] = f"blk.{block}.attn_qkv.weight" if fused.endswith("qkv_proj.weight") \
+                    else f"blk.{block}.ffn_up.weight"
+                self._rows[name] = rows
+        names = {n: names[n] for n in parameter_shapes(config)}
+        used = set(names.values()) | ({"rope_freqs.weight"} if config.rope_scaling else set())
+        missing = sorted(g for g in set(names.values()) if g not in self.tensors)
+        unknown = sorted(set(self.tensors) - used)
         if missing or unknown:
-            raise ValueError(f"{self.path.name}: the tensors do not form a Llama model: missing "
+            raise ValueError(f"{self.path.name}: the tensors do not form a {arch} model: missing "
                              f"{missing[:5]}, not understood {unknown[:5]}")
         return names
 
@@ -167,10 +246,13 @@ class _GgufSource(_Source):
                              "gguf.quants.dequantize cannot dequantize") from None
         shape = tuple(int(x) for x in reversed(source.shape.tolist()))  # GGUF lists ne0 first
         values = np.asarray(values, dtype=np.float32).reshape(shape)
-        if name.endswith("self_attn.q_proj.weight"):
-            values = undo_gguf_qk_permutation(values, self.config.head_count)
-        elif name.endswith("self_attn.k_proj.weight"):
-            values = undo_gguf_qk_permutation(values, self.config.kv_heads)
+        if name in self._rows:
+            values = values[self._rows[name]]
+        elif self.metadata["general.architecture"] == "llama":  # only llama.cpp's llama permutes Q and K
+            if name.endswith("self_attn.q_proj.weight"):
+                values = undo_gguf_qk_permutation(values, self.config.head_count)
+            elif name.endswith("self_attn.k_proj.weight"):
+                values = undo_gguf_qk_permutation(values, self.config.kv_heads)
         return np.ascontiguousarray(values)
 
     def tokenizer(self):

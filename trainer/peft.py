@@ -8,10 +8,20 @@ exported adapter loads with `peft.PeftModel.from_pretrained` over the same base 
 gives Kiln's logits. Import is a weights-only warm start: it attaches the adapter's
 LoRA when the model has none, refuses anything that does not fit, and changes nothing
 until every check has passed.
+
+Phi-3 keeps q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj`; Kiln splits them on
+import and trains one adapter per projection. Its export re-fuses them as peft sees the
+model: the fused module's lora_A stacks the members' A ([m*r, in]) and its lora_B places each
+member's B in that member's rows and rank columns (block-diagonal, zeros elsewhere), with
+`rank_pattern` m*r and `alpha_pattern` keeping each member's scaling, so peft computes exactly
+Kiln's function. Which members a fused adapter holds is written in the weights file's
+metadata ("kiln.fused"); import splits such an adapter back and refuses one whose lora_B is
+not block-diagonal (trained fused by peft), which per-projection adapters cannot represent.
 """
 
 import hashlib
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -32,10 +42,45 @@ _UNSUPPORTED = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False,
                 "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None,
                 "exclude_modules": None, "trainable_token_indices": None, "target_parameters": None,
                 "use_qalora": False}
+# Phi-3's fused modules: (module path, members in row order)
+FUSED = {"qkv_proj": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+         "gate_up_proj": ("mlp.gate_up_proj", ("gate_proj", "up_proj"))}
+FUSED_METADATA = "kiln.fused"
 
 
-def adapter_config(lora: LoraConfig, base_model_name_or_path=None) -> dict:
-    """The adapter_config.json `peft` reads for a Kiln LoraConfig."""
+def _fused_groups(family, targets) -> dict:
+    """{fused module: targeted members} for a family that fuses projections (Phi-3), else {}."""
+    if family != "phi3":
+        return {}
+    groups = {module: tuple(m for m in members if m in targets) for module, (_, members) in FUSED.items()}
+    return {module: members for module, members in groups.items() if members}
+
+
+def _member_rows(config, module) -> dict:
+    """{member: row slice} of a fused module's output."""
+    H, KV, D, F = config.head_count, config.kv_heads, config.head_dimension, config.feed_forward_width
+    if module == "qkv_proj":
+        return {"q_proj": slice(0, H * D), "k_proj": slice(H * D, (H + KV) * D),
+                "v_proj": slice((H + KV) * D, (H + 2 * KV) * D)}
+    return {"gate_proj": slice(0, F), "up_proj": slice(F, 2 * F)}
+
+
+def _fused_alpha(lora, members) -> float:
+    """The alpha that keeps a member's scaling at rank len(members) * r."""
+    m = len(members)
+    return float(lora.alpha * (math.sqrt(m) if lora.use_rslora else m))
+
+
+def adapter_config(lora: LoraConfig, base_model_name_or_path=None, family="llama") -> dict:
+    """The adapter_config.json `peft` reads for a Kiln LoraConfig (over a base of `family`)."""
+    fused = _fused_groups(family, lora.targets)
+    if fused:
+        config = adapter_config(lora, base_model_name_or_path)
+        members = {m for group in fused.values() for m in group}
+        config["target_modules"] = sorted([t for t in lora.targets if t not in members] + list(fused))
+        config["rank_pattern"] = {module: len(group) * lora.rank for module, group in fused.items()}
+        config["alpha_pattern"] = {module: _fused_alpha(lora, group) for module, group in fused.items()}
+        return config
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "revision": None, "inference_mode": True, "r": lora.rank, "lora_alpha": lora.alpha,
@@ -53,13 +98,14 @@ def export_adapter(model, directory, base_model_name_or_path=None) -> Path:
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise FileExistsError(f"{directory} already exists and is not an empty directory")
-    config = adapter_config(model.lora_config, base_model_name_or_path)
-    tensors = {PREFIX + name: value for name, value in model.adapter_state_dict().items()}
+    family = model.config.family
+    config = adapter_config(model.lora_config, base_model_name_or_path, family)
+    tensors, metadata = _export_tensors(model, _fused_groups(family, model.lora_config.targets))
     staging = staging_directory(directory)
     try:
         write_synced(staging / CONFIG_FILE,
                      (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-        write_synced(staging / WEIGHTS_FILE, safetensors_bytes(tensors, metadata={"format": "pt"}))
+        write_synced(staging / WEIGHTS_FILE, safetensors_bytes(tensors, metadata=metadata))
         if directory.exists():
             directory.rmdir()  # empty, checked above; rename needs the name free
         publish_directory(staging, directory)
@@ -67,6 +113,31 @@ def export_adapter(model, directory, base_model_name_or_path=None) -> Path:
         discard(staging)
         raise
     return directory
+
+
+def _export_tensors(model, fused) -> tuple:
+    """({file key: array}, safetensors metadata): per projection, or re-fused for Phi-3."""
+    state = model.adapter_state_dict()
+    if not fused:
+        return {PREFIX + name: value for name, value in state.items()}, {"format": "pt"}
+    r = model.lora_config.rank
+    members = {m for group in fused.values() for m in group}
+    tensors = {PREFIX + name: value for name, value in state.items()
+               if name.split(".")[-3] not in members}
+    for i in range(model.config.block_count):
+        for module, group in fused.items():
+            path, _ = FUSED[module]
+            rows = _member_rows(model.config, module)
+            parent = path.split(".")[0]
+            names = [f"model.layers.{i}.{parent}.{m}" for m in group]
+            A = np.concatenate([state[n + ".lora_A.weight"] for n in names])  # [m*r, in]
+            B = np.zeros((max(s.stop for s in rows.values()), len(group) * r), np.float32)  # [out, m*r]
+            for j, (member, name) in enumerate(zip(group, names)):
+                B[rows[member], j * r:(j + 1) * r] = state[name + ".lora_B.weight"]
+            tensors[f"{PREFIX}model.layers.{i}.{path}.lora_A.weight"] = A
+            tensors[f"{PREFIX}model.layers.{i}.{path}.lora_B.weight"] = B
+    metadata = {"format": "pt", FUSED_METADATA: json.dumps({k: list(v) for k, v in fused.items()}, sort_keys=True)}
+    return dict(sorted(tensors.items())), metadata
 
 
 def _targets(value) -> tuple:
@@ -86,12 +157,63 @@ def _targets(value) -> tuple:
     return tuple(p for p in PROJECTIONS if p in targets)
 
 
-def read_adapter_config(directory) -> LoraConfig:
-    """The LoraConfig an adapter directory describes; ValueError for what Kiln cannot load."""
+def _recorded_fusion(directory) -> dict:
+    """{fused module: members} a Kiln export wrote in the weights file's metadata ({} if none)."""
+    weights = Path(directory) / WEIGHTS_FILE
+    if not weights.is_file():
+        return {}
+    file = SafetensorsFile(weights)
+    try:
+        recorded = (file.metadata or {}).get(FUSED_METADATA)
+    finally:
+        file.close()
+    return json.loads(recorded) if recorded else {}
+
+
+def _unfused_config(config, path, recorded) -> dict:
+    """A Phi-3 adapter_config with its fused modules replaced by their member projections.
+
+    A fused module's rank must be (members) * r and its alpha keep each member's scaling, as
+    Kiln's export writes them; anything else was trained fused and cannot be split.
+    """
+    targets = config.get("target_modules")
+    if not isinstance(targets, list):
+        return config
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    lora = LoraConfig(rank=rank, alpha=alpha, use_rslora=bool(config.get("use_rslora", False)))
+    rank_pattern = dict(config.get("rank_pattern") or {})
+    alpha_pattern = dict(config.get("alpha_pattern") or {})
+    unfused = []
+    for target in targets:
+        module = str(target).split(".")[-1]
+        if module not in FUSED:
+            unfused.append(target)
+            continue
+        members = tuple(recorded.get(module) or FUSED[module][1])
+        got_rank, got_alpha = rank_pattern.pop(module, rank), alpha_pattern.pop(module, alpha)
+        if got_rank != len(members) * rank or not math.isclose(got_alpha, _fused_alpha(lora, members)):
+            raise ValueError(f"{path}: the {module} adapter (rank {got_rank}, alpha {got_alpha}) was trained "
+                             f"fused; Kiln trains one adapter per projection ({', '.join(members)}) and can "
+                             f"load a fused one only as its export writes it (rank {len(members) * rank})")
+        unfused.extend(members)
+    return {**config, "target_modules": unfused, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
+
+
+def read_adapter_config(directory, family=None) -> LoraConfig:
+    """The LoraConfig an adapter directory describes; ValueError for what Kiln cannot load.
+
+    family: the base's (TransformerConfig.family); None reads fused Phi-3 module names when the
+    adapter targets them (a caller that has not loaded the base yet).
+    """
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     config = json.loads(path.read_text(encoding="utf-8"))
+    if family is None and isinstance(config.get("target_modules"), list):
+        fused = any(str(t).split(".")[-1] in FUSED for t in config["target_modules"])
+        family = "phi3" if fused else "llama"
+    if family == "phi3" and config.get("peft_type") == "LORA":
+        config = _unfused_config(config, path, _recorded_fusion(directory))
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not 'LORA'")
     if config.get("task_type") not in (None, "CAUSAL_LM"):
@@ -139,6 +261,38 @@ def _describe_difference(attached: LoraConfig, adapter: LoraConfig) -> str:
     return "; ".join(parts)
 
 
+def _split_fused(model, adapter, file, names, where) -> dict:
+    """Phi-3: take each fused module's tensors out of `names` and return its members' {name: array}."""
+    fused = _fused_groups(model.config.family, adapter.targets)
+    r, split = adapter.rank, {}
+    for i in range(model.config.block_count):
+        for module, group in fused.items():
+            path, _ = FUSED[module]
+            base = f"model.layers.{i}.{path}"
+            keys = [names.pop(f"{base}.lora_{part}.weight", None) for part in ("A", "B")]
+            if None in keys:
+                raise ValueError(f"{where}: the tensors do not match this model's LoRA layout: missing "
+                                 f"{base}.lora_{'A' if keys[0] is None else 'B'}.weight")
+            A, B = file.float32(keys[0]), file.float32(keys[1])
+            rows = _member_rows(model.config, module)
+            out = max(s.stop for s in rows.values())
+            if A.shape[0] != len(group) * r or B.shape != (out, len(group) * r):
+                raise ValueError(f"{where}: {base} has lora_A {list(A.shape)} and lora_B {list(B.shape)}; this "
+                                 f"model needs [{len(group) * r}, in] and [{out}, {len(group) * r}]")
+            inside = np.zeros(B.shape, bool)
+            for j, member in enumerate(group):
+                inside[rows[member], j * r:(j + 1) * r] = True
+            if np.any(B[~inside] != 0):
+                raise ValueError(f"{where}: {base}.lora_B is not block-diagonal over {', '.join(group)}: it was "
+                                 "trained fused, and Kiln's per-projection adapters cannot represent it")
+            parent = path.split(".")[0]
+            for j, member in enumerate(group):
+                name = f"model.layers.{i}.{parent}.{member}"
+                split[name + ".lora_A.weight"] = np.ascontiguousarray(A[j * r:(j + 1) * r])
+                split[name + ".lora_B.weight"] = np.ascontiguousarray(B[rows[member], j * r:(j + 1) * r])
+    return split
+
+
 def import_adapter(model, directory) -> LoraConfig:
     """Load a PEFT LoRA adapter's weights into `model` (attaching its LoRA if none is attached).
 
@@ -148,7 +302,7 @@ def import_adapter(model, directory) -> LoraConfig:
     checks pass. Returns the adapter's LoraConfig.
     """
     directory = Path(directory)
-    adapter = read_adapter_config(directory)
+    adapter = read_adapter_config(directory, model.config.family)
     attached = model.lora_config
     if attached is not None:
         difference = _describe_difference(attached, adapter)
@@ -164,18 +318,19 @@ def import_adapter(model, directory) -> LoraConfig:
             name = key[len(PREFIX):] if key.startswith(PREFIX) else key
             names[name.replace(".lora_A.default.weight", ".lora_A.weight")
                   .replace(".lora_B.default.weight", ".lora_B.weight")] = key
+        split = _split_fused(model, adapter, file, names, weights_path)
         expected = _expected_shapes(model, adapter)
-        missing = [n for n in expected if n not in names]
+        missing = [n for n in expected if n not in names and n not in split]
         unknown = sorted(set(names) - set(expected))
         if missing or unknown:
             raise ValueError(f"{weights_path}: the tensors do not match this model's LoRA layout: "
                              f"missing {missing[:3]}, unexpected {unknown[:3]}")
         for name, shape in expected.items():
-            actual = file.info(names[name])[1]
-            if actual != shape:
+            actual = split[name].shape if name in split else file.info(names[name])[1]
+            if tuple(actual) != shape:
                 raise ValueError(f"{weights_path}: {name} has shape {list(actual)}, this model needs "
                                  f"{list(shape)}; the adapter was trained over another base")
-        values = {name: file.float32(names[name]) for name in expected}
+        values = {name: split[name] if name in split else file.float32(names[name]) for name in expected}
     finally:
         file.close()
     for name, value in values.items():
