@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The CUDA backend on a GPU machine, in one go (under 8 minutes): build libkiln_cuda.so, probe it, run the
+# CUDA tests (the kernels against their numpy twins, then the library tests), time bench/cuda_step.py
+# (PyTorch CUDA + peft LoRA step, and Kiln's kernels at the same shape), and print one summary.
+#   bench/cuda_check.sh            (from a checkout whose .venv ./dev has made, or with PYTHON=...)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON="$(command -v python3)"
+LOG="$(mktemp -d "${TMPDIR:-/tmp}/kiln-cuda-check.XXXXXX")"
+say() { printf 'cuda_check: %s\n' "$*" >&2; }
+
+# 1. build (the cuBLAS wheel first, as ./dev does where nvcc is; then the editable install runs setup.py)
+build="skipped"
+nvcc="$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)"
+if [ -n "$nvcc" ]; then
+    major="$("$nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')"
+    wheel="nvidia-cublas>=13,<14"; [ "$major" = 12 ] && wheel="nvidia-cublas-cu12>=12,<13"
+    say "installing $wheel and building (nvcc $major)"
+    timeout 120 "$PYTHON" -m pip install --quiet --no-input "$wheel" >"$LOG/wheel.log" 2>&1 || say "cuBLAS wheel: see $LOG/wheel.log"
+    start=$SECONDS
+    if timeout 240 "$PYTHON" -m pip install --quiet --no-input --no-deps -e . >"$LOG/build.log" 2>&1; then
+        build="ok in $((SECONDS - start)) s"
+    else
+        build="FAILED (see $LOG/build.log)"
+    fi
+else
+    build="skipped: nvcc not found"
+fi
+say "build: $build"
+
+# 2. probe
+probe="$(timeout 60 "$PYTHON" - <<'PY' 2>&1 | tail -1
+from native_ext.cuda import probe
+p = probe()
+devices = ", ".join(f"{d['name']} ({d['compute_capability']})" for d in p["devices"]) or "none"
+print(("available: " + devices) if p["available"] else f"unavailable [{p['code']}]: {p['reason']}")
+PY
+)"
+say "probe: $probe"
+
+# 3. tests
+tests="not run"
+if timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/engine/test_cuda_kernels.py \
+        tests/engine/test_cuda_library.py >"$LOG/tests.log" 2>&1; then
+    tests="passed: $(tail -1 "$LOG/tests.log")"
+else
+    tests="FAILED: $(tail -1 "$LOG/tests.log") (see $LOG/tests.log)"
+fi
+say "tests: $tests"
+
+# 4. benchmark
+bench="not run"
+if timeout 150 "$PYTHON" bench/cuda_step.py --steps 5 >"$LOG/bench.log" 2>&1; then
+    bench="ok"
+else
+    bench="FAILED (see $LOG/bench.log)"
+fi
+
+echo "== Kiln CUDA check ($(date -u +%Y-%m-%dT%H:%MZ)) =="
+echo "build:  $build"
+echo "probe:  $probe"
+echo "tests:  $tests"
+echo "bench:  $bench"
+grep -v '^{' "$LOG/bench.log" | tail -20
+echo "logs:   $LOG"
