@@ -720,6 +720,8 @@ def test_archive_is_plain_zip_with_raw_little_endian_members(saved):
 @pytest.mark.parametrize("fields", [
     {}, {"tie_embeddings": True}, {"kv_head_count": 1, "block_count": 3},
     {"head_size": 6, "kv_head_count": None},
+    {"family": "qwen2", "attention_bias": True}, {"family": "qwen3", "qk_norm": True, "head_size": 6},
+    {"family": "qwen2", "attention_bias": True, "qk_norm": True, "tie_embeddings": True},
 ])
 def test_parameter_signature_matches_the_model(fields):
     config = TransformerConfig(**{**SMALL, **fields})

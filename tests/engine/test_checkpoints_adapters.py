@@ -177,6 +177,26 @@ CONTINUATION_CASES = {
     "qlora-double": (LORA, DOUBLE_32, {"block_size": 256, "double_quantization": False},
                      {"tie_embeddings": True, "activation_checkpointing": "blocks"}, "paged",
                      "contiguous"),
+    # base families (tests/models/test_families.py checks their numbers against transformers)
+    "qwen2-lora": (LORA, None, None, {"family": "qwen2", "attention_bias": True, "tie_embeddings": True},
+                   "contiguous", "paged"),
+    "qwen2-qlora": (LORA, ABSMAX_64, DOUBLE_32, {"family": "qwen2", "attention_bias": True}, "paged", "contiguous"),
+    "qwen3-lora": (LORA, None, None, {"family": "qwen3", "qk_norm": True, "head_size": 6,
+                                      "activation_checkpointing": "blocks"}, "paged", "paged"),
+    "qwen3-qlora": (LORA, DOUBLE_32, ABSMAX_64, {"family": "qwen3", "qk_norm": True, "head_size": 6},
+                    "contiguous", "contiguous"),
+    "llama3-lora": (LORA, None, None, {"rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8.0)}, "contiguous", "paged"),
+    "llama3-qlora": (LORA, ABSMAX_64, DOUBLE_32, {"rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8.0)}, "paged",
+                     "paged"),
+    "mistral-window-lora": (LORA, None, None, {"family": "mistral", "sliding_window": 3,
+                                               "attention_algorithm": "tiled", "attention_block_size": 2},
+                            "contiguous", "contiguous"),
+    "mistral-window-qlora": (LORA, ABSMAX_64, DOUBLE_32, {"family": "mistral", "sliding_window": 4},
+                             "paged", "contiguous"),
+    "phi3-window-lora": (LORA, None, None, {"family": "phi3", "sliding_window": 4}, "paged", "contiguous"),
+    "phi3-window-qlora": (LORA, DOUBLE_32, ABSMAX_64, {"family": "phi3", "sliding_window": 2,
+                                                       "attention_algorithm": "tiled", "attention_block_size": 2},
+                          "contiguous", "paged"),
 }
 
 
