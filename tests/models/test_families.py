@@ -334,8 +334,11 @@ def test_gguf_imports_to_the_weights_of_the_hf_directory(family_models, family, 
         assert ours.pop("family", "llama") == "llama" and theirs.pop("family") == "mistral"
         assert theirs.pop("sliding_window") == 5 and "sliding_window" not in ours
     assert ours == theirs
-    gguf_model, _ = load_base("g", root=tmp_path)
-    hf_loaded, _ = load_base("h", root=tmp_path)
+    gguf_model, gguf_tokenizer = load_base("g", root=tmp_path)
+    hf_loaded, hf_tokenizer = load_base("h", root=tmp_path)
+    from tests.models.conftest import TINY_CHAT_TEMPLATE  # each source's own chat template comes along
+    assert hf_tokenizer.config["chat_template"] == TINY_CHAT_TEMPLATE
+    assert gguf_tokenizer.config["chat_template"] == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with gguf_model, hf_loaded:
         a, b = gguf_model.state_dict(), hf_loaded.state_dict()
         assert list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a)
@@ -373,3 +376,65 @@ def test_gguf_with_other_rope_frequencies_is_refused(family_models, tmp_path):
     del reader
     with pytest.raises(ValueError, match="rope_freqs.weight does not follow Llama 3"):
         import_base(path, "odd", root=tmp_path)
+
+
+# -- full-parameter gradients, serving ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_parameter_gradients_match_transformers(family_models, family):
+    """Every base gradient, the family parameters' (biases, q/k norms) included; Phi-3's fused ones split."""
+    directory, hf_model = family_models(family)
+    model, _ = load_base(directory)
+    with model:
+        loss = model.forward_backward(TOKENS[:, :-1], TOKENS[:, 1:])
+        grads = {p.name: p.grad.copy() for p in model.parameters()}
+        config = model.config
+    reference = type(hf_model).from_pretrained(directory, dtype=torch.float32)
+    logits = reference(torch.tensor(TOKENS[:, :-1])).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.tensor(TOKENS[:, 1:]).reshape(-1))
+    expected.backward()
+    theirs = {name: p.grad.numpy() for name, p in reference.named_parameters()}
+    if family == "phi3":
+        from trainer.bases_sources import phi3_fused_names
+        for name, (fused, rows) in phi3_fused_names(config).items():
+            theirs[name] = theirs[fused][rows]
+        theirs = {n: g for n, g in theirs.items() if "qkv_proj" not in n and "gate_up_proj" not in n}
+    if config.tie_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert abs(loss - float(expected.detach())) <= 1e-5
+    assert sorted(grads) == sorted(theirs)
+    for name, grad in grads.items():
+        scale = max(1.0, float(np.abs(theirs[name]).max()))
+        assert np.abs(grad - theirs[name]).max() <= 1e-4 * scale, name
+    family_parameters = [n for n in grads if n.endswith(("_proj.bias", "q_norm.weight", "k_norm.weight"))]
+    assert bool(family_parameters) == (family in ("qwen2", "qwen3"))
+    assert all(np.abs(grads[n]).max() > 0 for n in family_parameters)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_served_adapter_generates_what_peft_generates(family_models, family, tmp_path):
+    """The serving pool over an imported base of each family, with an exported adapter, greedy."""
+    from trainer.serving import ServingPool
+
+    directory, hf_model = family_models(family)
+    import_base(directory, "base", root=tmp_path)
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    model, _ = load_base("base", root=tmp_path)
+    with model:
+        randomised_adapter(model, LoraConfig(rank=2, alpha=4.0), seed=5)
+        export_adapter(model, registry / "tuned")
+    pool = ServingPool(tmp_path, registry)
+    try:
+        served = pool.load_adapter("tuned", "base")
+        prompt = [9, 8, 7, 6, 5, 4, 3]
+        _, generation = pool.complete(served.name, prompt, SamplingConfig(max_new_tokens=12, temperature=0.0))
+    finally:
+        pool.close()
+    peft_model = peft_model_of(directory, hf_model, registry / "tuned").eval()
+    with torch.no_grad():
+        theirs = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert generation.tokens == theirs
