@@ -32,7 +32,7 @@ __device__ float dot(const float *a, const float *b, int D) {
 __global__ void attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
                                          float *logsumexp, int64_t T, int64_t g, int64_t S, int D, int64_t past,
                                          float scale) {
-    extern __shared__ float shared[];
+    KILN_DYNAMIC_SHARED(float, shared);
     const int pitch = D + 1;
     float *sq = shared, *sk = sq + kRows * pitch, *sv = sk + kKeys * pitch, *acc = sv + kKeys * pitch;
     float *scores = acc + kRows * pitch, *running_max = scores + kRows * kKeys;
@@ -95,7 +95,7 @@ __global__ void attention_forward_kernel(const float *q, const float *k, const f
         int row = i / D, d = i % D;
         out[group * R * D + (r0 + row) * D + d] = acc[row * pitch + d] / running_sum[row];
     }
-    if (threadIdx.x < rows)
+    if ((int)threadIdx.x < rows)
         logsumexp[group * R + r0 + threadIdx.x] = running_max[threadIdx.x] + logf(running_sum[threadIdx.x]);
 }
 
@@ -126,7 +126,7 @@ __device__ void load_rows(float *values, const float *source, int64_t first, int
 __global__ void attention_dkdv_kernel(const float *dout, const float *q, const float *k, const float *v,
                                       const float *logsumexp, const float *delta, float *dk, float *dv, int64_t T,
                                       int64_t g, int64_t S, int D, int64_t past, float scale) {
-    extern __shared__ float shared[];
+    KILN_DYNAMIC_SHARED(float, shared);
     const int pitch = D + 1;
     float *sk = shared, *sv = sk + kKeys * pitch, *sdk = sv + kKeys * pitch, *sdv = sdk + kKeys * pitch;
     float *sq = sdv + kKeys * pitch, *sdo = sq + kRows * pitch, *p = sdo + kRows * pitch, *ds = p + kRows * kKeys;
@@ -176,7 +176,7 @@ __global__ void attention_dkdv_kernel(const float *dout, const float *q, const f
 __global__ void attention_dq_kernel(const float *dout, const float *q, const float *k, const float *v,
                                     const float *logsumexp, const float *delta, float *dq, int64_t T, int64_t g,
                                     int64_t S, int D, int64_t past, float scale) {
-    extern __shared__ float shared[];
+    KILN_DYNAMIC_SHARED(float, shared);
     const int pitch = D + 1;
     float *sq = shared, *sdo = sq + kRows * pitch, *sdq = sdo + kRows * pitch, *sk = sdq + kRows * pitch;
     float *sv = sk + kKeys * pitch, *p = sv + kKeys * pitch, *ds = p + kRows * kKeys;
@@ -243,7 +243,7 @@ int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, 
     size_t bytes = forward_shared((int)D);
     KILN_TRY(allow_shared(attention_forward_kernel, bytes));
     dim3 grid((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G);
-    attention_forward_kernel<<<grid, kThreads, bytes, kiln_stream(stream)>>>(q, k, v, out, logsumexp, T, g, S, (int)D,
+    KILN_LAUNCH(attention_forward_kernel, grid, kThreads, bytes, kiln_stream(stream))(q, k, v, out, logsumexp, T, g, S, (int)D,
                                                                             past, scale);
     KILN_LAUNCHED("attention_forward_kernel");
     return 0;
@@ -262,17 +262,17 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
         KILN_CUDA(cudaMemsetAsync(dv, 0, sizeof(float) * G * S * D, s));
         return 0;
     }
-    attention_delta_kernel<<<kiln_grid(G * T * g, KILN_THREADS), KILN_THREADS, 0, s>>>(dout, out, delta, G * T * g,
+    KILN_LAUNCH(attention_delta_kernel, kiln_grid(G * T * g, KILN_THREADS), KILN_THREADS, 0, s)(dout, out, delta, G * T * g,
                                                                                      (int)D);
     KILN_LAUNCHED("attention_delta_kernel");
     size_t bytes = dkdv_shared((int)D);
     KILN_TRY(allow_shared(attention_dkdv_kernel, bytes));
-    attention_dkdv_kernel<<<dim3((unsigned)kiln_ceil_div(S, kKeys), (unsigned)G), kThreads, bytes, s>>>(
+    KILN_LAUNCH(attention_dkdv_kernel, dim3((unsigned)kiln_ceil_div(S, kKeys), (unsigned)G), kThreads, bytes, s)(
         dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, scale);
     KILN_LAUNCHED("attention_dkdv_kernel");
     bytes = dq_shared((int)D);
     KILN_TRY(allow_shared(attention_dq_kernel, bytes));
-    attention_dq_kernel<<<dim3((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G), kThreads, bytes, s>>>(
+    KILN_LAUNCH(attention_dq_kernel, dim3((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G), kThreads, bytes, s)(
         dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, scale);
     KILN_LAUNCHED("attention_dq_kernel");
     return 0;

@@ -268,7 +268,7 @@ int kiln_cuda_embedding_forward(const int64_t *tokens, const float *table, float
                                 int64_t V, void *stream) {
     KILN_REQUIRE(N >= 0 && C > 0 && V > 0, "N must be >= 0, C and V positive");
     if (N == 0) return 0;
-    embedding_forward_kernel<<<kiln_grid(N * C, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(embedding_forward_kernel, kiln_grid(N * C, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         tokens, table, out, N, C, V);
     KILN_LAUNCHED("embedding_forward_kernel");
     return 0;
@@ -279,7 +279,7 @@ int kiln_cuda_embedding_backward(const float *dout, const int64_t *tokens, float
     KILN_REQUIRE(N >= 0 && C > 0 && V > 0, "N must be >= 0, C and V positive");
     if (N == 0) return 0;
     dim3 grid((unsigned)kiln_ceil_div(C, KILN_THREADS), (unsigned)(V < 64 ? V : 64));
-    embedding_backward_kernel<<<grid, KILN_THREADS, 0, kiln_stream(stream)>>>(dout, tokens, dtable, N, C, V);
+    KILN_LAUNCH(embedding_backward_kernel, grid, KILN_THREADS, 0, kiln_stream(stream))(dout, tokens, dtable, N, C, V);
     KILN_LAUNCHED("embedding_backward_kernel");
     return 0;
 }
@@ -288,7 +288,7 @@ int kiln_cuda_rmsnorm_forward(const float *x, const float *weight, float eps, fl
                               int64_t C, void *stream) {
     KILN_REQUIRE(N >= 0 && C > 0 && N <= 0x7fffffff, "N must be in [0, 2^31), C positive");
     if (N == 0) return 0;
-    rmsnorm_forward_kernel<<<(unsigned)N, KILN_THREADS, 0, kiln_stream(stream)>>>(x, weight, (double)eps, out, rstd, C);
+    KILN_LAUNCH(rmsnorm_forward_kernel, (unsigned)N, KILN_THREADS, 0, kiln_stream(stream))(x, weight, (double)eps, out, rstd, C);
     KILN_LAUNCHED("rmsnorm_forward_kernel");
     return 0;
 }
@@ -305,13 +305,13 @@ int kiln_cuda_rmsnorm_backward(const float *dout, const float *x, const float *w
     KILN_REQUIRE(workspace || N == 0, "rmsnorm_backward needs its workspace (kiln_cuda_rmsnorm_backward_workspace)");
     if (N == 0) return 0;
     cudaStream_t s = kiln_stream(stream);
-    rmsnorm_backward_dx_kernel<<<(unsigned)N, KILN_THREADS, 0, s>>>(dout, x, weight, rstd, dx, C);
+    KILN_LAUNCH(rmsnorm_backward_dx_kernel, (unsigned)N, KILN_THREADS, 0, s)(dout, x, weight, rstd, dx, C);
     KILN_LAUNCHED("rmsnorm_backward_dx_kernel");
     int64_t chunks = kiln_ceil_div(N, KILN_RMSNORM_CHUNK_ROWS);
     dim3 grid((unsigned)kiln_ceil_div(C, KILN_THREADS), (unsigned)chunks);
-    rmsnorm_backward_partial_kernel<<<grid, KILN_THREADS, 0, s>>>(dout, x, rstd, (double *)workspace, N, C);
+    KILN_LAUNCH(rmsnorm_backward_partial_kernel, grid, KILN_THREADS, 0, s)(dout, x, rstd, (double *)workspace, N, C);
     KILN_LAUNCHED("rmsnorm_backward_partial_kernel");
-    rmsnorm_backward_weight_kernel<<<(unsigned)kiln_ceil_div(C, KILN_THREADS), KILN_THREADS, 0, s>>>(
+    KILN_LAUNCH(rmsnorm_backward_weight_kernel, (unsigned)kiln_ceil_div(C, KILN_THREADS), KILN_THREADS, 0, s)(
         (const double *)workspace, dweight, chunks, C);
     KILN_LAUNCHED("rmsnorm_backward_weight_kernel");
     return 0;
@@ -330,7 +330,7 @@ int kiln_cuda_rope_forward(const float *x, int64_t stride_b, int64_t stride_t, i
                            int64_t T, int64_t KV, int64_t g, int64_t D, void *stream) {
     KILN_TRY(kiln_rope_check(positions, position_offset, B, T, KV, g, D));
     if (B * T == 0) return 0;
-    rope_forward_kernel<<<kiln_grid(B * T * KV * g * D / 2, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(rope_forward_kernel, kiln_grid(B * T * KV * g * D / 2, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         x, stride_b, stride_t, stride_h, cos, sin, position_offset, out, B, T, KV, g, D);
     KILN_LAUNCHED("rope_forward_kernel");
     return 0;
@@ -341,7 +341,7 @@ int kiln_cuda_rope_backward(const float *dout, const float *cos, const float *si
                             int64_t B, int64_t T, int64_t KV, int64_t g, int64_t D, void *stream) {
     KILN_TRY(kiln_rope_check(positions, position_offset, B, T, KV, g, D));
     if (B * T == 0) return 0;
-    rope_backward_kernel<<<kiln_grid(B * T * KV * g * D / 2, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(rope_backward_kernel, kiln_grid(B * T * KV * g * D / 2, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         dout, cos, sin, position_offset, dx, stride_b, stride_t, stride_h, B, T, KV, g, D);
     KILN_LAUNCHED("rope_backward_kernel");
     return 0;
@@ -350,7 +350,7 @@ int kiln_cuda_rope_backward(const float *dout, const float *cos, const float *si
 int kiln_cuda_swiglu_forward(const float *gate_up, float *out, int64_t N, int64_t F, void *stream) {
     KILN_REQUIRE(N >= 0 && F > 0, "N must be >= 0, F positive");
     if (N == 0) return 0;
-    swiglu_forward_kernel<<<kiln_grid(N * F, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(gate_up, out, N, F);
+    KILN_LAUNCH(swiglu_forward_kernel, kiln_grid(N * F, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(gate_up, out, N, F);
     KILN_LAUNCHED("swiglu_forward_kernel");
     return 0;
 }
@@ -359,7 +359,7 @@ int kiln_cuda_swiglu_backward(const float *dout, const float *gate_up, float *dg
                               void *stream) {
     KILN_REQUIRE(N >= 0 && F > 0, "N must be >= 0, F positive");
     if (N == 0) return 0;
-    swiglu_backward_kernel<<<kiln_grid(N * F, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(swiglu_backward_kernel, kiln_grid(N * F, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         dout, gate_up, dgate_up, N, F);
     KILN_LAUNCHED("swiglu_backward_kernel");
     return 0;
@@ -371,7 +371,7 @@ int kiln_cuda_cross_entropy_rows(float *logits, const int64_t *targets, float *p
     KILN_REQUIRE(mode != 2 || row_scales, "mode 2 needs row_scales");
     KILN_REQUIRE(N >= 0 && N <= 0x7fffffff && V > 0, "N must be in [0, 2^31), V positive");
     if (N == 0) return 0;
-    cross_entropy_rows_kernel<<<(unsigned)N, KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(cross_entropy_rows_kernel, (unsigned)N, KILN_THREADS, 0, kiln_stream(stream))(
         logits, targets, per_row, mode, grad_scale, row_scales, ignore_index, V);
     KILN_LAUNCHED("cross_entropy_rows_kernel");
     return 0;
@@ -382,7 +382,7 @@ int kiln_cuda_nf4_dequantize(const uint8_t *packed, const float *absmax, float *
     KILN_REQUIRE(start >= 0 && count >= 0, "start and count must be >= 0");
     KILN_REQUIRE(block_size > 0 && block_size % 2 == 0, "block_size must be a positive even number");
     if (count == 0) return 0;
-    nf4_dequantize_kernel<<<kiln_grid(count, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(nf4_dequantize_kernel, kiln_grid(count, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         packed, absmax, out, start, count, block_size);
     KILN_LAUNCHED("nf4_dequantize_kernel");
     return 0;
@@ -392,7 +392,7 @@ int kiln_cuda_nf4_decode_absmax(const uint8_t *codes, const float *scales, const
                                 float *absmax, int64_t blocks, void *stream) {
     KILN_REQUIRE(blocks >= 0, "blocks must be >= 0");
     if (blocks == 0) return 0;
-    nf4_decode_absmax_kernel<<<kiln_grid(blocks, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(nf4_decode_absmax_kernel, kiln_grid(blocks, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         codes, scales, dynamic_map, offset, absmax, blocks);
     KILN_LAUNCHED("nf4_decode_absmax_kernel");
     return 0;
@@ -405,7 +405,7 @@ int kiln_cuda_adam_update(float *param, const float *grad, float *m, float *v, i
     KILN_REQUIRE(bias_correction1 > 0.0 && bias_correction2 > 0.0, "bias corrections must be positive");
     if (n == 0) return 0;
     // the scalars exactly as native_ext/_kernels.pyx rounds them
-    adam_kernel<<<kiln_grid(n, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(
+    KILN_LAUNCH(adam_kernel, kiln_grid(n, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(
         param, grad, m, v, n, (float)beta1, (float)beta2, (float)(1.0 - beta1), (float)(1.0 - beta2),
         (float)weight_decay, weight_decay != 0.0, (float)(learning_rate / bias_correction1),
         (float)sqrt(bias_correction2), (float)epsilon);
@@ -416,16 +416,16 @@ int kiln_cuda_adam_update(float *param, const float *grad, float *m, float *v, i
 int kiln_cuda_sum_squares(const float *x, int64_t n, double *workspace, double *out, void *stream) {
     KILN_REQUIRE(n >= 0 && workspace && out, "n must be >= 0, with a workspace and an output");
     cudaStream_t s = kiln_stream(stream);
-    sum_squares_partial_kernel<<<KILN_CUDA_NORM_BLOCKS, KILN_THREADS, 0, s>>>(x, n, workspace);
+    KILN_LAUNCH(sum_squares_partial_kernel, KILN_CUDA_NORM_BLOCKS, KILN_THREADS, 0, s)(x, n, workspace);
     KILN_LAUNCHED("sum_squares_partial_kernel");
-    sum_squares_final_kernel<<<1, KILN_THREADS, 0, s>>>(workspace, out);
+    KILN_LAUNCH(sum_squares_final_kernel, 1, KILN_THREADS, 0, s)(workspace, out);
     KILN_LAUNCHED("sum_squares_final_kernel");
     return 0;
 }
 
 int kiln_cuda_global_norm(const double *sums, int64_t count, double *norm, void *stream) {
     KILN_REQUIRE(count >= 0 && norm, "count must be >= 0, with an output");
-    global_norm_kernel<<<1, 1, 0, kiln_stream(stream)>>>(sums, count, norm);
+    KILN_LAUNCH(global_norm_kernel, 1, 1, 0, kiln_stream(stream))(sums, count, norm);
     KILN_LAUNCHED("global_norm_kernel");
     return 0;
 }
@@ -433,7 +433,7 @@ int kiln_cuda_global_norm(const double *sums, int64_t count, double *norm, void 
 int kiln_cuda_scale(float *x, int64_t n, float factor, void *stream) {
     KILN_REQUIRE(n >= 0, "n must be >= 0");
     if (n == 0) return 0;
-    scale_kernel<<<kiln_grid(n, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream)>>>(x, n, factor);
+    KILN_LAUNCH(scale_kernel, kiln_grid(n, KILN_THREADS), KILN_THREADS, 0, kiln_stream(stream))(x, n, factor);
     KILN_LAUNCHED("scale_kernel");
     return 0;
 }

@@ -3,8 +3,15 @@
 #ifndef KILN_CUDA_INTERNAL_H
 #define KILN_CUDA_INTERNAL_H
 
+#ifdef KILN_CUDA_EMULATE  /* the host emulation the tests build (kiln_cuda_emulate.h) */
+#include "kiln_cuda_emulate.h"
+#else
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+/* a kernel launch, and a kernel's dynamic shared memory, spelled so the host emulation can redefine them */
+#define KILN_LAUNCH(kernel, grid, block, shared, stream) kernel<<<(grid), (block), (shared), (stream)>>>
+#define KILN_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
 
 #include "kiln_cuda.h"
 #include "kiln_cuda_index.h"

@@ -1,4 +1,7 @@
-"""The CUDA kernels against their numpy twins, on a GPU (skipped, with the probe's reason, without one).
+"""The CUDA kernels against their numpy twins: on a GPU (skipped, with the probe's reason, without one) and
+in the host emulation (the same kernel source compiled by g++ with -DKILN_CUDA_EMULATE: blocks run in turn,
+the threads of a block are fibers switching at __syncthreads, and cuBLAS is a plain GEMM), which checks the
+kernels' indexing, masking, tiling and barriers on any machine, though not the device's arithmetic.
 
 Tolerances are stated per test as a maximum relative difference (max |gpu - twin| / max |twin|). Where the
 arithmetic is the same operation for operation (embedding gather and gradient, NF4 decoding, Adam, scale)
@@ -8,7 +11,10 @@ Dimension letters as in native_ext/reference.py.
 """
 
 import ctypes
+import shutil
+import subprocess
 from ctypes import byref, c_void_p
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +23,7 @@ from native_ext import cuda, kernels, nf4, reference
 from trainer import attention
 
 PROBE = cuda.probe()
-pytestmark = pytest.mark.skipif(not PROBE["available"], reason=f"no usable GPU: {PROBE['reason']}")
+CUDA_DIR = Path(__file__).resolve().parents[2] / "native_ext" / "cuda"
 
 F32, I64 = np.float32, np.int64
 FP32 = 0  # the precision argument: IEEE FP32, no TF32
@@ -41,9 +47,26 @@ def normal(*shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(F32)
 
 
-@pytest.fixture(scope="module")
-def lib():
-    return cuda.load()
+@pytest.fixture(scope="session")
+def emulated_library(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ to build the host emulation of the CUDA kernels")
+    output = tmp_path_factory.mktemp("cuda-emulation") / "libkiln_cuda_emulated.so"
+    sources = [str(CUDA_DIR / name) for name in ("kernels.cu", "attention.cu", "composite.cu")]
+    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Werror", "-DKILN_CUDA_EMULATE", "-fPIC", "-shared",
+                    "-ffp-contract=off", "-I", str(CUDA_DIR), "-x", "c++", *sources, "-x", "none",
+                    str(CUDA_DIR / "emulate_runtime.cpp"), "-o", str(output)], check=True)
+    return output
+
+
+@pytest.fixture(scope="module", params=["gpu", "emulated"])
+def lib(request):
+    if request.param == "gpu":
+        if not PROBE["available"]:
+            pytest.skip(f"no usable GPU: {PROBE['reason']}")
+        return cuda.load()
+    return cuda.open_library(request.getfixturevalue("emulated_library"))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +109,7 @@ def gpu(lib):
     arrays.free()
 
 
+@pytest.mark.skipif(not PROBE["available"], reason=f"no usable GPU: {PROBE['reason']}")
 def test_probe_sees_a_capable_device():
     assert PROBE["code"] is None and PROBE["devices"]
     for device in PROBE["devices"]:

@@ -1,0 +1,179 @@
+// The host side of the emulation (kiln_cuda_emulate.h): the fiber scheduler, and every export of
+// runtime.cu on host memory (a plain GEMM, accumulating in double, in place of cuBLAS), so the emulated
+// library has the whole ABI and native_ext.cuda can bind it. Test use only.
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "kiln_cuda_internal.h"
+
+namespace kiln_emu {
+namespace {
+
+constexpr size_t kStack = 256 * 1024;
+
+struct Scheduler {
+    dim3 grid, block, block_index;
+    std::vector<dim3> threads;
+    std::vector<ucontext_t> contexts;
+    std::vector<std::vector<char>> stacks;
+    std::vector<char> done;
+    std::vector<char> shared;
+    ucontext_t main;
+    const std::function<void()> *body = nullptr;
+    int current = -1;
+};
+
+Scheduler scheduler;
+
+void fiber_entry() {
+    (*scheduler.body)();
+    scheduler.done[scheduler.current] = 1;
+}  // returns to scheduler.main through uc_link
+
+}  // namespace
+
+const dim3 &thread_index() { return scheduler.threads[scheduler.current]; }
+const dim3 &block_index() { return scheduler.block_index; }
+const dim3 &block_dim() { return scheduler.block; }
+const dim3 &grid_dim() { return scheduler.grid; }
+void *dynamic_shared() { return scheduler.shared.data(); }
+
+void syncthreads() { swapcontext(&scheduler.contexts[scheduler.current], &scheduler.main); }
+
+void run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body) {
+    const size_t n = (size_t)block.x * block.y * block.z;
+    scheduler.grid = grid;
+    scheduler.block = block;
+    scheduler.body = &body;
+    scheduler.threads.resize(n);
+    scheduler.contexts.resize(n);
+    scheduler.done.assign(n, 0);
+    if (scheduler.stacks.size() < n) scheduler.stacks.resize(n, std::vector<char>(kStack));
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                scheduler.block_index = dim3(bx, by, bz);
+                scheduler.shared.assign(shared_bytes + 16, (char)0xff);  // NaN floats until written
+                for (size_t t = 0; t < n; t++) {
+                    scheduler.threads[t] = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+                    scheduler.done[t] = 0;
+                    getcontext(&scheduler.contexts[t]);
+                    scheduler.contexts[t].uc_stack.ss_sp = scheduler.stacks[t].data();
+                    scheduler.contexts[t].uc_stack.ss_size = kStack;
+                    scheduler.contexts[t].uc_link = &scheduler.main;
+                    makecontext(&scheduler.contexts[t], fiber_entry, 0);
+                }
+                for (;;) {  // one round: every live thread runs to its next barrier or its end
+                    size_t finished = 0, waiting = 0;
+                    for (size_t t = 0; t < n; t++) {
+                        if (scheduler.done[t]) continue;
+                        scheduler.current = (int)t;
+                        swapcontext(&scheduler.main, &scheduler.contexts[t]);
+                        (scheduler.done[t] ? finished : waiting)++;
+                    }
+                    if (waiting == 0) break;
+                    if (finished) {
+                        fprintf(stderr, "kiln_cuda emulation: barrier divergence in block (%u,%u,%u): %zu threads "
+                                "ended while %zu wait at __syncthreads\n", bx, by, bz, finished, waiting);
+                        abort();
+                    }
+                }
+            }
+    scheduler.current = -1;
+}
+
+}  // namespace kiln_emu
+
+static thread_local char kiln_last_error[512] = "";
+
+int kiln_record_cuda(cudaError_t error, const char *where) {
+    snprintf(kiln_last_error, sizeof kiln_last_error, "%s: emulated error %d", where, (int)error);
+    return (int)error;
+}
+
+int kiln_record_cublas(cublasStatus_t status, const char *where) {
+    snprintf(kiln_last_error, sizeof kiln_last_error, "%s: emulated cuBLAS status %d", where, (int)status);
+    return KILN_CUDA_BLAS_STATUS_BASE + (int)status;
+}
+
+int kiln_record_argument(const char *where, const char *message) {
+    snprintf(kiln_last_error, sizeof kiln_last_error, "%s: %s", where, message);
+    return KILN_CUDA_BAD_ARGUMENT;
+}
+
+extern "C" {
+
+const char *kiln_cuda_last_error(void) { return kiln_last_error; }
+int kiln_cuda_abi_version(int *version) { *version = KILN_CUDA_ABI_VERSION; return 0; }
+int kiln_cuda_device_count(int *count) { *count = 1; return 0; }
+int kiln_cuda_device_properties(int, char *name, int name_bytes, int *major, int *minor, size_t *total_memory,
+                                int *multiprocessors) {
+    snprintf(name, (size_t)name_bytes, "kiln host emulation");
+    *major = 8;
+    *minor = 0;
+    *total_memory = (size_t)1 << 30;
+    *multiprocessors = 1;
+    return 0;
+}
+int kiln_cuda_driver_version(int *version) { *version = 0; return 0; }
+int kiln_cuda_runtime_version(int *version) { *version = 0; return 0; }
+int kiln_cuda_cublas_version(int *version) { *version = 0; return 0; }
+int kiln_cuda_set_device(int) { return 0; }
+int kiln_cuda_mem_info(size_t *free_bytes, size_t *total_bytes) { *free_bytes = *total_bytes = (size_t)1 << 30; return 0; }
+int kiln_cuda_device_synchronize(void) { return 0; }
+int kiln_cuda_malloc(void **pointer, size_t bytes) { *pointer = malloc(bytes ? bytes : 1); return *pointer ? 0 : 2; }
+int kiln_cuda_free(void *pointer) { free(pointer); return 0; }
+int kiln_cuda_memcpy_h2d(void *dst, const void *src, size_t bytes, void *) { memcpy(dst, src, bytes); return 0; }
+int kiln_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *) { memcpy(dst, src, bytes); return 0; }
+int kiln_cuda_memcpy_d2d(void *dst, const void *src, size_t bytes, void *) { memmove(dst, src, bytes); return 0; }
+int kiln_cuda_memset(void *pointer, int value, size_t bytes, void *) { memset(pointer, value, bytes); return 0; }
+int kiln_cuda_stream_create(void **stream) { *stream = nullptr; return 0; }
+int kiln_cuda_stream_destroy(void *) { return 0; }
+int kiln_cuda_stream_synchronize(void *) { return 0; }
+int kiln_cuda_event_create(void **event) { *event = nullptr; return 0; }
+int kiln_cuda_event_destroy(void *) { return 0; }
+int kiln_cuda_event_record(void *, void *) { return 0; }
+int kiln_cuda_event_synchronize(void *) { return 0; }
+int kiln_cuda_event_elapsed_ms(float *milliseconds, void *, void *) { *milliseconds = 0.0f; return 0; }
+
+int kiln_cuda_blas_create(void **blas, void *stream, size_t) {
+    KilnBlas *created = new KilnBlas();
+    created->stream = (cudaStream_t)stream;
+    *blas = created;
+    return 0;
+}
+int kiln_cuda_blas_destroy(void *blas) { delete (KilnBlas *)blas; return 0; }
+int kiln_cuda_blas_set_stream(void *blas, void *stream) { ((KilnBlas *)blas)->stream = (cudaStream_t)stream; return 0; }
+
+int kiln_cuda_gemm_strided_batched(void *blas, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                                   float alpha, const float *A, int64_t lda, int64_t stride_a, const float *B,
+                                   int64_t ldb, int64_t stride_b, float beta, float *C, int64_t ldc,
+                                   int64_t stride_c, int64_t batch, int precision) {
+    KILN_REQUIRE(blas, "no cuBLAS handle");
+    KILN_REQUIRE(precision == 0 || precision == 1, "precision must be 0 (FP32) or 1 (TF32)");
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) {
+                double sum = 0.0;
+                for (int64_t k = 0; k < K; k++) {
+                    double a = trans_a ? A[b * stride_a + k * lda + m] : A[b * stride_a + m * lda + k];
+                    double bv = trans_b ? B[b * stride_b + n * ldb + k] : B[b * stride_b + k * ldb + n];
+                    sum += a * bv;
+                }
+                float *c = C + b * stride_c + m * ldc + n;
+                *c = (float)((double)alpha * sum + (beta == 0.0f ? 0.0 : (double)beta * *c));
+            }
+    return 0;
+}
+
+int kiln_cuda_gemm(void *blas, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                   const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc,
+                   int precision) {
+    return kiln_cuda_gemm_strided_batched(blas, trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc,
+                                          0, 1, precision);
+}
+
+}  // extern "C"
