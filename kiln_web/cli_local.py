@@ -50,7 +50,7 @@ def cmd_base(args: argparse.Namespace) -> int:
             print(f"importing {args.path} as {args.name!r}", file=sys.stderr)
             start = time.perf_counter()
             info = bases.import_base(args.path, args.name, progress=_import_progress)
-            print(f"imported {info.name}: {info.parameter_count:,} parameters, "
+            print(f"imported {info.name}: {info.config.get('family', 'llama')}, {info.parameter_count:,} parameters, "
                   f"{len(info.shards)} shard(s), {_size(info.total_bytes)} in "
                   f"{time.perf_counter() - start:.1f} s")
             print(f"identity {info.identity}")

@@ -438,3 +438,23 @@ def test_served_adapter_generates_what_peft_generates(family_models, family, tmp
         theirs = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert generation.tokens == theirs
+
+
+def test_kiln_base_import_names_the_family(family_models, tmp_path, monkeypatch, capsys):
+    from kiln_web.cli import main
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    directory, _ = family_models("qwen3")
+    assert main(["base", "import", str(directory), "--name", "q3"]) == 0
+    assert "imported q3: qwen3, " in capsys.readouterr().out
+    assert main(["base", "show", "q3", "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["family"], config["qk_norm"], config["head_size"]) == ("qwen3", True, 24)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in directory.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    hf = json.loads((directory / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**hf, "model_type": "gemma2"}))
+    assert main(["base", "import", str(broken), "--name", "g"]) == 1
+    assert "model_type 'gemma2' is not supported" in capsys.readouterr().err
