@@ -15,6 +15,8 @@ from trainer.parameters import Parameter
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Phi-3's fused modules, as peft names them: a target that names one means all its projections
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -32,11 +34,13 @@ class LoraConfig:
                 or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"alpha must be a positive number, got {self.alpha!r}")
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        targets = tuple(member for t in targets for member in FUSED_TARGETS.get(t, (t,)))
         if not targets:
             raise ValueError("targets must name at least one projection")
         unknown = [t for t in targets if t not in PROJECTIONS]
         if unknown:
-            raise ValueError(f"targets {unknown} are not projections; choose from {PROJECTIONS}")
+            raise ValueError(f"targets {unknown} are not projections; choose from {PROJECTIONS} "
+                             f"(or Phi-3's fused {tuple(FUSED_TARGETS)})")
         if len(set(targets)) != len(targets):
             raise ValueError(f"targets repeat a projection: {targets}")
         # canonical order, so that equal configurations compare equal

@@ -117,6 +117,11 @@ def test_lora_config_validation():
             LoraConfig(**bad)
     assert LoraConfig(rank=4, alpha=8, use_rslora=True).scaling == 4.0
     assert LoraConfig(rank=2, alpha=1, targets=("v_proj", "q_proj")).targets == ("q_proj", "v_proj")
+    # Phi-3's fused module names, as peft names them, mean their projections
+    assert LoraConfig(rank=2, alpha=1, targets=("gate_up_proj", "qkv_proj")).targets == (
+        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    with pytest.raises(ValueError, match="repeat"):
+        LoraConfig(rank=2, alpha=1, targets=("qkv_proj", "k_proj"))
 
 
 @pytest.mark.parametrize("double", [False, True])

@@ -19,7 +19,8 @@ FAMILIES = {  # family -> (config class, model class, fields, request config)
     "qwen3-qlora": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=12),
                     {"quantization": {"type": "nf4", "block_size": 32}}),
     "phi3-lora": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=9, pad_token_id=0, bos_token_id=1,
-                                                        eos_token_id=2), {}),
+                                                        eos_token_id=2),
+                  {"lora": {"rank": 4, "alpha": 8, "targets": ["qkv_proj", "o_proj", "gate_up_proj"]}}),
 }
 
 
@@ -48,6 +49,11 @@ def test_family_run_cancel_then_resume_is_byte_identical(family, tmp_path):
     settings, directory = family_home(tmp_path / "whole", family)
     whole = run_sft(admit_sft(family_request(tmp_path / "whole", family), settings), settings, StopAt(None))
     assert whole.status == "succeeded" and whole.steps_completed == 8
+    if family == "phi3-lora":  # peft's fused names in the request; the effective configuration lists projections
+        assert whole.final_adapter is not None
+        import json
+        config = json.loads((settings.registry / "support-bot" / "adapter_config.json").read_text())
+        assert sorted(config["target_modules"]) == ["gate_up_proj", "o_proj", "qkv_proj"]
 
     resumed_settings, _ = family_home(tmp_path / "parts", family)
     req = family_request(tmp_path / "parts", family)
