@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "kiln_cuda_internal.h"
@@ -20,7 +21,7 @@ struct Scheduler {
     std::vector<ucontext_t> contexts;
     std::vector<std::vector<char>> stacks;
     std::vector<char> done;
-    std::vector<char> shared;
+    std::unique_ptr<char[]> shared;  // a fresh allocation per block, exactly its size (a sanitizer sees overruns)
     ucontext_t main;
     const std::function<void()> *body = nullptr;
     int current = -1;
@@ -39,7 +40,7 @@ const dim3 &thread_index() { return scheduler.threads[scheduler.current]; }
 const dim3 &block_index() { return scheduler.block_index; }
 const dim3 &block_dim() { return scheduler.block; }
 const dim3 &grid_dim() { return scheduler.grid; }
-void *dynamic_shared() { return scheduler.shared.data(); }
+void *dynamic_shared() { return scheduler.shared.get(); }
 
 void syncthreads() { swapcontext(&scheduler.contexts[scheduler.current], &scheduler.main); }
 
@@ -56,7 +57,8 @@ void run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
                 scheduler.block_index = dim3(bx, by, bz);
-                scheduler.shared.assign(shared_bytes + 16, (char)0xff);  // NaN floats until written
+                scheduler.shared.reset(new char[shared_bytes ? shared_bytes : 1]);
+                memset(scheduler.shared.get(), 0xff, shared_bytes);  // NaN floats until written
                 for (size_t t = 0; t < n; t++) {
                     scheduler.threads[t] = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
                     scheduler.done[t] = 0;

@@ -11,6 +11,7 @@ Dimension letters as in native_ext/reference.py.
 """
 
 import ctypes
+import os
 import shutil
 import subprocess
 from ctypes import byref, c_void_p
@@ -49,6 +50,8 @@ def normal(*shape, scale=1.0):
 
 @pytest.fixture(scope="session")
 def emulated_library(tmp_path_factory):
+    if os.environ.get("KILN_TEST_CUDA_EMULATION"):  # a build of one's own, e.g. with -fsanitize=address
+        return Path(os.environ["KILN_TEST_CUDA_EMULATION"])
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("no g++ to build the host emulation of the CUDA kernels")
