@@ -80,7 +80,18 @@ def find_cublas(nvcc):
 
 
 def build_cuda_library(target_dir):
-    """Compile native_ext/cuda/*.cu into TARGET_DIR/libkiln_cuda.so, or say why not and return."""
+    """Compile native_ext/cuda/*.cu into TARGET_DIR/libkiln_cuda.so, or say why not and return. A failed
+    compile is reported and leaves the Cython build standing (KILN_REQUIRE_CUDA=1 makes it fatal);
+    tests/engine/test_cuda_library.py fails where nvcc and cuBLAS are present but the library is not."""
+    try:
+        _build_cuda_library(target_dir)
+    except (OSError, subprocess.CalledProcessError) as error:
+        if os.environ.get("KILN_REQUIRE_CUDA") == "1":
+            raise
+        say(f"the CUDA library failed to build ({error}); the CPU backend is unaffected")
+
+
+def _build_cuda_library(target_dir):
     if os.environ.get("KILN_SKIP_CUDA") == "1":
         return say("KILN_SKIP_CUDA=1: the CUDA library is not built")
     nvcc = find_nvcc()
