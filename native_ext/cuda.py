@@ -319,9 +319,15 @@ def elf_dynamic_symbols(path) -> set:
     return names
 
 
-def probe(min_capability=(8, 0)) -> dict:
+def probe(min_capability=(8, 0), isolated=False) -> dict:
     """What the CUDA backend can do here; never raises. `available` is True only with the library
-    loaded, every symbol bound and a device of at least MIN_CAPABILITY."""
+    loaded, every symbol bound and a device of at least MIN_CAPABILITY.
+
+    On a GPU machine the probe initialises CUDA in the calling process and creates a context on each
+    device (for its free memory); a process that forks afterwards cannot use CUDA in the child. With
+    isolated=True the probe runs in a fresh interpreter instead, so the caller never touches CUDA."""
+    if isolated:
+        return _probe_in_subprocess(min_capability)
     path = library_path()
     result = {"library": str(path) if path else None, "library_sha256": None,
               "symbols": {"declared": len(SYMBOLS), "resolved": 0, "missing": []},
@@ -350,6 +356,31 @@ def probe(min_capability=(8, 0)) -> dict:
     except Exception as error:  # noqa: BLE001 - a probe reports, it never raises
         result["reason"], result["code"] = f"unexpected {type(error).__name__}: {error}", "load_failed"
     return result
+
+
+def _probe_in_subprocess(min_capability) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from native_ext.cuda import probe; "
+            "print(json.dumps(probe(tuple(json.loads(sys.argv[1])))))")
+    environment = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+    try:
+        completed = subprocess.run([sys.executable, "-c", code, json.dumps(list(min_capability))],
+                                   capture_output=True, text=True, timeout=120, env=environment)
+        return json.loads(completed.stdout.strip().splitlines()[-1])
+    except Exception as error:  # noqa: BLE001 - a probe reports, it never raises
+        detail = locals().get("completed")
+        tail = (detail.stderr.strip().splitlines() or [""])[-1] if detail is not None else ""
+        path = library_path()
+        return {"library": str(path) if path else None, "library_sha256": None,
+                "symbols": {"declared": len(SYMBOLS), "resolved": 0, "missing": []}, "available": False,
+                "reason": f"the probe subprocess failed ({type(error).__name__}: {error}) {tail}".strip(),
+                "code": "load_failed", "devices": [], "driver_version": None, "runtime_version": None,
+                "cublas_version": None, "min_capability": f"{min_capability[0]}.{min_capability[1]}"}
 
 
 class DeviceArray:

@@ -132,6 +132,15 @@ def test_probe_says_plainly_why_there_is_no_gpu(no_override):
     assert raised.value.code == result["code"] and raised.value.path == result["library"]
 
 
+def test_an_isolated_probe_reports_the_same_from_a_fresh_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(tmp_path / "absent.so"))
+    assert cuda.probe(isolated=True) == cuda.probe()
+    monkeypatch.delenv(cuda.ENVIRONMENT_VARIABLE)
+    here, there = cuda.probe(), cuda.probe(isolated=True)
+    assert {k: here[k] for k in ("library", "available", "code", "symbols")} == \
+        {k: there[k] for k in ("library", "available", "code", "symbols")}
+
+
 def test_a_missing_override_file_is_library_missing_naming_the_path(monkeypatch, tmp_path):
     missing = tmp_path / "nowhere" / "libkiln_cuda.so"
     monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(missing))
