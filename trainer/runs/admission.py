@@ -452,7 +452,8 @@ def refuse_drift(manifest: dict, request_view: dict, seed, backend: str | None =
     checkpoint_view = {key: manifest.get(key) for key in request_view}
     differences = []
     hint = ""
-    held = (manifest.get("execution") or {}).get("backend") if isinstance(manifest.get("execution"), dict) else None
+    execution = manifest.get("execution")
+    held = execution.get("backend") if isinstance(execution, dict) else None
     if backend is not None and held != backend:
         differences.append(difference("execution.backend", held, backend))
         hint = (f"; the checkpoint was trained on backend {held}: ask for config.backend {held} to continue it, or "
