@@ -23,7 +23,7 @@ import pytest
 from native_ext import cuda, kernels, nf4, reference
 from trainer import attention
 
-PROBE = cuda.probe()
+PROBE = cuda.probe(isolated=True)  # collection does not initialise CUDA in the test process
 CUDA_DIR = Path(__file__).resolve().parents[2] / "native_ext" / "cuda"
 
 F32, I64 = np.float32, np.int64
