@@ -16,6 +16,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import struct
 from ctypes import POINTER, c_char_p, c_double, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
@@ -171,7 +172,9 @@ def _open(path_text: str):
     try:
         library = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
     except OSError as error:
-        raise CudaUnavailable("load_failed", path, f"dlopen failed: {error}") from error
+        raise CudaUnavailable("load_failed", path, f"dlopen failed: {error} (a library it links, such as the "
+                              f"nvidia-cublas wheel's libcublas, moved or is gone: rebuild with `pip install -e .`)"
+                              ) from error
     missing = [name for name in SYMBOLS if not hasattr(library, name)]
     if missing:
         raise CudaUnavailable("symbol_missing", path, f"{len(missing)} declared symbol(s) not exported: "
@@ -297,8 +300,6 @@ def _sha256(path) -> str:
 def elf_dynamic_symbols(path) -> set:
     """The defined global function names in the ELF dynamic symbol table of PATH (no dlopen, so it works
     on a machine where the library's dependencies cannot load)."""
-    import struct
-
     data = Path(path).read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path} is not a little-endian 64-bit ELF file")
@@ -341,7 +342,7 @@ def probe(min_capability=(8, 0), isolated=False) -> dict:
                 exported = elf_dynamic_symbols(path)
                 missing = [name for name in SYMBOLS if name not in exported]
                 result["symbols"].update(resolved=len(SYMBOLS) - len(missing), missing=missing)
-            except (OSError, ValueError, IndexError, __import__("struct").error):
+            except (OSError, ValueError, IndexError, struct.error):
                 pass
         library = open_library(path)
         result["symbols"].update(resolved=len(SYMBOLS), missing=[])
