@@ -44,7 +44,8 @@ GPU_FIELDS = {"name", "compute_capability", "total_memory", "driver_version", "r
 @pytest.fixture
 def probe(monkeypatch):
     """set(result): native_ext.cuda.probe answers RESULT (a fake loader module when the real one is absent).
-    The per-process identity cache is emptied before and after, so no fake device outlives the test."""
+    The per-process caches (the identity, a static absence) are emptied before and after, so no fake device (or
+    fake absence) outlives the test."""
     try:
         from native_ext import cuda as module
     except ImportError:
@@ -53,16 +54,22 @@ def probe(monkeypatch):
         monkeypatch.setattr(native_ext, "cuda", module, raising=False)
     calls = []
 
+    caches = (execution._cached, backend._absent_for_this_process)
+
     def set_result(result):
-        def fake_probe(min_capability=(8, 0)):
+        def fake_probe(min_capability=(8, 0), isolated=False):
             calls.append(min_capability)
             return copy.deepcopy(result)
         monkeypatch.setattr(module, "probe", fake_probe, raising=False)
+        for cache in caches:  # a new answer of the loader, as a fresh process would see it
+            cache.cache_clear()
 
     set_result.calls = calls
-    execution._cached.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
     yield set_result
-    execution._cached.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 def write_receipt(home, **changes):
@@ -138,6 +145,26 @@ def test_cuda_without_a_device_is_refused_with_the_loaders_reason(probe, tmp_pat
     assert resolve(None, tmp_path).reason == f"auto: cuda unavailable: {NO_DRIVER}"
     with pytest.raises(ValueError):
         resolve("tpu", tmp_path)
+
+
+def test_a_static_absence_is_probed_once_per_process_and_a_library_is_probed_in_a_fresh_interpreter(
+        probe, monkeypatch, tmp_path):
+    from native_ext import cuda
+
+    seen = []
+    monkeypatch.setattr(cuda, "probe", lambda min_capability=(8, 0), isolated=False: seen.append(isolated) or
+                        copy.deepcopy(UNAVAILABLE))
+    monkeypatch.setattr(cuda, "library_path", lambda: None)
+    assert backend.probe_cuda()["code"] == backend.probe_cuda()["code"] == "driver_missing"
+    assert seen == [False]  # no driver: it cannot appear while this process lives; nothing to load: in process
+    backend._absent_for_this_process.cache_clear()
+    library = tmp_path / "libkiln_cuda.so"
+    library.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(cuda, "library_path", lambda: library)
+    monkeypatch.setattr(cuda, "probe", lambda min_capability=(8, 0), isolated=False: seen.append(isolated) or
+                        {**UNAVAILABLE, "code": "no_device", "reason": "no GPU visible"})
+    assert backend.probe_cuda()["reason"] == backend.probe_cuda()["reason"] == "no GPU visible"
+    assert seen[1:] == [True] * 3  # probed again each time, never initialising CUDA in this process
 
 
 def test_the_loss_route_follows_backend_and_capabilities(probe):

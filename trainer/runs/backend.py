@@ -10,6 +10,8 @@ choice records why. Device and vendor names never enter the decision.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,13 +44,34 @@ class BackendChoice:
         return asdict(self)
 
 
+STATIC_CODES = ("library_missing", "driver_missing")  # absences that last as long as the process: building the
+# library or installing a driver takes a restart to be seen (CUDA cannot be initialised again in a process)
+
+
 def probe_cuda() -> dict:
-    """The CUDA loader's probe (never raises); a build without the loader reads as library_missing."""
+    """The CUDA loader's probe (never raises); a build without the loader reads as library_missing. Where there is a
+    library to load, the probe runs in a fresh interpreter (native_ext.cuda.probe(isolated=True)): probing
+    initialises CUDA, and a process that forks afterwards (a web server, a Celery prefork parent) could not use it
+    in its children. A static absence (no library, no driver) is answered from the first probe of the process."""
+    absent = _absent_for_this_process()
+    return copy.deepcopy(absent) if absent is not None else _probe()
+
+
+@functools.cache
+def _absent_for_this_process() -> dict | None:
+    result = _probe()
+    return result if result.get("code") in STATIC_CODES else None
+
+
+def _probe() -> dict:
     try:
         from native_ext import cuda
     except ImportError as error:
         return {"library": None, "library_sha256": None, "available": False, "code": "library_missing",
                 "reason": f"the CUDA loader native_ext.cuda is not in this build ({error})", "devices": []}
+    path = cuda.library_path() if hasattr(cuda, "library_path") else None
+    if path is not None and Path(path).is_file():
+        return cuda.probe(min_capability=MIN_CAPABILITY, isolated=True)
     return cuda.probe(min_capability=MIN_CAPABILITY)
 
 
