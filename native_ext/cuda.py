@@ -172,9 +172,9 @@ def _open(path_text: str):
     try:
         library = ctypes.CDLL(str(path), mode=os.RTLD_LAZY | os.RTLD_LOCAL)
     except OSError as error:
-        raise CudaUnavailable("load_failed", path, f"dlopen failed: {error} (a library it links, such as the "
-                              f"nvidia-cublas wheel's libcublas, moved or is gone: rebuild with `pip install -e .`)"
-                              ) from error
+        hint = (" (a library it links, such as the nvidia-cublas wheel's libcublas, moved or is gone: rebuild "
+                "with `pip install -e .`)" if "cannot open shared object file" in str(error) else "")
+        raise CudaUnavailable("load_failed", path, f"dlopen failed: {error}{hint}") from error
     missing = [name for name in SYMBOLS if not hasattr(library, name)]
     if missing:
         raise CudaUnavailable("symbol_missing", path, f"{len(missing)} declared symbol(s) not exported: "
