@@ -99,10 +99,10 @@ SYMBOLS = {
     # dout [N,F], gate_up [N,2F], dgate_up [N,2F] (written), N, F, stream
     "kiln_cuda_swiglu_backward": (c_int, [P, P, P, I, I, P]),
     # q [G,T*g,D], k [G,S,D], v, out [G,T*g,D], logsumexp [G,T*g], G, T, g, S, D, past, scale, stream
-    "kiln_cuda_attention_forward": (c_int, [P, P, P, P, P, I, I, I, I, I, I, F, P]),
+    "kiln_cuda_attention_forward": (c_int, [P, P, P, P, P, I, I, I, I, I, I, I, F, P]),
     # dout, q, k, v, out, logsumexp, dq, dk, dv (written), delta workspace [G,T*g],
     # G, T, g, S, D, past, scale, stream
-    "kiln_cuda_attention_backward": (c_int, [P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, F, P]),
+    "kiln_cuda_attention_backward": (c_int, [P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, F, P]),
     # logits [N,V] (in place -> dlogits unless mode 0), targets [N], per_row [N], mode
     # (0 log p, 1 grad_scale, 2 row_scales), grad_scale, row_scales [N] or NULL, ignore_index, N, V, stream
     "kiln_cuda_cross_entropy_rows": (c_int, [P, P, P, c_int, F, P, I, I, I, P]),

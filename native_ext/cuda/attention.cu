@@ -31,7 +31,7 @@ __device__ float dot(const float *a, const float *b, int D) {
 
 __global__ void attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
                                          float *logsumexp, int64_t T, int64_t g, int64_t S, int D, int64_t past,
-                                         float scale) {
+                                         int64_t window, float scale) {
     KILN_DYNAMIC_SHARED(float, shared);
     const int pitch = D + 1;
     float *sq = shared, *sk = sq + kRows * pitch, *sv = sk + kKeys * pitch, *acc = sv + kKeys * pitch;
@@ -59,7 +59,7 @@ __global__ void attention_forward_kernel(const float *q, const float *k, const f
         for (int i = threadIdx.x; i < kRows * kKeys; i += kThreads) {
             int row = i / kKeys, key = i % kKeys;
             bool visible = row < rows && key < keys &&
-                           kiln_attention_visible(ks + key, kiln_query_position(r0 + row, g, past), 0);
+                           kiln_attention_visible(ks + key, kiln_query_position(r0 + row, g, past), window);
             scores[i] = visible ? dot(sq + row * pitch, sk + key * pitch, D) * scale : -INFINITY;
         }
         __syncthreads();
@@ -107,11 +107,12 @@ __global__ void attention_delta_kernel(const float *dout, const float *out, floa
 // p = exp(scale * q.k - lse) where visible; ds = p * (dout.v - delta) * scale (flash_block_backward)
 __device__ void probabilities(const float *sq, const float *sdo, const float *sk, const float *sv,
                               const float *lse, const float *delta, float *p, float *ds, int rows, int keys,
-                              int64_t r0, int64_t ks, int64_t g, int64_t past, int D, int pitch, float scale) {
+                              int64_t r0, int64_t ks, int64_t g, int64_t past, int64_t window, int D, int pitch,
+                              float scale) {
     for (int i = threadIdx.x; i < kRows * kKeys; i += kThreads) {
         int row = i / kKeys, key = i % kKeys;
         bool visible = row < rows && key < keys &&
-                       kiln_attention_visible(ks + key, kiln_query_position(r0 + row, g, past), 0);
+                       kiln_attention_visible(ks + key, kiln_query_position(r0 + row, g, past), window);
         float prob = visible ? expf(dot(sq + row * pitch, sk + key * pitch, D) * scale - lse[row]) : 0.0f;
         float dprob = visible ? dot(sdo + row * pitch, sv + key * pitch, D) : 0.0f;
         p[i] = prob;
@@ -125,7 +126,7 @@ __device__ void load_rows(float *values, const float *source, int64_t first, int
 
 __global__ void attention_dkdv_kernel(const float *dout, const float *q, const float *k, const float *v,
                                       const float *logsumexp, const float *delta, float *dk, float *dv, int64_t T,
-                                      int64_t g, int64_t S, int D, int64_t past, float scale) {
+                                      int64_t g, int64_t S, int D, int64_t past, int64_t window, float scale) {
     KILN_DYNAMIC_SHARED(float, shared);
     const int pitch = D + 1;
     float *sk = shared, *sv = sk + kKeys * pitch, *sdk = sv + kKeys * pitch, *sdv = sdk + kKeys * pitch;
@@ -152,7 +153,7 @@ __global__ void attention_dkdv_kernel(const float *dout, const float *q, const f
         load_rows(lse, logsumexp, r0, rows);
         load_rows(sdelta, delta, r0, rows);
         __syncthreads();
-        probabilities(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, D, pitch, scale);
+        probabilities(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, pitch, scale);
         __syncthreads();
         for (int i = threadIdx.x; i < kKeys * D; i += kThreads) {
             int key = i / D, d = i % D;
@@ -175,7 +176,7 @@ __global__ void attention_dkdv_kernel(const float *dout, const float *q, const f
 
 __global__ void attention_dq_kernel(const float *dout, const float *q, const float *k, const float *v,
                                     const float *logsumexp, const float *delta, float *dq, int64_t T, int64_t g,
-                                    int64_t S, int D, int64_t past, float scale) {
+                                    int64_t S, int D, int64_t past, int64_t window, float scale) {
     KILN_DYNAMIC_SHARED(float, shared);
     const int pitch = D + 1;
     float *sq = shared, *sdo = sq + kRows * pitch, *sdq = sdo + kRows * pitch, *sk = sdq + kRows * pitch;
@@ -198,7 +199,7 @@ __global__ void attention_dq_kernel(const float *dout, const float *q, const flo
         load_tile(sk, k, ks, keys, kKeys, D, pitch);
         load_tile(sv, v, ks, keys, kKeys, D, pitch);
         __syncthreads();
-        probabilities(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, D, pitch, scale);
+        probabilities(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, pitch, scale);
         __syncthreads();
         for (int i = threadIdx.x; i < kRows * D; i += kThreads) {
             int row = i / D, d = i % D;
@@ -236,15 +237,16 @@ int allow_shared(Kernel kernel, size_t bytes) {
 extern "C" {
 
 int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, float *out, float *logsumexp,
-                                int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past, float scale,
-                                void *stream) {
+                                int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
+                                int64_t window, float scale, void *stream) {
     KILN_TRY(check_shape(G, T, g, S, D, past));
+    KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
     if (G == 0 || T == 0) return 0;
     size_t bytes = forward_shared((int)D);
     KILN_TRY(allow_shared(attention_forward_kernel, bytes));
     dim3 grid((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G);
     KILN_LAUNCH(attention_forward_kernel, grid, kThreads, bytes, kiln_stream(stream))(q, k, v, out, logsumexp, T, g, S, (int)D,
-                                                                            past, scale);
+                                                                            past, window, scale);
     KILN_LAUNCHED("attention_forward_kernel");
     return 0;
 }
@@ -252,8 +254,9 @@ int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, 
 int kiln_cuda_attention_backward(const float *dout, const float *q, const float *k, const float *v,
                                  const float *out, const float *logsumexp, float *dq, float *dk, float *dv,
                                  float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
-                                 float scale, void *stream) {
+                                 int64_t window, float scale, void *stream) {
     KILN_TRY(check_shape(G, T, g, S, D, past));
+    KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
     KILN_REQUIRE(delta, "attention_backward needs a delta workspace of G*T*g floats");
     if (G == 0 || S == 0) return 0;
     cudaStream_t s = kiln_stream(stream);
@@ -268,12 +271,12 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
     size_t bytes = dkdv_shared((int)D);
     KILN_TRY(allow_shared(attention_dkdv_kernel, bytes));
     KILN_LAUNCH(attention_dkdv_kernel, dim3((unsigned)kiln_ceil_div(S, kKeys), (unsigned)G), kThreads, bytes, s)(
-        dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, scale);
+        dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_dkdv_kernel");
     bytes = dq_shared((int)D);
     KILN_TRY(allow_shared(attention_dq_kernel, bytes));
     KILN_LAUNCH(attention_dq_kernel, dim3((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G), kThreads, bytes, s)(
-        dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, scale);
+        dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_dq_kernel");
     return 0;
 }

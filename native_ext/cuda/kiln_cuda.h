@@ -98,14 +98,15 @@ int kiln_cuda_swiglu_backward(const float *dout, const float *gate_up, float *dg
                               void *stream);
 
 /* causal GQA attention, tiled with an online softmax: q/out [G,T*g,D] (row r is query position
- * past + r / g), k/v [G,S,D], logsumexp [G,T*g]. Backward writes dq, dk, dv without atomics. */
+ * past + r / g), k/v [G,S,D], logsumexp [G,T*g]. window > 0: query p sees keys p-window+1..p only
+ * (Mistral's and Phi-3's sliding window); 0: every earlier key. Backward writes dq, dk, dv without atomics. */
 int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, float *out, float *logsumexp,
-                                int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past, float scale,
-                                void *stream);
+                                int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past, int64_t window,
+                                float scale, void *stream);
 int kiln_cuda_attention_backward(const float *dout, const float *q, const float *k, const float *v,
                                  const float *out, const float *logsumexp, float *dq, float *dk, float *dv,
                                  float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
-                                 float scale, void *stream);
+                                 int64_t window, float scale, void *stream);
 
 /* cross-entropy rows: mode 0 per_row = log p(target) (0 at ignore_index, logits untouched);
  * mode 1 logits -> (softmax - onehot) * grad_scale, per_row = loss (0 and a zero row at ignore_index);

@@ -249,21 +249,24 @@ def test_swiglu_forward_and_backward(gpu):
     close(dgate_up.to_host(), expected_grad, 1e-6, "swiglu backward")
 
 
-@pytest.mark.parametrize("G,T,g,D,past", [(3, 37, 3, 64, 0), (2, 70, 1, 128, 0), (2, 20, 2, 32, 13)])
-def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, past):
+@pytest.mark.parametrize("G,T,g,D,past,window", [(3, 37, 3, 64, 0, 0), (2, 70, 1, 128, 0, 0), (2, 20, 2, 32, 13, 0),
+                                                 (2, 45, 3, 32, 0, 7), (2, 20, 2, 32, 13, 9)])
+def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, past, window):
+    """window > 0: the sliding window (Mistral, Phi-3), against the CPU engine's masked dense twin."""
     S = past + T
     R = T * g
     q, k, v, dout = normal(G, R, D), normal(G, S, D), normal(G, S, D), normal(G, R, D)
     scale = 1.0 / np.sqrt(D)
-    expected_out, probs = attention.dense_forward(q, k, v, scale, g, past)
+    expected_out, probs = attention.dense_forward(q, k, v, scale, g, past, window or None)
     expected_dq, expected_dk, expected_dv = attention.dense_backward(dout, q, k, v, probs, scale)
     dq_, dk_, dv_ = gpu.put(q), gpu.put(k), gpu.put(v)
     out, lse = gpu.zeros((G, R, D)), gpu.zeros((G, R))
-    gpu.call("kiln_cuda_attention_forward", dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr, G, T, g, S, D, past, scale,
-             None)
+    gpu.call("kiln_cuda_attention_forward", dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr, G, T, g, S, D, past, window,
+             scale, None)
     close(out.to_host(), expected_out, 1e-5, "attention out")
-    logits = np.where(reference._causal_mask(R, S, g, past, 0), np.matmul(q, k.transpose(0, 2, 1)) * F32(scale),
-                      -np.inf).astype(np.float64)
+    scores = np.matmul(q, k.transpose(0, 2, 1))
+    attention.hide_outside_window(scores, g, past, 0, window or None)
+    logits = np.where(reference._causal_mask(R, S, g, past, 0), scores * F32(scale), -np.inf).astype(np.float64)
     top = logits.max(-1, keepdims=True)
     close(lse.to_host(), (np.log(np.exp(logits - top).sum(-1, keepdims=True)) + top)[..., 0], 1e-5,
           "attention logsumexp")
@@ -271,7 +274,7 @@ def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, pa
     for _ in range(2):
         dq, dk, dv, delta = (gpu.zeros(shape) for shape in ((G, R, D), (G, S, D), (G, S, D), (G, R)))
         gpu.call("kiln_cuda_attention_backward", gpu.put(dout).ptr, dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr,
-                 dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, S, D, past, scale, None)
+                 dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, S, D, past, window, scale, None)
         grads.append([a.to_host() for a in (dq, dk, dv)])
     for name, got, expected in zip(("dq", "dk", "dv"), grads[0], (expected_dq, expected_dk, expected_dv)):
         close(got, expected, 1e-4, f"attention {name}")
