@@ -24,6 +24,14 @@ from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # n
 from trainer.runtime import tune_allocator
 
 
+# the backends this engine computes on. The CUDA library (native_ext/cuda) and its loader are built and
+# their kernels tested, but no training step runs on them yet: until one does, trainer.runs.backend
+# refuses `cuda` with this reason even where a device is found, rather than record cuda and compute here.
+COMPUTE_BACKENDS = ("cpu",)
+NO_CUDA_ENGINE = ("Kiln's training engine computes on the CPU only in this build: the CUDA kernels "
+                  "(libkiln_cuda.so) are built and tested, but no training step runs on them yet")
+
+
 @dataclass
 class ForwardState:
     """What the whole-model forward keeps for backward (one batch)."""

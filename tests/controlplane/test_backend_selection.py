@@ -43,9 +43,14 @@ GPU_FIELDS = {"name", "compute_capability", "total_memory", "driver_version", "r
 
 @pytest.fixture
 def probe(monkeypatch):
-    """set(result): native_ext.cuda.probe answers RESULT (a fake loader module when the real one is absent).
+    """set(result): native_ext.cuda.probe answers RESULT (a fake loader module when the real one is absent), and
+    the engine is taken to compute on cuda (trainer.model.COMPUTE_BACKENDS; this build's does not, which
+    test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason checks).
     The per-process caches (the identity, a static absence) are emptied before and after, so no fake device (or
     fake absence) outlives the test."""
+    from trainer import model
+
+    monkeypatch.setattr(model, "COMPUTE_BACKENDS", ("cpu", "cuda"))
     try:
         from native_ext import cuda as module
     except ImportError:
@@ -89,6 +94,21 @@ def resolve(requested, home, default="auto", need_bytes=None):
 
 
 # -- resolution (no database) --
+
+
+def test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason(probe, tmp_path, monkeypatch):
+    """This build computes on the CPU only: a device (and even a receipt) must not make a run record cuda."""
+    from trainer import model
+
+    probe(AVAILABLE)
+    write_receipt(tmp_path)
+    monkeypatch.setattr(model, "COMPUTE_BACKENDS", ("cpu",))
+    execution._cached.cache_clear()
+    with pytest.raises(backend.BackendUnavailable, match="computes on the CPU only"):
+        resolve("cuda", tmp_path)
+    choice = resolve("auto", tmp_path)
+    assert choice.resolved == "cpu" and "computes on the CPU only" in choice.reason
+    assert model.COMPUTE_BACKENDS == ("cpu",)
 
 
 def test_auto_picks_cpu_on_this_machine_and_says_why(tmp_path):

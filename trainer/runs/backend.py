@@ -88,12 +88,16 @@ def cuda_device(probe: dict) -> dict | None:
 
 
 def cuda_unavailable(probe: dict, need_bytes: int | None = None) -> str | None:
-    """Why cuda cannot run here (the loader's reason), or None when it can."""
+    """Why cuda cannot run here (the loader's reason, or the engine's), or None when it can."""
+    from trainer import model
+
     if not probe.get("available"):
         return probe.get("reason") or probe.get("code") or "the CUDA loader reports no usable device"
     device = cuda_device(probe)
     if device is None:
         return f"no device of compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    if "cuda" not in model.COMPUTE_BACKENDS:  # a device, but no training step that runs on it
+        return model.NO_CUDA_ENGINE
     free = device.get("free_memory")
     if need_bytes and isinstance(free, int) and free < need_bytes:
         return f"device {device.get('index')} has {free} bytes free; the run plans {need_bytes}"
