@@ -27,6 +27,15 @@ _AT_FDCWD = -100
 # -- durability ---------------------------------------------------------------------------------
 
 
+def file_sha256(path) -> str:
+    """SHA-256 hex of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def fsync_dir(directory) -> None:
     """fsync a directory, so the entries created, removed or renamed in it are durable."""
     if not hasattr(os, "O_DIRECTORY"):  # Windows: directories cannot be opened for fsync

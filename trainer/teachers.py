@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.fsio import file_sha256
 from trainer.jsonio import canonical_bytes
 
 ROUTES = ("native", "openai", "vllm")
@@ -127,12 +128,6 @@ def parse_teacher(value) -> TeacherSpec:
 # -- content revisions ---------------------------------------------------------------------
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _revision(evidence: dict) -> dict:
@@ -153,7 +148,7 @@ def native_content(spec: TeacherSpec, bases_root) -> dict:
         if missing:
             raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: adapter {directory} lacks "
                                                       f"{', '.join(missing)}")
-        adapter = {name: _file_sha256(directory / name) for name in ADAPTER_FILES}
+        adapter = {name: file_sha256(directory / name) for name in ADAPTER_FILES}
     return _revision({"route": "native", "base_identity": base.identity, "adapter_files": adapter,
                       "tokenizer": base.tokenizer})
 

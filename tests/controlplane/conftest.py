@@ -67,3 +67,20 @@ def adapter_name():
 def sft_body(adapter: str, records: int = 4, **config) -> dict:
     data = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(records)]
     return {"data": data, "config": {"output_name": adapter, **config}}
+
+
+def cli_runner(url, token, monkeypatch, capsys, tmp_path):
+    """run(*argv) -> (exit code, stdout, stderr): `kiln ...` in-process against URL with TOKEN."""
+    from kiln_web.cli import main
+
+    monkeypatch.setenv("KILN_URL", url)
+    monkeypatch.setenv("KILN_TOKEN", token)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+    def run(*argv):
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

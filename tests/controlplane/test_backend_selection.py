@@ -22,7 +22,7 @@ from kiln_web.jobs.worker import EmbeddedWorker
 from trainer.runs import admission, backend, execution
 from trainer.runs.defaults import DEFAULTS
 
-from .conftest import sft_body
+from .conftest import cli_runner, sft_body
 
 NO_DRIVER = "libcuda.so.1 cannot be opened (no NVIDIA driver in this test)"
 DEVICE = {"index": 0, "name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
@@ -334,17 +334,7 @@ def test_a_resume_on_another_backend_is_refused_and_a_warm_start_across_backends
 @pytest.fixture
 def cli(live_server, real_sft, monkeypatch, capsys, ada, tmp_path):
     """`kiln ...` in-process against the live test server as ada: (exit code, stdout, stderr)."""
-    monkeypatch.setenv("KILN_URL", live_server.url)
-    monkeypatch.setenv("KILN_TOKEN", ada.token)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-
-    def run(*argv):
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    return cli_runner(live_server.url, ada.token, monkeypatch, capsys, tmp_path)
 
 
 @pytest.mark.django_db(transaction=True)

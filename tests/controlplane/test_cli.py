@@ -9,23 +9,13 @@ from kiln_web.cli import main
 from kiln_web.jobs.models import TrainingJob
 from kiln_web.jobs.worker import EmbeddedWorker
 
-from .conftest import sft_body
+from .conftest import cli_runner, sft_body
 
 
 @pytest.fixture
 def cli(live_server, fake_runner, monkeypatch, capsys, ada, tmp_path):
     """Run `kiln ...` in-process against the live test server as ada; returns (exit code, stdout, stderr)."""
-    monkeypatch.setenv("KILN_URL", live_server.url)
-    monkeypatch.setenv("KILN_TOKEN", ada.token)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-
-    def run(*argv):
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    return cli_runner(live_server.url, ada.token, monkeypatch, capsys, tmp_path)
 
 
 def jsonl(path, records=3):

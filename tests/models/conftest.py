@@ -139,3 +139,19 @@ def max_abs_diff():
         assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
         return float(np.max(np.abs(a - b)))
     return diff
+
+
+def add_gguf_architecture(writer, config):
+    """The GGUF metadata llama.cpp's convert_hf_to_gguf writes for a transformers config's architecture."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from tests.models.conftest import add_gguf_architecture
 from trainer import LoraConfig
 from trainer.bases import import_base, load_base
 from trainer.blocks import rope_tables
@@ -279,18 +280,7 @@ def write_family_gguf(path, hf_model, arch):
     config = hf_model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_gguf_architecture(writer, config)
     if arch == "phi3" and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
     spelling = bytes_to_unicode()

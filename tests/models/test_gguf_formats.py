@@ -4,6 +4,7 @@ F32, F16, BF16 and Q8_0 tensors, Q/K rows permuted as llama.cpp's convert_hf_to_
 import numpy as np
 import pytest
 
+from tests.models.conftest import add_gguf_architecture
 from trainer.bases import import_base, load_base, undo_gguf_qk_permutation
 from trainer.tokenizer import bytes_to_unicode
 
@@ -35,14 +36,7 @@ def gguf_name(name):
 def write_gguf(path, hf_model, qtype):
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(5000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
+    add_gguf_architecture(writer, config)
     spelling = bytes_to_unicode()
     tokens = [spelling[b] for b in range(256)] + ["Ġt", "he", "<|im_start|>", "<|im_end|>"]
     writer.add_tokenizer_model("gpt2")

@@ -16,6 +16,7 @@ from pathlib import Path
 from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
+from trainer.fsio import file_sha256
 from trainer.runs.backend import (BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, probe_cuda,
                                   resolve_backend)
 from trainer.runs.checkpoint_dir import CheckpointError
@@ -148,12 +149,6 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # -- configuration --------------------------------------------------------------------------

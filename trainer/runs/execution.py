@@ -27,6 +27,8 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
+from trainer.fsio import file_sha256
+
 KERNEL_CONTRACT = "kiln-cpu-kernels-v1"
 KERNEL_CONTRACTS = {"cpu": KERNEL_CONTRACT, "cuda": "kiln-cuda-kernels-v1"}
 CPUINFO = Path("/proc/cpuinfo")
@@ -68,7 +70,7 @@ def compute_execution_identity(backend: str) -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "blas": blas_identity(),
-        "native_builds": {p.name: _file_sha256(p) for p in sorted(native.glob("_*.so"))},
+        "native_builds": {p.name: file_sha256(p) for p in sorted(native.glob("_*.so"))},
         "kiln": kiln_version(),
         "code": code_digest((Path(trainer.__file__).parent, native)),
         "precision": "float32",
@@ -149,7 +151,7 @@ def code_digest(roots) -> dict:
                        and not {"__pycache__", "build"} & set(p.relative_to(root).parts))
         for path in paths:
             name = f"{root.name}/{path.relative_to(root).as_posix()}"
-            digest.update(f"{name}\0{_file_sha256(path)}\n".encode())
+            digest.update(f"{name}\0{file_sha256(path)}\n".encode())
             count += 1
     return {"sha256": digest.hexdigest(), "files": count}
 
@@ -158,9 +160,3 @@ def _text(value):
     return None if value is None else str(value)
 
 
-def _file_sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
