@@ -1,11 +1,14 @@
-"""C += op(A) @ op(B) through the same OpenBLAS that numpy's matmul uses.
+"""C = alpha * op(A) @ op(B) + beta * C through the same OpenBLAS that numpy's matmul uses.
 
-numpy's matmul cannot accumulate into its output, and scipy ships a second OpenBLAS
+numpy's matmul cannot scale, accumulate into its output or write into a column slice of a
+wider array, and scipy ships a second OpenBLAS
 whose thread pool spins against numpy's on a small machine (measured here: a gradient
 accumulation through scipy was several times slower right after a numpy product). So
 this module finds numpy's own OpenBLAS, declares the one symbol it needs, and calls it
-with beta = 1. Where numpy's BLAS cannot be found it falls back to a temporary product
-and an in-place add, which gives the same values up to rounding.
+with the caller's alpha, beta and leading dimensions, so a product lands scaled in place in
+a row view (the LoRA path adds its low-rank products into the columns of a fused projection
+output this way, with no temporary). Where numpy's BLAS cannot be found it falls back to
+numpy (a temporary product, scaled and added), which gives the same values up to rounding.
 """
 
 import ctypes
@@ -53,6 +56,32 @@ def _rows(name, array):
     return array.strides[0] // 4
 
 
+def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """c [M,N] = alpha * op(a) @ op(b) + beta * c, op(x) = x.T where trans_x; every array a 2-d float32
+    row view whose last axis is contiguous (rows may be strided: a column slice of a wider array).
+    beta = 0 ignores what c held (NaN included), as BLAS does."""
+    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    Kb, N = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    if Kb != K or c.shape != (M, N):
+        raise ValueError(f"shapes {'T' if trans_a else ''}{a.shape} @ {'T' if trans_b else ''}{b.shape} "
+                         f"do not fit {c.shape}")
+    if not c.flags.writeable:
+        raise ValueError("c must be writable")
+    lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
+    if M == 0 or N == 0:
+        return
+    if _SGEMM is None or K == 0:
+        product = (a.T if trans_a else a) @ (b.T if trans_b else b)
+        if beta == 0.0:
+            c[...] = np.float32(alpha) * product
+        else:
+            c *= np.float32(beta)
+            c += np.float32(alpha) * product
+        return
+    _SGEMM(ROW_MAJOR, TRANS if trans_a else NO_TRANS, TRANS if trans_b else NO_TRANS, M, N, K, float(alpha),
+           a.ctypes.data, lda, b.ctypes.data, ldb, float(beta), c.ctypes.data, ldc)
+
+
 def accumulate_at_b(c, a, b):
     """c [M,N] += a.T @ b with a [K,M] and b [K,N] (row views with strided rows allowed)."""
     K, M = a.shape
@@ -60,12 +89,4 @@ def accumulate_at_b(c, a, b):
         raise ValueError(f"shapes {a.shape}.T @ {b.shape} do not fit {c.shape}")
     if not c.flags.c_contiguous or not c.flags.writeable or c.dtype != np.float32:
         raise ValueError("c must be a writable C-contiguous float32 array")
-    lda, ldb = _rows("a", a), _rows("b", b)
-    if _SGEMM is None:
-        c += a.T @ b
-        return
-    N = b.shape[1]
-    if M == 0 or N == 0 or K == 0:
-        return
-    _SGEMM(ROW_MAJOR, TRANS, NO_TRANS, M, N, K, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 1.0,
-           c.ctypes.data, N)
+    gemm(c, a, b, trans_a=True, beta=1.0)

@@ -160,32 +160,55 @@ class Block:
             p.grad = None
         self.qkv = self.gate_up = None
 
+    def _group_adapters(self, group):
+        """[(projection, adapter, output columns)] of the adapters whose projection writes `group`."""
+        return [(name, adapter, self.layout[name][1]) for name, adapter in self.lora.items()
+                if self.layout[name][0] == group]
+
     def lora_forward(self, group, x, y):
-        """Add the adapters of the projections writing `group` to y; returns x @ A.T per adapter."""
-        saved = {}
-        for name, adapter in self.lora.items():
-            target, columns = self.layout[name]
-            if target != group:
-                continue
-            u = np.matmul(x, adapter.A.value.T)  # [N,r]
-            delta = np.matmul(u, adapter.B.value.T)  # [N,out]
-            delta *= adapter.scaling
-            y[:, columns] += delta
-            saved[name] = u
-        return saved
+        """Add the adapters of the projections writing `group` to y; returns (adapters, x @ A.T [N, n*r]).
+
+        One product x @ [A_1; ..; A_n].T reads x once for every adapter of the group, and each
+        s * u_i @ B_i.T is accumulated by BLAS straight into its columns of y (alpha = s, beta = 1):
+        no [N, out] temporary and no element-wise pass over y.
+        """
+        adapters = self._group_adapters(group)
+        if not adapters:
+            return None
+        stacked = np.concatenate([adapter.A.value for _, adapter, _ in adapters])  # [n*r, in]
+        u = np.matmul(x, stacked.T)  # [N, n*r]
+        r = adapters[0][1].A.value.shape[0]
+        for j, (_, adapter, columns) in enumerate(adapters):
+            blas.gemm(y[:, columns], u[:, j * r:(j + 1) * r], adapter.B.value, trans_b=True,
+                      alpha=adapter.scaling, beta=1.0)
+        return adapters, stacked, u
 
     def lora_backward(self, group, x, dy, dx, saved):
-        """Adapter gradients of `group` from dy [N,out_total]; adds their input gradient to dx."""
-        for name, u in saved.items():
-            adapter = self.lora[name]
-            _, columns = self.layout[name]
-            dy_scaled = dy[:, columns] * adapter.scaling  # [N,out]
-            accumulate_weight_grad(adapter.B.grad, dy_scaled, u, adapter.B.pending)  # [out,r]
+        """Adapter gradients of `group` from dy [N,out_total]; adds their input gradient to dx.
+
+        Per adapter, BLAS reads dy's columns in place with alpha = s: dB (=|+=) s * dy_i.T @ u_i and
+        du_i = s * dy_i @ B_i; then one product each for every adapter of the group:
+        [dA_1; ..] = du.T @ x and dx += du @ [A_1; ..].
+        """
+        if saved is None:
+            return
+        adapters, stacked, u = saved
+        r = stacked.shape[0] // len(adapters)
+        du = np.empty((dy.shape[0], stacked.shape[0]), np.float32)  # [N, n*r]
+        for j, (_, adapter, columns) in enumerate(adapters):
+            rank = slice(j * r, (j + 1) * r)
+            blas.gemm(adapter.B.grad, dy[:, columns], u[:, rank], trans_a=True, alpha=adapter.scaling,
+                      beta=1.0 if adapter.B.pending else 0.0)  # [out,r]
             adapter.B.pending = True
-            du = np.matmul(dy_scaled, adapter.B.value)  # [N,r]
-            accumulate_weight_grad(adapter.A.grad, du, x, adapter.A.pending)  # [r,in]
+            blas.gemm(du[:, rank], dy[:, columns], adapter.B.value, alpha=adapter.scaling)  # [N,r]
+        dA = np.matmul(du.T, x)  # [n*r, in]
+        for j, (_, adapter, _) in enumerate(adapters):
+            if adapter.A.pending:
+                adapter.A.grad += dA[j * r:(j + 1) * r]
+            else:
+                adapter.A.grad[...] = dA[j * r:(j + 1) * r]
             adapter.A.pending = True
-            dx += np.matmul(du, adapter.A.value)
+        blas.gemm(dx, du, stacked, beta=1.0)  # dx += du @ [A_1; ..]
 
     def parameters(self):
         # Hugging Face Llama order within a block (trainer.checkpoint_format.parameter_signature)
@@ -235,10 +258,10 @@ class BlockActivations:
     rstd2: np.ndarray  # [N] its reciprocal RMS
     gate_up: np.ndarray  # [N,2F] gate and up projections
     act: np.ndarray  # [N,F] SwiGLU output
-    lora_qkv: dict  # projection name -> x @ A.T [N,r], per adapter of the group
-    lora_o: dict
-    lora_gate_up: dict
-    lora_down: dict
+    lora_qkv: tuple  # (adapters, stacked A, x @ A.T [N, n*r]) of the group's adapters, or None
+    lora_o: tuple
+    lora_gate_up: tuple
+    lora_down: tuple
     q_normed: tuple = None  # qk_norm: (pre-norm queries [N*H,D], reciprocal RMS [N*H])
     k_normed: tuple = None  # qk_norm: (pre-norm keys [N*KV,D], reciprocal RMS [N*KV])
 

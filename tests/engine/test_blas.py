@@ -1,0 +1,50 @@
+"""native_ext.blas.gemm: numpy's own OpenBLAS with alpha, beta and leading dimensions, into row views."""
+
+import numpy as np
+import pytest
+
+from native_ext import blas
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (0.37, 1.0), (2.0, 0.5)])
+def test_gemm_into_a_column_slice_matches_numpy(trans_a, trans_b, alpha, beta):
+    rng = np.random.default_rng(3)
+    M, K, N = 7, 5, 4
+    wide_a = rng.standard_normal((K if trans_a else M, 11), dtype=np.float32)  # strided rows: views of wider arrays
+    wide_b = rng.standard_normal((N if trans_b else K, 9), dtype=np.float32)
+    a = wide_a[:, 2:2 + (M if trans_a else K)]
+    b = wide_b[:, 1:1 + (K if trans_b else N)]
+    out = rng.standard_normal((M, 10), dtype=np.float32)
+    before = out.copy()
+    expected = alpha * ((a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b)) \
+        + beta * before[:, 3:3 + N].astype(np.float64)
+    blas.gemm(out[:, 3:3 + N], a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
+    assert np.allclose(out[:, 3:3 + N], expected, rtol=1e-5, atol=1e-5)
+    untouched = np.ones(out.shape, bool)
+    untouched[:, 3:3 + N] = False
+    assert np.array_equal(out[untouched], before[untouched])  # only the slice is written
+
+
+def test_gemm_beta_zero_ignores_what_c_held_and_shapes_are_checked():
+    a = np.ones((3, 2), np.float32)
+    c = np.full((3, 3), np.nan, np.float32)
+    blas.gemm(c, a, a, trans_b=True)
+    assert np.array_equal(c, np.full((3, 3), 2.0, np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        blas.gemm(c, a, a)
+    with pytest.raises(ValueError, match="contiguous last axis"):
+        blas.gemm(c, np.ones((3, 4), np.float32)[:, ::2], a, trans_b=True)  # a column-strided view
+    with pytest.raises(TypeError, match="float32"):
+        blas.gemm(c, a.astype(np.float64), a, trans_b=True)
+
+
+def test_gemm_is_numpys_blas_and_deterministic():
+    assert blas.LIBRARY_PATH is not None  # the same OpenBLAS numpy multiplies with
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 300), dtype=np.float32), rng.standard_normal((48, 300), dtype=np.float32)
+    first, second = np.empty((64, 48), np.float32), np.empty((64, 48), np.float32)
+    blas.gemm(first, a, b, trans_b=True, alpha=0.5)
+    blas.gemm(second, a, b, trans_b=True, alpha=0.5)
+    assert np.array_equal(first, second)
