@@ -48,3 +48,39 @@ def test_gemm_is_numpys_blas_and_deterministic():
     blas.gemm(first, a, b, trans_b=True, alpha=0.5)
     blas.gemm(second, a, b, trans_b=True, alpha=0.5)
     assert np.array_equal(first, second)
+
+
+def _lora_step(threads):
+    """One LoRA step's adapter gradients, computed with BLAS at `threads` threads, in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, sys
+import numpy as np
+from threadpoolctl import threadpool_limits
+from trainer import DecoderOnlyTransformer, LoraConfig, TransformerConfig
+config = TransformerConfig(vocabulary_size=300, maximum_context=64, model_width=96, head_count=6, kv_head_count=2,
+                           block_count=2, feed_forward_width=256, loss_route="kt_tape_flce", loss_chunk_tokens=16)
+with threadpool_limits({threads}, user_api="blas"), DecoderOnlyTransformer(config) as model:
+    model.attach_lora(LoraConfig(rank=4, alpha=8.0))
+    rng = np.random.default_rng(1)
+    model.load_adapter_state_dict({{n: rng.normal(0, 0.1, v.shape).astype(np.float32)
+                                   for n, v in model.adapter_state_dict().items()}})
+    tokens = rng.integers(0, 300, (2, 64))
+    loss = model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    grads = {{p.name: p.grad.tobytes().hex() for p in model.adapter_parameters()}}
+json.dump({{"loss": loss, "grads": grads}}, sys.stdout)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_step_is_bit_identical_across_fresh_processes_at_the_same_thread_count():
+    """The envelope's rule for the parallel parts (BLAS threads, the products the LoRA path sends to BLAS):
+    the same thread count gives the same bytes, run after run (the thread count is in the execution identity)."""
+    for threads in (1, 2):
+        first, second = _lora_step(threads), _lora_step(threads)
+        assert first == second, f"{threads} thread(s): two runs differ"
