@@ -131,7 +131,8 @@ class Block:
             for start in range(0, rows, tile):
                 end = min(start + tile, rows)
                 quantization.dequantize_rows(nf4, start, end, scratch[:end - start])
-                y[:, offset + start:offset + end] = np.matmul(x, scratch[:end - start].T)
+                # the product lands in y's columns directly (no temporary, no copy)
+                blas.gemm(y[:, offset + start:offset + end], x, scratch[:end - start], trans_b=True)
         return y
 
     def base_input_grad(self, group, dy):
@@ -143,12 +144,14 @@ class Block:
         for offset, nf4, tile in self._tiles(group):
             rows, cols = nf4.shape
             if dx is None:
-                dx = np.zeros((dy.shape[0], cols), np.float32)  # [N,in]
+                dx = np.empty((dy.shape[0], cols), np.float32)  # [N,in], written by the first tile (beta 0)
+                first = True
             scratch = np.empty((tile, cols), np.float32)
             for start in range(0, rows, tile):
                 end = min(start + tile, rows)
                 quantization.dequantize_rows(nf4, start, end, scratch[:end - start])
-                dx += np.matmul(dy[:, offset + start:offset + end], scratch[:end - start])
+                blas.gemm(dx, dy[:, offset + start:offset + end], scratch[:end - start], beta=0.0 if first else 1.0)
+                first = False
         return dx
 
     def quantize(self, block_size, double_quantization):
