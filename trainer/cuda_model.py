@@ -1,0 +1,716 @@
+"""CudaModel: one DecoderOnlyTransformer's training step resident on the CUDA library (libkiln_cuda.so).
+
+Dimension letters: B batch, T time, N = B*T rows, C model width, H query heads, KV key/value heads,
+g = H/KV, D head size, G = B*KV head groups, F feed-forward width, V vocabulary, P positions
+(maximum_context), W3 = (H+2KV)*D the fused q/k/v width, r LoRA rank.
+The math is trainer.blocks' and trainer.model's, step for step, on the library's kernels: embedding,
+per block RMSNorm, the fused q/k/v product (NF4 row tiles on a quantized base; Qwen2's bias as a GEMM
+with a ones column; LoRA as GEMMs writing the group's output columns in place), Qwen3's per-head
+q/k RMSNorm over [N*h, D] rows, rotary, tiled GQA attention with the sliding window, the o product
+and residual, RMSNorm, gate/up, SwiGLU, down and residual; then the final RMSNorm and the fused
+linear cross-entropy (chunk rows: all N on the full-logits route, loss_chunk_tokens on kt_tape_flce).
+Layout changes between [B,T,h,D] projection rows and [B,KV,T,g,D] head groups go through the
+rotary kernels with identity tables (cos 1, sin 0: x*1 - y*0 == x exactly), so no copy kernel is
+needed. Everything runs on the legacy default stream in FP32 (no TF32) without atomics: the same
+inputs give the same bits on one device. Gradients accumulate on the device until adam_step (or
+zero_gradients) consumes them; the host receives them only through gradients().
+It is proven against the CPU engine (tests/engine/test_cuda_model.py); trainer.runs does not use it
+yet, so trainer.model.COMPUTE_BACKENDS stays ("cpu",).
+"""
+
+import math
+from ctypes import byref, c_size_t, c_void_p
+
+import numpy as np
+
+from native_ext import cuda
+from native_ext import nf4 as nf4_codes
+from trainer.blocks import NF4_SCRATCH_ELEMENTS, rope_tables, window_limits
+from trainer.crossentropy import IGNORE_INDEX
+from trainer.lifetime import Closeable
+from trainer.quantization import dequantize_nf4
+
+F32, I64 = np.float32, np.int64
+FP32 = 0  # the precision argument of every GEMM: IEEE FP32, no TF32
+BLAS_WORKSPACE_BYTES = 32 << 20
+ATTENTION_MAX_HEAD = 128  # KILN_CUDA_ATTENTION_MAX_HEAD
+# group -> the projections writing its fused output, in column order
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+class _Projection:
+    """Where one projection lives in its group: output columns, and its NF4 state when quantized."""
+
+    def __init__(self, name, column, rows, cols):
+        self.name, self.column, self.rows, self.cols = name, column, rows, cols
+        self.packed = self.absmax = None  # device uint8 [ceil(rows*cols/2)], float32 [blocks]
+        self.block_size = self.tile_rows = None
+
+
+class _Adapter:
+    """The device (A, B) pair of one projection and its gradients."""
+
+    def __init__(self, prefix, projection, rank, scaling):
+        self.prefix, self.projection, self.rank, self.scaling = prefix, projection, rank, F32(scaling)
+        self.A = self.B = self.dA = self.dB = None  # device [r,in], [out,r]
+
+
+class _Block:
+    """The device arrays of one decoder block (fused groups as in trainer.blocks.Block)."""
+
+    def __init__(self):
+        self.dense = {}  # group -> device [out,in] (absent once quantized)
+        self.grads = {}  # group -> device [out,in] (trainable base only)
+        self.projections = {}  # group -> [_Projection]
+        self.adapters = {}  # group -> [_Adapter] in column order
+        self.vectors = {}  # ln1, ln2, qkv_bias, q_norm, k_norm -> device array
+        self.vector_grads = {}
+
+
+class CudaModel(Closeable):
+    """A DecoderOnlyTransformer's weights and training step on the CUDA library; a context manager.
+
+    Construct it from a CPU model (its config, FP32 base, attached LoRA adapters and packed NF4 bases
+    are copied; the CPU model is not kept) and a library handle: native_ext.cuda.load() by default,
+    or an explicit one such as the host emulation the tests build.
+    """
+
+    closed_message = "the CUDA model has been closed; construct a new one"
+
+    def __init__(self, model, library=None):
+        from trainer.model import DecoderOnlyTransformer  # the engine floor: model imports nothing of ours
+        if not isinstance(model, DecoderOnlyTransformer):
+            raise TypeError(f"CudaModel takes a DecoderOnlyTransformer, got {type(model).__name__}")
+        model._check_open()
+        config = model.config
+        self._check_supported(config)
+        self.config = config
+        self.lib = cuda.load() if library is None else library
+        self._arrays = []  # every DeviceArray this model owns, freed by close()
+        self._scratch = {}  # key -> DeviceArray reused across calls while its shape holds
+        self._closed = False
+        self._blas = None
+        self._dynamic_map = None  # the 8-bit dynamic map of double-quantized absmax, uploaded once
+        try:
+            self._build(model)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _check_supported(config):
+        D = config.head_dimension
+        if D > ATTENTION_MAX_HEAD:
+            raise NotImplementedError(f"head_size {D}: the CUDA attention kernels take head sizes up to "
+                                      f"{ATTENTION_MAX_HEAD}")
+
+    # -- device memory ----------------------------------------------------------------
+
+    def _call(self, name, *args):
+        cuda.check(self.lib, getattr(self.lib, name)(*args), name)
+
+    def _own(self, device):
+        self._arrays.append(device)
+        return device
+
+    def _put(self, array, dtype=F32):
+        return self._own(cuda.DeviceArray.from_host(self.lib, np.ascontiguousarray(array, dtype=dtype)))
+
+    def _zeros(self, shape, dtype=F32):
+        return self._own(cuda.DeviceArray.zeros(self.lib, shape, dtype))
+
+    def _buffer(self, key, shape, dtype=F32):
+        """A scratch device array named key, reallocated only when its shape or dtype changes."""
+        shape = tuple(int(n) for n in shape)
+        device = self._scratch.get(key)
+        if device is None or device.shape != shape or device.dtype != np.dtype(dtype):
+            if device is not None:
+                self._arrays.remove(device)
+                device.free()
+            device = self._scratch[key] = self._own(cuda.DeviceArray(self.lib, shape, dtype))
+        return device
+
+    def _clear(self, device):
+        self._call("kiln_cuda_memset", device.ptr, 0, max(device.nbytes, 1), None)
+
+    @staticmethod
+    def _at(device, offset=0):
+        """The device address of element `offset` of a device array (a float32/int64/uint8 view)."""
+        return device.ptr + offset * device.dtype.itemsize
+
+    def _download(self, device, offset, shape):
+        out = np.empty(shape, device.dtype)
+        if out.nbytes:
+            self._call("kiln_cuda_memcpy_d2h", out.ctypes.data, self._at(device, offset), out.nbytes, None)
+        return out
+
+    def _upload_into(self, device, offset, array):
+        array = np.ascontiguousarray(array, dtype=device.dtype)
+        if array.nbytes:
+            self._call("kiln_cuda_memcpy_h2d", self._at(device, offset), array.ctypes.data, array.nbytes, None)
+
+    def _gemm(self, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
+        """Row-major C[M,N] = alpha op(A) @ op(B) + beta C on device addresses, in FP32."""
+        self._call("kiln_cuda_gemm", self._blas, trans_a, trans_b, M, N, K, float(alpha), A, lda, B, ldb,
+                   float(beta), C, ldc, FP32)
+
+    # -- construction -------------------------------------------------------------------
+
+    def _build(self, model):
+        config = self.config
+        C, F, V, D = config.model_width, config.feed_forward_width, config.vocabulary_size, config.head_dimension
+        H, KV = config.head_count, config.kv_heads
+        W3 = (H + 2 * KV) * D
+        handle = c_void_p(0)
+        self._call("kiln_cuda_blas_create", byref(handle), None, BLAS_WORKSPACE_BYTES)
+        self._blas = handle.value
+        self.lora_config = model.lora_config
+        self.quantization = None if model.quantization is None else dict(model.quantization)
+        self._base_trainable = self.lora_config is None and self.quantization is None
+        dense = model.fp32_state_dict()
+        packed = model.packed_state() if self.quantization is not None else {}
+        adapters = model.adapter_state_dict() if self.lora_config is not None else {}
+        self._base_names = [p.name for p in model._base]  # the CPU engine's parameter order
+        self._params = {}  # name -> (device array, element offset, shape): views into fused buffers
+        self._grads = {}  # name -> (device array, element offset, shape) of the trainable parameters
+        self._packed = packed  # host NF4 tensors, immutable, for state_dict's inspection copies
+        self._embed = self._put(dense["model.embed_tokens.weight"])  # [V,C]
+        self._norm = self._put(dense["model.norm.weight"])  # [C]
+        self._lm_head = None if config.tie_embeddings else self._put(dense["lm_head.weight"])  # [V,C]
+        self._register("model.embed_tokens.weight", self._embed, 0, (V, C))
+        self._register("model.norm.weight", self._norm, 0, (C,))
+        if self._lm_head is not None:
+            self._register("lm_head.weight", self._lm_head, 0, (V, C))
+        shapes = {"q_proj": (H * D, C), "k_proj": (KV * D, C), "v_proj": (KV * D, C), "o_proj": (C, H * D),
+                  "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F)}
+        self._group_shapes = {"qkv": (W3, C), "o": (C, H * D), "gate_up": (2 * F, C), "down": (C, F)}
+        self._blocks = []
+        for index in range(config.block_count):
+            prefix = f"model.layers.{index}."
+            block = _Block()
+            for group, names in GROUPS.items():
+                column, projections = 0, []
+                for name in names:
+                    rows, cols = shapes[name]
+                    projections.append(_Projection(name, column, rows, cols))
+                    column += rows
+                block.projections[group] = projections
+                if self.quantization is None:
+                    fused = np.concatenate([dense[f"{prefix}{MODULES[n]}.{n}.weight"] for n in names])
+                    block.dense[group] = self._put(fused)  # [out,in]
+                    for projection in projections:
+                        self._register(f"{prefix}{MODULES[projection.name]}.{projection.name}.weight",
+                                       block.dense[group], projection.column * projection.cols,
+                                       (projection.rows, projection.cols))
+                else:
+                    for projection in projections:
+                        self._upload_nf4(projection, packed[f"{prefix}{MODULES[projection.name]}."
+                                                            f"{projection.name}.weight"])
+            vectors = {"ln1": prefix + "input_layernorm.weight", "ln2": prefix + "post_attention_layernorm.weight"}
+            if config.qk_norm:
+                vectors.update(q_norm=prefix + "self_attn.q_norm.weight", k_norm=prefix + "self_attn.k_norm.weight")
+            for key, name in vectors.items():
+                block.vectors[key] = self._put(dense[name])
+                self._register(name, block.vectors[key], 0, dense[name].shape)
+            if config.attention_bias:
+                biases = [dense[f"{prefix}self_attn.{n}.bias"] for n in GROUPS["qkv"]]
+                block.vectors["qkv_bias"] = self._put(np.concatenate(biases))  # [W3]
+                offset = 0
+                for n, bias in zip(GROUPS["qkv"], biases):
+                    self._register(f"{prefix}self_attn.{n}.bias", block.vectors["qkv_bias"], offset, bias.shape)
+                    offset += bias.shape[0]
+            if self.lora_config is not None:
+                for group, names in GROUPS.items():
+                    block.adapters[group] = []
+                    for projection in block.projections[group]:
+                        if projection.name not in self.lora_config.targets:
+                            continue
+                        adapter = _Adapter(f"{prefix}{MODULES[projection.name]}.{projection.name}", projection,
+                                           self.lora_config.rank, self.lora_config.scaling)
+                        adapter.A = self._put(adapters[adapter.prefix + ".lora_A.weight"])  # [r,in]
+                        adapter.B = self._put(adapters[adapter.prefix + ".lora_B.weight"])  # [out,r]
+                        adapter.dA, adapter.dB = self._zeros(adapter.A.shape), self._zeros(adapter.B.shape)
+                        block.adapters[group].append(adapter)
+            self._blocks.append(block)
+        self._adapter_names = list(adapters)  # the CPU engine's adapter order
+        self._adapter_params = {}
+        for block in self._blocks:
+            for group_adapters in block.adapters.values():
+                for adapter in group_adapters:
+                    for part, value, grad in (("A", adapter.A, adapter.dA), ("B", adapter.B, adapter.dB)):
+                        name = f"{adapter.prefix}.lora_{part}.weight"
+                        self._adapter_params[name] = (value, 0, value.shape)
+                        self._grads[name] = (grad, 0, value.shape)
+        if self._base_trainable:
+            self._allocate_base_grads()
+        cos, sin = rope_tables(config)  # [P, D/2], Llama 3 scaling included
+        self._cos, self._sin = self._put(cos), self._put(sin)
+        self._identity_cos = self._put(np.ones_like(cos))
+        self._identity_sin = self._put(np.zeros_like(sin))
+        self._pending = False
+        self._adam = None
+
+    def _register(self, name, device, offset, shape):
+        self._params[name] = (device, int(offset), tuple(int(n) for n in shape))
+
+    def _upload_nf4(self, projection, tensor):
+        """The packed bytes and FP32 absmax of one NF4 weight (double-quantized absmax decoded on the device)."""
+        projection.packed = self._put(tensor.packed, np.uint8)
+        projection.block_size = tensor.block_size
+        blocks = -(-tensor.numel // tensor.block_size)
+        if tensor.double_quantized:
+            if self._dynamic_map is None:
+                self._dynamic_map = self._put(nf4_codes.DYNAMIC_MAP)
+            projection.absmax = self._zeros((blocks,))
+            with cuda.DeviceArray.from_host(self.lib, tensor.absmax_codes) as codes, \
+                    cuda.DeviceArray.from_host(self.lib, tensor.absmax_scales) as scales:
+                self._call("kiln_cuda_nf4_decode_absmax", codes.ptr, scales.ptr, self._dynamic_map.ptr,
+                           float(tensor.offset), projection.absmax.ptr, blocks, None)
+                self._call("kiln_cuda_device_synchronize")
+        else:
+            projection.absmax = self._put(tensor.absmax)
+        # bounded scratch, and never a whole weight's rows at once (trainer.blocks.Block._tiles)
+        projection.tile_rows = max(1, min(NF4_SCRATCH_ELEMENTS // projection.cols, (projection.rows + 1) // 2))
+
+    def _allocate_base_grads(self):
+        """Zeroed gradient buffers in the parameters' own layouts (fused groups stay fused)."""
+        by_buffer = {}
+        for name, (device, offset, shape) in self._params.items():
+            if id(device) not in by_buffer:
+                by_buffer[id(device)] = self._zeros(device.shape)
+            self._grads[name] = (by_buffer[id(device)], offset, shape)
+        self._grad_of = {id(device): by_buffer[id(device)] for device, _, _ in self._params.values()}
+
+    def _grad(self, device):
+        """The gradient buffer of a base parameter buffer (trainable base only)."""
+        return self._grad_of[id(device)]
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self):
+        """Free every device buffer and the cuBLAS handle; the model cannot be used afterwards."""
+        for device in getattr(self, "_arrays", []):
+            device.free()
+        self._arrays, self._scratch = [], {}
+        if getattr(self, "_blas", None):
+            self.lib.kiln_cuda_blas_destroy(self._blas)
+            self._blas = None
+        super().close()
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens, name="tokens"):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"{name} must be [batch, time], got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"{name} must be integers, got {tokens.dtype}")
+        B, T = tokens.shape
+        if B < 1 or T < 1 or T > self.config.maximum_context:
+            raise ValueError(f"{name} shape {tokens.shape}: batch >= 1 and time in 1..maximum_context "
+                             f"{self.config.maximum_context}")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocabulary_size:
+            raise ValueError(f"{name} ids must lie in [0, {self.config.vocabulary_size})")
+        return np.ascontiguousarray(tokens, dtype=I64)
+
+    def _check_targets(self, targets, shape):
+        targets = np.asarray(targets)
+        if targets.shape != tuple(shape):
+            raise ValueError(f"targets shape {targets.shape} must equal inputs shape {tuple(shape)}")
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise TypeError(f"targets must be integers, got {targets.dtype}")
+        valid = targets[targets != IGNORE_INDEX]
+        if valid.size and (valid.min() < 0 or valid.max() >= self.config.vocabulary_size):
+            raise ValueError(f"target ids must lie in [0, {self.config.vocabulary_size}) or be {IGNORE_INDEX}")
+        return np.ascontiguousarray(targets, dtype=I64)
+
+    # -- layout moves through identity rotary tables ------------------------------------------
+
+    def _rope_forward(self, x, strides, out, B, T, KV, g, identity=False):
+        """out [B,KV,T,g,D] = rotary (or, with identity, a copy) of x [B,T,KV*g,D] at element strides."""
+        cos, sin = (self._identity_cos, self._identity_sin) if identity else (self._cos, self._sin)
+        self._call("kiln_cuda_rope_forward", x, *strides, cos.ptr, sin.ptr, self.config.maximum_context, 0, out,
+                   B, T, KV, g, self.config.head_dimension, None)
+
+    def _rope_backward(self, dout, dx, strides, B, T, KV, g, identity=False):
+        """dx [B,T,KV*g,D] at element strides (written) = the rotary input gradient (or a copy) of dout."""
+        cos, sin = (self._identity_cos, self._identity_sin) if identity else (self._cos, self._sin)
+        self._call("kiln_cuda_rope_backward", dout, cos.ptr, sin.ptr, self.config.maximum_context, 0, dx,
+                   *strides, B, T, KV, g, self.config.head_dimension, None)
+
+    def _gather_heads(self, src, row_stride, heads, dst, N):
+        """dst [N,heads,D] contiguous = heads D-vectors per row of a strided [N, row_stride] source."""
+        self._rope_forward(src, (row_stride, 0, self.config.head_dimension), dst, N, 1, heads, 1, identity=True)
+
+    def _scatter_heads(self, src, dst, row_stride, heads, N):
+        """The inverse of _gather_heads: src [N,heads,D] written into the strided rows of dst."""
+        self._rope_backward(src, dst, (row_stride, 0, self.config.head_dimension), N, 1, heads, 1, identity=True)
+
+    # -- the base products: dense, or NF4 row tiles dequantized on the device ----------------
+
+    def _tile(self, projection):
+        return self._buffer("nf4_tile", (NF4_SCRATCH_ELEMENTS,))
+
+    def _base_forward(self, block, group, x, out, N, beta):
+        """out [N,out] = x [N,in] @ W.T + beta * out for the projections writing `group`."""
+        total, K = self._group_shapes[group]
+        if group in block.dense:
+            self._gemm(0, 1, N, total, K, 1.0, x, K, block.dense[group].ptr, K, beta, out, total)
+            return
+        for p in block.projections[group]:
+            tile = self._tile(p)
+            for start in range(0, p.rows, p.tile_rows):
+                rows = min(p.tile_rows, p.rows - start)
+                self._call("kiln_cuda_nf4_dequantize", p.packed.ptr, p.absmax.ptr, tile.ptr, start * p.cols,
+                           rows * p.cols, p.block_size, None)
+                self._gemm(0, 1, N, rows, K, 1.0, x, K, tile.ptr, K, beta, out + 4 * (p.column + start), total)
+
+    def _base_input_grad(self, block, group, dy, dx, N):
+        """dx [N,in] = dy [N,out] @ W (written)."""
+        total, K = self._group_shapes[group]
+        if group in block.dense:
+            self._gemm(0, 0, N, K, total, 1.0, dy, total, block.dense[group].ptr, K, 0.0, dx, K)
+            return
+        beta = 0.0
+        for p in block.projections[group]:
+            tile = self._tile(p)
+            for start in range(0, p.rows, p.tile_rows):
+                rows = min(p.tile_rows, p.rows - start)
+                self._call("kiln_cuda_nf4_dequantize", p.packed.ptr, p.absmax.ptr, tile.ptr, start * p.cols,
+                           rows * p.cols, p.block_size, None)
+                self._gemm(0, 0, N, K, rows, 1.0, dy + 4 * (p.column + start), total, tile.ptr, K, beta, dx, K)
+                beta = 1.0
+
+    def _weight_grad(self, block, group, dy, x, N):
+        """The fused weight gradient [out,in] += dy.T @ x (trainable base only)."""
+        if self._base_trainable:
+            total, K = self._group_shapes[group]
+            self._gemm(1, 0, total, K, N, 1.0, dy, total, x, K, 1.0, self._grad(block.dense[group]).ptr, K)
+
+    # -- LoRA: GEMMs reading and writing the group's output columns in place -----------------
+
+    def _lora_forward(self, block, index, group, x, out, N):
+        total, K = self._group_shapes[group]
+        for j, adapter in enumerate(block.adapters.get(group, ())):
+            p, r = adapter.projection, adapter.rank
+            u = self._buffer(f"lora_u.{index}.{group}.{j}", (N, r))  # [N,r] = x @ A.T, kept for backward
+            self._gemm(0, 1, N, r, K, 1.0, x, K, adapter.A.ptr, K, 0.0, u.ptr, r)
+            self._gemm(0, 1, N, p.rows, r, adapter.scaling, u.ptr, r, adapter.B.ptr, r, 1.0, out + 4 * p.column,
+                       total)
+
+    def _lora_backward(self, block, index, group, x, dy, dx, N):
+        """Adapter gradients from dy [N,out]; their input gradient is added to dx [N,in]."""
+        total, K = self._group_shapes[group]
+        for j, adapter in enumerate(block.adapters.get(group, ())):
+            p, r, s = adapter.projection, adapter.rank, adapter.scaling
+            u = self._scratch[f"lora_u.{index}.{group}.{j}"]
+            du = self._buffer("lora_du", (N, r))
+            dy_columns = dy + 4 * p.column
+            self._gemm(1, 0, p.rows, r, N, s, dy_columns, total, u.ptr, r, 1.0, adapter.dB.ptr, r)  # dB += s dy.T u
+            self._gemm(0, 0, N, r, p.rows, s, dy_columns, total, adapter.B.ptr, r, 0.0, du.ptr, r)  # du = s dy B
+            self._gemm(1, 0, r, K, N, 1.0, du.ptr, r, x, K, 1.0, adapter.dA.ptr, K)  # dA += du.T x
+            self._gemm(0, 0, N, K, r, 1.0, du.ptr, r, adapter.A.ptr, K, 1.0, dx, K)  # dx += du A
+
+    # -- norms ----------------------------------------------------------------------------------
+
+    def _rmsnorm_backward(self, dout, x, weight, rstd, dx, rows, width):
+        """dx [rows,width] += RMSNorm's input gradient; the weight's gradient accumulates when trainable."""
+        size = c_size_t(0)
+        self._call("kiln_cuda_rmsnorm_backward_workspace", rows, width, byref(size))
+        workspace = self._buffer(f"rms_workspace.{rows}.{width}", (max(int(size.value), 1),), np.uint8)
+        if self._base_trainable:
+            dweight = self._grad(weight)
+        else:
+            dweight = self._buffer(f"rms_dweight_scratch.{width}", (width,))  # frozen: accumulated, never read
+        self._call("kiln_cuda_rmsnorm_backward", dout, x, weight.ptr, rstd, dx, dweight.ptr, workspace.ptr, rows,
+                   width, None)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def _forward(self, tokens):
+        """Token ids [B,T] -> the final normed hidden [N,C] on the device; activations kept in scratch."""
+        config = self.config
+        B, T = tokens.shape
+        N, C, F = B * T, config.model_width, config.feed_forward_width
+        H, KV, D = config.head_count, config.kv_heads, config.head_dimension
+        g, G, W3 = H // KV, B * KV, (H + 2 * KV) * D
+        window = window_limits(config, 0, T) or 0
+        scale = 1.0 / np.sqrt(D)
+        dtokens = self._buffer("tokens", (N,), I64)
+        self._upload_into(dtokens, 0, tokens.reshape(-1))
+        x = self._buffer("x.0", (N, C))
+        self._call("kiln_cuda_embedding_forward", dtokens.ptr, self._embed.ptr, x.ptr, N, C,
+                   config.vocabulary_size, None)
+        eps = config.norm_epsilon
+        for i, block in enumerate(self._blocks):
+            h1, rstd1 = self._buffer(f"h1.{i}", (N, C)), self._buffer(f"rstd1.{i}", (N,))
+            self._call("kiln_cuda_rmsnorm_forward", x.ptr, block.vectors["ln1"].ptr, eps, h1.ptr, rstd1.ptr, N, C,
+                       None)
+            qkv = self._buffer(f"qkv.{i}", (N, W3))
+            self._base_forward(block, "qkv", h1.ptr, qkv.ptr, N, 0.0)
+            if "qkv_bias" in block.vectors:  # qkv += ones [N,1] @ bias [1,W3]
+                self._gemm(0, 0, N, W3, 1, 1.0, self._ones(N).ptr, 1, block.vectors["qkv_bias"].ptr, W3, 1.0,
+                           qkv.ptr, W3)
+            self._lora_forward(block, i, "qkv", h1.ptr, qkv.ptr, N)
+            q, k, v = (self._buffer(f"{n}.{i}", shape) for n, shape in
+                       (("q", (G, T * g, D)), ("k", (G, T, D)), ("v", (G, T, D))))
+            strides = (T * W3, W3, D)
+            q_in, k_in = qkv.ptr, qkv.ptr + 4 * H * D
+            if config.qk_norm:
+                normed = []
+                for name, heads, source in (("q", H, q_in), ("k", KV, k_in)):
+                    raw = self._buffer(f"{name}_raw.{i}", (N * heads, D))  # pre-norm heads, kept for backward
+                    out = self._buffer(f"{name}_normed.{i}", (N * heads, D))
+                    rstd = self._buffer(f"{name}_rstd.{i}", (N * heads,))
+                    self._gather_heads(source, W3, heads, raw.ptr, N)
+                    self._call("kiln_cuda_rmsnorm_forward", raw.ptr, block.vectors[f"{name}_norm"].ptr, eps,
+                               out.ptr, rstd.ptr, N * heads, D, None)
+                    normed.append((out.ptr, (T * heads * D, heads * D, D)))
+                (q_in, q_strides), (k_in, k_strides) = normed
+            else:
+                q_strides = k_strides = strides
+            self._rope_forward(q_in, q_strides, q.ptr, B, T, KV, g)
+            self._rope_forward(k_in, k_strides, k.ptr, B, T, KV, 1)
+            self._rope_forward(qkv.ptr + 4 * (H + KV) * D, strides, v.ptr, B, T, KV, 1, identity=True)
+            att, lse = self._buffer(f"att.{i}", (G, T * g, D)), self._buffer(f"lse.{i}", (G, T * g))
+            self._call("kiln_cuda_attention_forward", q.ptr, k.ptr, v.ptr, att.ptr, lse.ptr, G, T, g, T, D, 0, window,
+                       scale, None)
+            attn = self._buffer(f"attn.{i}", (N, H * D))  # [B,T,H,D]
+            self._rope_backward(att.ptr, attn.ptr, (T * H * D, H * D, D), B, T, KV, g, identity=True)
+            x_mid = self._buffer(f"x_mid.{i}", (N, C))
+            self._call("kiln_cuda_memcpy_d2d", x_mid.ptr, x.ptr, x.nbytes, None)
+            self._base_forward(block, "o", attn.ptr, x_mid.ptr, N, 1.0)  # x_mid = x + attn @ o.T
+            self._lora_forward(block, i, "o", attn.ptr, x_mid.ptr, N)
+            h2, rstd2 = self._buffer(f"h2.{i}", (N, C)), self._buffer(f"rstd2.{i}", (N,))
+            self._call("kiln_cuda_rmsnorm_forward", x_mid.ptr, block.vectors["ln2"].ptr, eps, h2.ptr, rstd2.ptr, N,
+                       C, None)
+            gate_up = self._buffer(f"gate_up.{i}", (N, 2 * F))
+            self._base_forward(block, "gate_up", h2.ptr, gate_up.ptr, N, 0.0)
+            self._lora_forward(block, i, "gate_up", h2.ptr, gate_up.ptr, N)
+            act = self._buffer(f"act.{i}", (N, F))
+            self._call("kiln_cuda_swiglu_forward", gate_up.ptr, act.ptr, N, F, None)
+            x_out = self._buffer(f"x.{i + 1}", (N, C))
+            self._call("kiln_cuda_memcpy_d2d", x_out.ptr, x_mid.ptr, x_mid.nbytes, None)
+            self._base_forward(block, "down", act.ptr, x_out.ptr, N, 1.0)  # x_out = x_mid + act @ down.T
+            self._lora_forward(block, i, "down", act.ptr, x_out.ptr, N)
+            x = x_out
+        hidden, rstd = self._buffer("hidden", (N, C)), self._buffer("final_rstd", (N,))
+        self._call("kiln_cuda_rmsnorm_forward", x.ptr, self._norm.ptr, eps, hidden.ptr, rstd.ptr, N, C, None)
+        return hidden
+
+    def _ones(self, N):
+        ones = self._scratch.get("ones")
+        if ones is None or ones.shape != (N,):
+            ones = self._buffer("ones", (N,))
+            self._upload_into(ones, 0, np.ones(N, F32))
+        return ones
+
+    @property
+    def _head(self):
+        return self._lm_head if self._lm_head is not None else self._embed
+
+    def logits(self, tokens) -> np.ndarray:
+        """Float32 logits [B,T,V] for int token ids [B,T]."""
+        self._check_open()
+        tokens = self._check_tokens(tokens)
+        B, T = tokens.shape
+        N, C, V = B * T, self.config.model_width, self.config.vocabulary_size
+        hidden = self._forward(tokens)
+        logits = self._buffer("logits", (N, V))
+        self._gemm(0, 1, N, V, C, 1.0, hidden.ptr, C, self._head.ptr, C, 0.0, logits.ptr, V)
+        return logits.to_host().reshape(B, T, V)
+
+    # -- forward + backward ---------------------------------------------------------------------------
+
+    def forward_backward(self, inputs, targets) -> float:
+        """Mean cross-entropy over non-ignored targets; gradients accumulate on the device."""
+        self._check_open()
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_targets(targets, inputs.shape)
+        flat = targets.reshape(-1)
+        valid = int(np.count_nonzero(flat != IGNORE_INDEX))
+        if valid == 0:
+            raise ValueError("the batch has no target tokens (every target is ignored)")
+        config = self.config
+        B, T = inputs.shape
+        N, C, V = B * T, config.model_width, config.vocabulary_size
+        hidden = self._forward(inputs)
+        chunk = N if config.loss_route == "full_logits" else min(config.loss_chunk_tokens, N)
+        dtargets = self._buffer("targets", (N,), I64)
+        self._upload_into(dtargets, 0, flat)
+        per_row, dhidden = self._buffer("per_row", (N,)), self._buffer("dhidden", (N, C))
+        workspace = self._buffer("loss_logits", (chunk, V))
+        dhead = self._grad(self._head).ptr if self._base_trainable else None
+        self._call("kiln_cuda_fused_linear_cross_entropy", self._blas, hidden.ptr, self._head.ptr, dtargets.ptr, N,
+                   C, V, chunk, 1, float(F32(1.0 / valid)), None, IGNORE_INDEX, per_row.ptr, dhidden.ptr, dhead,
+                   workspace.ptr, FP32)
+        self._backward(dhidden, self._scratch["tokens"], B, T)
+        self._pending = True
+        losses = per_row.to_host()
+        return float(np.sum(losses, dtype=np.float64)) / valid
+
+    def _backward(self, dhidden, dtokens, B, T):
+        config = self.config
+        N, C, F = B * T, config.model_width, config.feed_forward_width
+        H, KV, D = config.head_count, config.kv_heads, config.head_dimension
+        g, G, W3 = H // KV, B * KV, (H + 2 * KV) * D
+        window = window_limits(config, 0, T) or 0
+        scale = 1.0 / np.sqrt(D)
+        d = self._buffer("d", (N, C))  # the gradient at the residual stream, turned block by block
+        self._clear(d)
+        last = self._scratch[f"x.{len(self._blocks)}"]
+        self._rmsnorm_backward(dhidden.ptr, last.ptr, self._norm, self._scratch["final_rstd"].ptr, d.ptr, N, C)
+        dact, dgate_up = self._buffer("dact", (N, F)), self._buffer("dgate_up", (N, 2 * F))
+        dh, dattn = self._buffer("dh", (N, C)), self._buffer("dattn", (N, H * D))
+        datt, delta = self._buffer("datt", (G, T * g, D)), self._buffer("delta", (G, T * g))
+        dq, dk, dv = (self._buffer(n, shape) for n, shape in
+                      (("dq", (G, T * g, D)), ("dk", (G, T, D)), ("dv", (G, T, D))))
+        dqkv = self._buffer("dqkv", (N, W3))
+        for i in range(len(self._blocks) - 1, -1, -1):
+            block = self._blocks[i]
+            saved = {name: self._scratch[f"{name}.{i}"] for name in
+                     ("h1", "rstd1", "qkv", "q", "k", "v", "att", "lse", "attn", "x_mid", "h2", "rstd2", "gate_up",
+                      "act")}
+            x = self._scratch[f"x.{i}"]
+            # MLP
+            self._base_input_grad(block, "down", d.ptr, dact.ptr, N)
+            self._weight_grad(block, "down", d.ptr, saved["act"].ptr, N)
+            self._lora_backward(block, i, "down", saved["act"].ptr, d.ptr, dact.ptr, N)
+            self._call("kiln_cuda_swiglu_backward", dact.ptr, saved["gate_up"].ptr, dgate_up.ptr, N, F, None)
+            self._weight_grad(block, "gate_up", dgate_up.ptr, saved["h2"].ptr, N)
+            self._base_input_grad(block, "gate_up", dgate_up.ptr, dh.ptr, N)
+            self._lora_backward(block, i, "gate_up", saved["h2"].ptr, dgate_up.ptr, dh.ptr, N)
+            self._rmsnorm_backward(dh.ptr, saved["x_mid"].ptr, block.vectors["ln2"], saved["rstd2"].ptr, d.ptr, N, C)
+            # attention
+            self._base_input_grad(block, "o", d.ptr, dattn.ptr, N)
+            self._weight_grad(block, "o", d.ptr, saved["attn"].ptr, N)
+            self._lora_backward(block, i, "o", saved["attn"].ptr, d.ptr, dattn.ptr, N)
+            self._rope_forward(dattn.ptr, (T * H * D, H * D, D), datt.ptr, B, T, KV, g, identity=True)
+            self._call("kiln_cuda_attention_backward", datt.ptr, saved["q"].ptr, saved["k"].ptr, saved["v"].ptr,
+                       saved["att"].ptr, saved["lse"].ptr, dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, T, D, 0,
+                       window, scale, None)
+            strides = (T * W3, W3, D)
+            if not config.qk_norm:
+                self._rope_backward(dq.ptr, dqkv.ptr, strides, B, T, KV, g)
+                self._rope_backward(dk.ptr, dqkv.ptr + 4 * H * D, strides, B, T, KV, 1)
+            else:
+                for name, heads, source, group_size, column in (("q", H, dq, g, 0), ("k", KV, dk, 1, H * D)):
+                    dnormed = self._buffer(f"d{name}_normed", (N * heads, D))
+                    draw = self._buffer(f"d{name}_raw", (N * heads, D))
+                    self._rope_backward(source.ptr, dnormed.ptr, (T * heads * D, heads * D, D), B, T, KV,
+                                        group_size)
+                    self._clear(draw)
+                    self._rmsnorm_backward(dnormed.ptr, self._scratch[f"{name}_raw.{i}"].ptr,
+                                           block.vectors[f"{name}_norm"], self._scratch[f"{name}_rstd.{i}"].ptr,
+                                           draw.ptr, N * heads, D)
+                    self._scatter_heads(draw.ptr, dqkv.ptr + 4 * column, W3, heads, N)
+            self._rope_backward(dv.ptr, dqkv.ptr + 4 * (H + KV) * D, strides, B, T, KV, 1, identity=True)
+            self._weight_grad(block, "qkv", dqkv.ptr, saved["h1"].ptr, N)
+            if self._base_trainable and "qkv_bias" in block.vectors:  # dbias [1,W3] += ones [1,N] @ dqkv
+                self._gemm(1, 0, 1, W3, N, 1.0, self._ones(N).ptr, 1, dqkv.ptr, W3, 1.0,
+                           self._grad(block.vectors["qkv_bias"]).ptr, W3)
+            self._base_input_grad(block, "qkv", dqkv.ptr, dh.ptr, N)
+            self._lora_backward(block, i, "qkv", saved["h1"].ptr, dqkv.ptr, dh.ptr, N)
+            self._rmsnorm_backward(dh.ptr, x.ptr, block.vectors["ln1"], saved["rstd1"].ptr, d.ptr, N, C)
+        if self._base_trainable:
+            self._call("kiln_cuda_embedding_backward", d.ptr, dtokens.ptr, self._grad(self._embed).ptr, N, C,
+                       config.vocabulary_size, None)
+
+    # -- gradients and the optimizer --------------------------------------------------------------
+
+    def _trainable_names(self):
+        if self.lora_config is not None:
+            return list(self._adapter_names)
+        return list(self._base_names) if self._base_trainable else []
+
+    def _trainable(self):
+        values = self._adapter_params if self.lora_config is not None else self._params
+        return [(name, values[name], self._grads[name]) for name in self._trainable_names()]
+
+    @property
+    def gradient_pending(self) -> bool:
+        self._check_open()
+        return self._pending
+
+    def gradients(self) -> dict:
+        """{name: downloaded gradient} of the trainable parameters (adapters, or a dense base)."""
+        self._check_open()
+        return {name: self._download(*grad) for name, _, grad in self._trainable()}
+
+    def zero_gradients(self):
+        """Discard the accumulated gradients without a step."""
+        self._check_open()
+        for device in {id(grad[0]): grad[0] for _, _, grad in self._trainable()}.values():
+            self._clear(device)
+        self._pending = False
+
+    def adam_step(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.0):
+        """One Adam update of the trainable parameters from the accumulated gradients, which are then zeroed.
+
+        trainer.optim.Adam's arithmetic and state: the library's kernel (the CPU kernel's float32 formula
+        order), bias corrections from tracked beta powers, first and second moments per parameter.
+        """
+        self._check_open()
+        trainable = self._trainable()
+        if not trainable:
+            raise ValueError("nothing is trainable: a quantized base is frozen; attach LoRA to the CPU model "
+                             "before constructing the CudaModel")
+        if not self._pending:
+            raise RuntimeError("adam_step() needs a pending gradient; run forward_backward first")
+        for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)):
+            if not low <= value < high:
+                raise ValueError(f"{name} must lie in [0, 1), got {value}")
+        if not learning_rate >= 0.0 or not math.isfinite(learning_rate):
+            raise ValueError(f"learning_rate must be a finite non-negative number, got {learning_rate}")
+        if not epsilon > 0.0 or not math.isfinite(epsilon):
+            raise ValueError(f"epsilon must be a finite positive number, got {epsilon}")
+        if not weight_decay >= 0.0 or not math.isfinite(weight_decay):
+            raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay}")
+        if self._adam is None:
+            self._adam = {"step": 0, "beta1_power": 1.0, "beta2_power": 1.0,
+                          "moments": {name: (self._zeros(shape), self._zeros(shape))
+                                      for name, (_, _, shape), _ in trainable}}
+        state = self._adam
+        beta1_power = state["beta1_power"] * beta1
+        beta2_power = state["beta2_power"] * beta2
+        for name, (value, offset, shape), (grad, grad_offset, _) in trainable:
+            m, v = state["moments"][name]
+            self._call("kiln_cuda_adam_update", self._at(value, offset), self._at(grad, grad_offset), m.ptr, v.ptr,
+                       int(np.prod(shape)), float(learning_rate), float(beta1), float(beta2), float(epsilon),
+                       float(weight_decay), 1.0 - beta1_power, 1.0 - beta2_power, None)
+        state.update(step=state["step"] + 1, beta1_power=beta1_power, beta2_power=beta2_power,
+                     hyperparameters=dict(learning_rate=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon,
+                                          weight_decay=weight_decay))
+        self.zero_gradients()
+
+    def optimizer_state_dict(self) -> dict:
+        """trainer.optim.Adam.state_dict()'s layout: step, beta powers, hyperparameters, moments by name."""
+        self._check_open()
+        if self._adam is None:
+            raise ValueError("no adam_step has run yet")
+        state = self._adam
+        moments = state["moments"]
+        return {"step": state["step"], "beta1_power": state["beta1_power"], "beta2_power": state["beta2_power"],
+                "hyperparameters": dict(state["hyperparameters"]),
+                "first_moment": {name: m.to_host() for name, (m, _) in moments.items()},
+                "second_moment": {name: v.to_host() for name, (_, v) in moments.items()}}
+
+    # -- downloads ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """{name: downloaded value} of every base parameter in the CPU engine's order.
+
+        Packed NF4 weights appear dequantized on the host (an inspection copy; the base is frozen).
+        """
+        self._check_open()
+        return {name: self._download(*self._params[name]) if name in self._params
+                else dequantize_nf4(self._packed[name]) for name in self._base_names}
+
+    def adapter_state_dict(self) -> dict:
+        self._check_open()
+        if self.lora_config is None:
+            raise ValueError("no LoRA adapter is attached")
+        return {name: self._download(*self._adapter_params[name]) for name in self._adapter_names}
