@@ -1,13 +1,21 @@
-"""Shared helpers of the engine suite: a max-difference check and a tiny-config factory.
+"""Shared helpers of the engine suite: a max-difference check, a tiny-config factory and the host
+emulation of the CUDA library (built once per session for the CUDA kernel and model tests).
 
 They are fixtures (not importable functions) because tests/ and tests/engine/ both hold
 a top-level `conftest` module, so `from conftest import ...` would be ambiguous.
 """
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from trainer import TransformerConfig
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "native_ext" / "cuda"
 
 TINY = dict(  # small enough that a forward/backward takes about a millisecond
     vocabulary_size=23,  # odd and prime: no accidental alignment with chunk sizes
@@ -91,3 +99,20 @@ def _single_threaded_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def emulated_library(tmp_path_factory):
+    """The CUDA library's kernel source compiled by g++ for the host (-DKILN_CUDA_EMULATE) into a .so, once
+    per session; KILN_TEST_CUDA_EMULATION names a build of one's own instead."""
+    if os.environ.get("KILN_TEST_CUDA_EMULATION"):  # a build of one's own, e.g. with -fsanitize=address
+        return Path(os.environ["KILN_TEST_CUDA_EMULATION"])
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ to build the host emulation of the CUDA kernels")
+    output = tmp_path_factory.mktemp("cuda-emulation") / "libkiln_cuda_emulated.so"
+    sources = [str(CUDA_DIR / name) for name in ("kernels.cu", "attention.cu", "composite.cu")]
+    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Werror", "-DKILN_CUDA_EMULATE", "-fPIC", "-shared",
+                    "-ffp-contract=off", "-I", str(CUDA_DIR), "-x", "c++", *sources, "-x", "none",
+                    str(CUDA_DIR / "emulate_runtime.cpp"), "-o", str(output)], check=True)
+    return output

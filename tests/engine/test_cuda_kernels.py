@@ -11,11 +11,7 @@ Dimension letters as in native_ext/reference.py.
 """
 
 import ctypes
-import os
-import shutil
-import subprocess
 from ctypes import byref, c_void_p
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +20,7 @@ from native_ext import cuda, kernels, nf4, reference
 from trainer import attention
 
 PROBE = cuda.probe(isolated=True)  # collection does not initialise CUDA in the test process
-CUDA_DIR = Path(__file__).resolve().parents[2] / "native_ext" / "cuda"
+# the host emulation is built once per session by conftest.py's emulated_library fixture
 
 F32, I64 = np.float32, np.int64
 FP32 = 0  # the precision argument: IEEE FP32, no TF32
@@ -46,21 +42,6 @@ def close(actual, expected, tolerance, what):
 
 def normal(*shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(F32)
-
-
-@pytest.fixture(scope="session")
-def emulated_library(tmp_path_factory):
-    if os.environ.get("KILN_TEST_CUDA_EMULATION"):  # a build of one's own, e.g. with -fsanitize=address
-        return Path(os.environ["KILN_TEST_CUDA_EMULATION"])
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no g++ to build the host emulation of the CUDA kernels")
-    output = tmp_path_factory.mktemp("cuda-emulation") / "libkiln_cuda_emulated.so"
-    sources = [str(CUDA_DIR / name) for name in ("kernels.cu", "attention.cu", "composite.cu")]
-    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Werror", "-DKILN_CUDA_EMULATE", "-fPIC", "-shared",
-                    "-ffp-contract=off", "-I", str(CUDA_DIR), "-x", "c++", *sources, "-x", "none",
-                    str(CUDA_DIR / "emulate_runtime.cpp"), "-o", str(output)], check=True)
-    return output
 
 
 @pytest.fixture(scope="module", params=["gpu", "emulated"])
