@@ -351,7 +351,8 @@ class CudaModel(Closeable):
 
     # -- the base products: dense, or NF4 row tiles dequantized on the device ----------------
 
-    def _tile(self, projection):
+    def _tile(self):
+        """The one scratch that NF4 row tiles are dequantized into (trainer.blocks' bound)."""
         return self._buffer("nf4_tile", (NF4_SCRATCH_ELEMENTS,))
 
     def _base_forward(self, block, group, x, out, N, beta):
@@ -361,7 +362,7 @@ class CudaModel(Closeable):
             self._gemm(0, 1, N, total, K, 1.0, x, K, block.dense[group].ptr, K, beta, out, total)
             return
         for p in block.projections[group]:
-            tile = self._tile(p)
+            tile = self._tile()
             for start in range(0, p.rows, p.tile_rows):
                 rows = min(p.tile_rows, p.rows - start)
                 self._call("kiln_cuda_nf4_dequantize", p.packed.ptr, p.absmax.ptr, tile.ptr, start * p.cols,
@@ -376,7 +377,7 @@ class CudaModel(Closeable):
             return
         beta = 0.0
         for p in block.projections[group]:
-            tile = self._tile(p)
+            tile = self._tile()
             for start in range(0, p.rows, p.tile_rows):
                 rows = min(p.tile_rows, p.rows - start)
                 self._call("kiln_cuda_nf4_dequantize", p.packed.ptr, p.absmax.ptr, tile.ptr, start * p.cols,
@@ -420,7 +421,9 @@ class CudaModel(Closeable):
         """dx [rows,width] += RMSNorm's input gradient; the weight's gradient accumulates when trainable."""
         size = c_size_t(0)
         self._call("kiln_cuda_rmsnorm_backward_workspace", rows, width, byref(size))
-        workspace = self._buffer(f"rms_workspace.{rows}.{width}", (max(int(size.value), 1),), np.uint8)
+        workspace = self._scratch.get("rms_workspace")
+        if workspace is None or workspace.nbytes < size.value:  # one workspace, grown to the largest asked
+            workspace = self._buffer("rms_workspace", (max(int(size.value), 1),), np.uint8)
         if self._base_trainable:
             dweight = self._grad(weight)
         else:
@@ -534,23 +537,72 @@ class CudaModel(Closeable):
         valid = int(np.count_nonzero(flat != IGNORE_INDEX))
         if valid == 0:
             raise ValueError("the batch has no target tokens (every target is ignored)")
-        config = self.config
-        B, T = inputs.shape
-        N, C, V = B * T, config.model_width, config.vocabulary_size
         hidden = self._forward(inputs)
-        chunk = N if config.loss_route == "full_logits" else min(config.loss_chunk_tokens, N)
+        losses = self._loss(hidden, flat, 1, grad_scale=1.0 / valid)
+        self._backward_from_hidden(inputs.shape)
+        return float(np.sum(losses, dtype=np.float64)) / valid
+
+    def token_losses(self, inputs, targets) -> np.ndarray:
+        """Per-token cross-entropy [B,T] (0 where the target is IGNORE_INDEX); no gradients."""
+        self._check_open()
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_targets(targets, inputs.shape)
+        logp = self._loss(self._forward(inputs), targets.reshape(-1), 0, chunk=self.config.loss_chunk_tokens)
+        return (-logp).reshape(targets.shape) + F32(0)  # -0.0 at ignored targets becomes 0.0
+
+    def forward_backward_weighted(self, inputs, targets, coefficient_fn) -> np.ndarray:
+        """Backpropagate sum_t c_t * log p(target_t) and return log p [B,T] (0 where ignored).
+
+        As DecoderOnlyTransformer.forward_backward_weighted: coefficient_fn(logp [B,T] float32) -> c [B,T],
+        the derivative of the caller's loss with respect to each token's log-probability.
+        """
+        self._check_open()
+        inputs = self._check_tokens(inputs, "inputs")
+        targets = self._check_targets(targets, inputs.shape)
+        flat = targets.reshape(-1)
+        valid = flat != IGNORE_INDEX
+        if not valid.any():
+            raise ValueError("the batch has no target tokens (every target is ignored)")
+        hidden = self._forward(inputs)
+        logp = self._loss(hidden, flat, 0, chunk=self.config.loss_chunk_tokens)  # [N], 0 where ignored
+        coefficients = np.asarray(coefficient_fn(logp.reshape(targets.shape)), dtype=np.float64)
+        if coefficients.shape != targets.shape or not np.all(np.isfinite(coefficients)):
+            raise ValueError(f"coefficient_fn must return finite values of shape {targets.shape}")
+        # d(c*logp)/dlogits = (softmax - onehot) * (-c)
+        row_scales = np.where(valid, -coefficients.reshape(-1), 0.0).astype(F32)
+        self._loss(hidden, flat, 2, row_scales=row_scales)
+        self._backward_from_hidden(inputs.shape)
+        return logp.reshape(targets.shape)
+
+    def _loss(self, hidden, flat, mode, grad_scale=1.0, row_scales=None, chunk=None):
+        """The fused linear cross-entropy over hidden [N,C]: mode 0 log p [N] (no gradients), mode 1 losses
+        with dhidden of grad_scale * sum of losses, mode 2 with row_scales; the head gradient accumulates on a
+        trainable base. Returns the per-row values downloaded."""
+        config = self.config
+        N, C, V = flat.shape[0], config.model_width, config.vocabulary_size
+        if chunk is None:
+            chunk = N if config.loss_route == "full_logits" else config.loss_chunk_tokens
+        chunk = min(chunk, N)
         dtargets = self._buffer("targets", (N,), I64)
         self._upload_into(dtargets, 0, flat)
-        per_row, dhidden = self._buffer("per_row", (N,)), self._buffer("dhidden", (N, C))
+        per_row = self._buffer("per_row", (N,))
+        dhidden = self._buffer("dhidden", (N, C)) if mode else None
+        scales = None
+        if mode == 2:
+            scales = self._buffer("row_scales", (N,))
+            self._upload_into(scales, 0, row_scales)
         workspace = self._buffer("loss_logits", (chunk, V))
-        dhead = self._grad(self._head).ptr if self._base_trainable else None
+        dhead = self._grad(self._head).ptr if mode and self._base_trainable else None
         self._call("kiln_cuda_fused_linear_cross_entropy", self._blas, hidden.ptr, self._head.ptr, dtargets.ptr, N,
-                   C, V, chunk, 1, float(F32(1.0 / valid)), None, IGNORE_INDEX, per_row.ptr, dhidden.ptr, dhead,
-                   workspace.ptr, FP32)
-        self._backward(dhidden, self._scratch["tokens"], B, T)
-        self._pending = True
-        losses = per_row.to_host()
-        return float(np.sum(losses, dtype=np.float64)) / valid
+                   C, V, chunk, mode, float(F32(grad_scale)), scales.ptr if scales else None, IGNORE_INDEX,
+                   per_row.ptr, dhidden.ptr if dhidden else None, dhead, workspace.ptr, FP32)
+        return per_row.to_host()
+
+    def _backward_from_hidden(self, shape):
+        """Backward from the loss's dhidden down to the embedding, when anything is trainable."""
+        if self._trainable_names():
+            self._backward(self._scratch["dhidden"], self._scratch["tokens"], *shape)
+            self._pending = True
 
     def _backward(self, dhidden, dtokens, B, T):
         config = self.config

@@ -1,0 +1,239 @@
+"""CudaModel (trainer/cuda_model.py) against the CPU engine: loss, logits, every gradient and Adam steps, on a
+GPU (skipped, with the probe's reason, without one) and on the host emulation of the CUDA library (the same
+kernel source built by g++ with -DKILN_CUDA_EMULATE; conftest.py's emulated_library).
+
+Tolerance: a maximum relative difference (max |device - cpu| / max |cpu|) of 1e-4 for losses, logits and
+gradients, 1e-4 for parameters and moments after a few Adam steps. The device and the CPU engine sum in
+different orders (cuBLAS or the emulation's double-accumulated GEMM against numpy's BLAS), so closeness is
+what is promised across them; on one device the same steps give the same bits, compared with `==`.
+"""
+
+import numpy as np
+import pytest
+
+from native_ext import cuda
+from trainer import Adam, DecoderOnlyTransformer, TransformerConfig
+from trainer.cuda_model import CudaModel
+from trainer.lora import PROJECTIONS, LoraConfig
+
+PROBE = cuda.probe(isolated=True)  # collection does not initialise CUDA in the test process
+TOLERANCE = 1e-4
+SHAPE = dict(vocabulary_size=64, maximum_context=16, model_width=32, head_count=4, kv_head_count=2, block_count=2,
+             feed_forward_width=48, initializer_range=0.2, loss_chunk_tokens=5)
+B, T = 2, 16
+
+
+@pytest.fixture(scope="module", params=["gpu", "emulated"])
+def lib(request):
+    if request.param == "gpu":
+        if not PROBE["available"]:
+            pytest.skip(f"no usable GPU: {PROBE['reason']}")
+        return cuda.load()
+    return cuda.open_library(request.getfixturevalue("emulated_library"))
+
+
+def make_model(lora=None, quantize=None, **overrides):
+    """A tiny CPU model; adapters get random values so that every adapter gradient is non-trivial."""
+    model = DecoderOnlyTransformer(TransformerConfig(**{**SHAPE, **overrides}))
+    if quantize is not None:
+        model.quantize(**quantize)
+    if lora is not None:
+        model.attach_lora(lora)
+        rng = np.random.default_rng(5)
+        model.load_adapter_state_dict({name: rng.standard_normal(value.shape).astype(np.float32) * 0.1
+                                       for name, value in model.adapter_state_dict().items()})
+    return model
+
+
+def batch(seed):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(0, SHAPE["vocabulary_size"], (B, T))
+    targets = rng.integers(0, SHAPE["vocabulary_size"], (B, T))
+    targets[0, :3] = -100  # a prompt-like prefix carries no loss
+    targets[1, -1] = -100
+    return inputs, targets
+
+
+def cpu_gradients(model):
+    """{name: gradient} of the CPU model's trainable parameters."""
+    if model.lora_config is not None:
+        with model.adapter_parameters() as parameters:
+            return {p.name: p.grad.copy() for p in parameters}
+    if model.quantization is not None:
+        return {}
+    with model.parameters() as parameters:
+        return {p.name: p.grad.copy() for p in parameters}
+
+
+def compare_step(lib, assert_close, model, batches=(0,)):
+    """Forward/backward over `batches` (gradients accumulating) on both engines; compare loss, logits, gradients."""
+    with CudaModel(model, lib) as device:
+        for seed in batches:
+            inputs, targets = batch(seed)
+            device_loss = device.forward_backward(inputs, targets)
+            cpu_loss = model.forward_backward(inputs, targets)
+            assert_close(device_loss, cpu_loss, TOLERANCE, f"loss of batch {seed}")
+        assert_close(device.logits(inputs), model.logits(inputs), TOLERANCE, "logits")
+        gradients, expected = device.gradients(), cpu_gradients(model)
+        assert list(gradients) == list(expected)
+        for name, gradient in expected.items():
+            assert np.any(gradient), f"{name}: the CPU gradient is zero, the comparison would prove nothing"
+            assert_close(gradients[name], gradient, TOLERANCE, name)
+        return device.state_dict()
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tie_embeddings=True, loss_route="kt_tape_flce"),
+                                       dict(kv_head_count=4, attention_algorithm="tiled",
+                                            activation_checkpointing="blocks")],
+                         ids=["untied-full-logits", "tied-chunked-flce", "no-grouping"])
+def test_dense_step_matches_the_cpu_engine(lib, assert_close, overrides):
+    model = make_model(**overrides)
+    state = compare_step(lib, assert_close, model)
+    assert len(state) == len(model.state_dict())  # every base parameter is trainable, and compared above
+
+
+@pytest.mark.parametrize("lora", [LoraConfig(rank=4, alpha=8.0),
+                                  LoraConfig(rank=3, alpha=6.0, targets=("q_proj", "v_proj", "up_proj", "down_proj"),
+                                             use_rslora=True)], ids=["all-targets", "subset-rslora"])
+def test_lora_step_matches_the_cpu_engine(lib, assert_close, lora):
+    model = make_model(lora=lora)
+    compare_step(lib, assert_close, model, batches=(0, 1))  # two batches: gradients accumulate on the device
+    assert len(cpu_gradients(model)) == 2 * SHAPE["block_count"] * len(lora.targets)
+
+
+@pytest.mark.parametrize("quantize", [dict(block_size=64), dict(block_size=32, double_quantization=True)],
+                         ids=["absmax", "double-quantization"])
+def test_qlora_step_matches_the_cpu_engine(lib, assert_close, quantize):
+    model = make_model(lora=LoraConfig(rank=4, alpha=8.0, targets=PROJECTIONS), quantize=quantize)
+    compare_step(lib, assert_close, model)
+    with CudaModel(model, lib) as device:  # the base is uploaded packed and left so
+        packed = model.packed_state()
+        for block in device._blocks:
+            for projections in block.projections.values():
+                for projection in projections:
+                    assert projection.packed.dtype == np.uint8
+        name = next(iter(packed))
+        np.testing.assert_array_equal(device.state_dict()[name], model.state_dict()[name])
+
+
+def test_frozen_quantized_base_without_adapters_has_nothing_to_train(lib, assert_close):
+    model = make_model(quantize=dict(block_size=64))
+    with CudaModel(model, lib) as device:
+        inputs, targets = batch(0)
+        assert_close(device.forward_backward(inputs, targets), model.forward_backward(inputs, targets), TOLERANCE,
+                     "loss")
+        assert device.gradients() == {}
+        with pytest.raises(ValueError, match="nothing is trainable"):
+            device.adam_step()
+
+
+@pytest.mark.parametrize("overrides", [dict(sliding_window=5, attention_bias=True, qk_norm=True, family="qwen3"),
+                                       dict(rope_scaling=("llama3", 8.0, 1.0, 4.0, 8), family="llama")],
+                         ids=["window-bias-qk-norm", "llama3-rope"])
+def test_family_options_match_the_cpu_engine(lib, assert_close, overrides):
+    model = make_model(**overrides)
+    if overrides.get("attention_bias"):  # nonzero biases, so that their forward matters
+        rng = np.random.default_rng(3)
+        state = model.fp32_state_dict()
+        model.load_state_dict({name: value + (rng.standard_normal(value.shape).astype(np.float32) * 0.1
+                                              if name.endswith(".bias") else 0)
+                               for name, value in state.items()})
+    compare_step(lib, assert_close, model)
+    lora = make_model(lora=LoraConfig(rank=2, alpha=4.0), **overrides)  # the same options under adapters
+    compare_step(lib, assert_close, lora)
+
+
+def test_weighted_objective_and_token_losses_match_the_cpu_engine(lib, assert_close):
+    model = make_model(lora=LoraConfig(rank=4, alpha=8.0))
+    inputs, targets = batch(2)
+
+    def coefficients(logp):
+        return np.linspace(-1.0, 1.0, logp.size).reshape(logp.shape)
+
+    with CudaModel(model, lib) as device:
+        assert_close(device.token_losses(inputs, targets), model.token_losses(inputs, targets), TOLERANCE,
+                     "token losses")
+        assert_close(device.forward_backward_weighted(inputs, targets, coefficients),
+                     model.forward_backward_weighted(inputs, targets, coefficients), TOLERANCE, "log p")
+        expected = cpu_gradients(model)
+        for name, gradient in device.gradients().items():
+            assert_close(gradient, expected[name], TOLERANCE, name)
+
+
+def adam_run(lib, model, steps, hyperparameters):
+    """`steps` device Adam steps; returns (losses, parameters, optimizer state, gradients before the last step)."""
+    with CudaModel(model, lib) as device:
+        losses = []
+        for step in range(steps):
+            losses.append(device.forward_backward(*batch(10 + step)))
+            gradients = device.gradients()
+            device.adam_step(**hyperparameters)
+        parameters = device.adapter_state_dict() if model.lora_config is not None else device.state_dict()
+        return losses, parameters, device.optimizer_state_dict(), gradients
+
+
+@pytest.mark.parametrize("kind", ["dense", "lora"])
+def test_adam_steps_match_the_cpu_engine(lib, assert_close, kind):
+    hyperparameters = dict(learning_rate=1e-2, beta1=0.9, beta2=0.99, epsilon=1e-8, weight_decay=0.01)
+    lora = LoraConfig(rank=4, alpha=8.0) if kind == "lora" else None
+    losses, parameters, state, _ = adam_run(lib, make_model(lora=lora), 3, hyperparameters)
+    model = make_model(lora=lora)
+    with (model.adapter_parameters() if lora else model.parameters()) as trainable:
+        optimizer = Adam(trainable, **hyperparameters)
+        for step in range(3):
+            assert_close(losses[step], model.forward_backward(*batch(10 + step)), TOLERANCE, f"loss of step {step}")
+            optimizer.step()
+        expected = optimizer.state_dict()
+        for p in trainable:
+            assert_close(parameters[p.name], p.value, TOLERANCE, p.name)
+    assert (state["step"], state["beta1_power"], state["beta2_power"]) == \
+        (expected["step"], expected["beta1_power"], expected["beta2_power"])
+    assert state["hyperparameters"] == expected["hyperparameters"]
+    for key in ("first_moment", "second_moment"):
+        assert list(state[key]) == list(expected[key])
+        for name, moment in expected[key].items():
+            assert_close(state[key][name], moment, TOLERANCE, f"{key} {name}")
+
+
+@pytest.mark.parametrize("kind", ["dense", "qlora-window"])
+def test_the_same_steps_give_the_same_bits_twice(lib, kind):
+    """No atomics, fixed reduction orders: two fresh device models running the same steps agree with `==`."""
+    if kind == "dense":
+        make = lambda: make_model(tie_embeddings=True, loss_route="kt_tape_flce")  # noqa: E731
+    else:
+        make = lambda: make_model(lora=LoraConfig(rank=4, alpha=8.0), sliding_window=6,  # noqa: E731
+                                  quantize=dict(block_size=32, double_quantization=True))
+    hyperparameters = dict(learning_rate=1e-2, weight_decay=0.01)
+    first, second = adam_run(lib, make(), 2, hyperparameters), adam_run(lib, make(), 2, hyperparameters)
+    assert first[0] == second[0], "losses differ"
+    for index, what in ((1, "parameters"), (3, "gradients")):
+        assert list(first[index]) == list(second[index])
+        for name in first[index]:
+            assert np.array_equal(first[index][name], second[index][name]), f"{what}: {name} differs"
+    for key in ("first_moment", "second_moment"):
+        for name in first[2][key]:
+            assert np.array_equal(first[2][key][name], second[2][key][name]), f"{key}: {name} differs"
+
+
+def test_a_head_too_large_for_the_attention_kernels_is_refused():
+    model = DecoderOnlyTransformer(TransformerConfig(**{**SHAPE, "head_size": 160}), initialize=False)
+    with pytest.raises(NotImplementedError, match="head_size 160"):
+        CudaModel(model, library=object())  # refused before the library is touched
+
+
+def test_use_after_close_and_bad_inputs_are_refused(lib):
+    model = make_model(lora=LoraConfig(rank=2, alpha=4.0))
+    device = CudaModel(model, lib)
+    inputs, targets = batch(0)
+    with pytest.raises(RuntimeError, match="needs a pending gradient"):
+        device.adam_step()
+    with pytest.raises(ValueError, match="every target is ignored"):
+        device.forward_backward(inputs, np.full_like(targets, -100))
+    with pytest.raises(ValueError, match="ids must lie"):
+        device.logits(inputs + SHAPE["vocabulary_size"])
+    device.close()
+    device.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        device.forward_backward(inputs, targets)
+    with pytest.raises(TypeError, match="DecoderOnlyTransformer"):
+        CudaModel(object(), lib)
