@@ -14,7 +14,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -261,21 +261,47 @@ def byte_level_bpe(vocab: dict, merges: list, pre: str = "gpt2") -> BackendToken
     return backend
 
 
-def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
-    """Build the tokenizer a GGUF file's `tokenizer.*` metadata describes (byte-level BPE).
+def sentencepiece_merges(tokens: list, scores: list) -> list:
+    """The BPE merges a SentencePiece vocabulary implies (GGUF files carry scores, not merges): every split
+    of a token into two vocabulary pieces, best score first (transformers' generate_merges, which its GGUF
+    converter uses: pieces of one token ordered by their ids, then all by score, then by piece lengths)."""
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    merges = []
+    for token, score in zip(tokens, scores):
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
-    Tokens typed CONTROL become special added tokens and USER_DEFINED ones plain added
-    tokens, so neither is cut into pieces; a CONTROL token spelled outside the byte
-    alphabet is a llama.cpp mislabel and stays an ordinary vocabulary entry (as in
-    transformers' GGUF converter).
-    """
-    model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported; Kiln builds byte-level "
-                         "BPE ('gpt2') tokenizers (SentencePiece 'llama' vocabularies are not yet "
-                         "supported: import the Hugging Face directory instead)")
-    tokens = metadata["tokenizer.ggml.tokens"]
-    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+def sentencepiece_bpe(tokens: list, scores: list, prefix_by_normalizer: bool = False,
+                      add_space_prefix: bool = True) -> BackendTokenizer:
+    """A SentencePiece-style BPE (Llama 2, Mistral, Phi-3 GGUF vocabularies): "▁" for spaces, byte
+    fallback to <0xNN> tokens, a space before the text. As transformers' LlamaTokenizer builds it (Metaspace,
+    prepend "first"), or with prefix_by_normalizer as Phi-3's own tokenizer.json does (a normalizer that
+    prepends "▁" and turns every space into one, no pre-tokenizer)."""
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, scores), dropout=None,
+                                          fuse_unk=True, byte_fallback=True))
+    if prefix_by_normalizer:
+        steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+        backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    strip = [decoders.Strip(content=" ", left=1)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + strip)
+    return backend
+
+
+def _byte_level_from_gguf(metadata, tokens, types) -> tuple:
+    """(backend, vocabulary, CONTROL tokens to add as special) of a "gpt2" GGUF vocabulary."""
     merges = metadata.get("tokenizer.ggml.merges")
     if merges is None:
         raise ValueError("the GGUF file has no tokenizer.ggml.merges; a byte-level BPE needs them")
@@ -299,6 +325,35 @@ def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
     backend = byte_level_bpe(vocab, pairs, metadata.get("tokenizer.ggml.pre") or "default")
     control = [AddedToken(token, normalized=False, special=True)
                for token, kind in zip(tokens, types) if kind == GGUF_CONTROL and set(token) <= alphabet]
+    return backend, vocab, control
+
+
+def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
+    """Build the tokenizer a GGUF file's `tokenizer.*` metadata describes: a byte-level BPE ("gpt2": Llama 3,
+    Qwen, SmolLM2) or a SentencePiece BPE ("llama": Llama 2, Mistral, Phi-3; merges from the scores).
+
+    Tokens typed CONTROL become special added tokens and USER_DEFINED ones plain added
+    tokens, so neither is cut into pieces; in a byte-level vocabulary a CONTROL token spelled
+    outside the byte alphabet is a llama.cpp mislabel and stays an ordinary vocabulary entry
+    (as in transformers' GGUF converter).
+    """
+    model = metadata.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported; Kiln builds byte-level BPE ('gpt2') "
+                         "and SentencePiece BPE ('llama') tokenizers")
+    tokens = metadata["tokenizer.ggml.tokens"]
+    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if model == "llama":
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError("the GGUF file has no tokenizer.ggml.scores for its SentencePiece vocabulary")
+        vocab = set(tokens)
+        backend = sentencepiece_bpe(tokens, scores, metadata.get("general.architecture") == "phi3",
+                                    bool(metadata.get("tokenizer.ggml.add_space_prefix", True)))
+        control = [AddedToken(token, normalized=False, special=True)
+                   for token, kind in zip(tokens, types) if kind == GGUF_CONTROL]
+    else:
+        backend, vocab, control = _byte_level_from_gguf(metadata, tokens, types)
     if control:
         backend.add_special_tokens(control)
     user = [AddedToken(token, normalized=False, special=False)
@@ -316,7 +371,8 @@ def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
 
     config = {"bos_token": token_of("bos_token_id"), "eos_token": token_of("eos_token_id"),
               "pad_token": token_of("padding_token_id"), "unk_token": token_of("unknown_token_id"),
-              "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+              # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (older files have no flag)
+              "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama")),
               "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
               "chat_template": metadata.get("tokenizer.chat_template")}
     post = _post_processor(config, backend.token_to_id)

@@ -276,6 +276,10 @@ def llama3_rope_freqs(config):
     return np.array(factors, dtype=np.float32)
 
 
+def family_of(hf_model):
+    return hf_model.config.model_type
+
+
 def write_family_gguf(path, hf_model, arch):
     config = hf_model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
@@ -283,14 +287,24 @@ def write_family_gguf(path, hf_model, arch):
     add_gguf_architecture(writer, config)
     if arch == "phi3" and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
-    spelling = bytes_to_unicode()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list([spelling[b] for b in range(256)] + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    writer.add_token_types([1] * 257 + [3] * 3)
-    writer.add_token_merges(["Ġ t"])
-    writer.add_bos_token_id(257)
-    writer.add_eos_token_id(259)
+    if arch == "phi3" or family_of(hf_model) == "mistral":  # as real Mistral and Phi-3 files: SentencePiece
+        pieces = list("▁abcdefghijklmnopqrstuvwxyz") + ["▁t", "he", "▁the"]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces)
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+        writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        spelling = bytes_to_unicode()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt2")
+        writer.add_token_list([spelling[b] for b in range(256)] + ["Ġt", "<|endoftext|>", "<|im_start|>",
+                                                                   "<|im_end|>"])
+        writer.add_token_types([1] * 257 + [3] * 3)
+        writer.add_token_merges(["Ġ t"])
+        writer.add_bos_token_id(257)
+        writer.add_eos_token_id(259)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     if config.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
@@ -329,6 +343,8 @@ def test_gguf_imports_to_the_weights_of_the_hf_directory(family_models, family, 
     from tests.models.conftest import TINY_CHAT_TEMPLATE  # each source's own chat template comes along
     assert hf_tokenizer.config["chat_template"] == TINY_CHAT_TEMPLATE
     assert gguf_tokenizer.config["chat_template"] == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if family in ("mistral", "phi3"):  # their SentencePiece vocabulary: BOS first, then "▁the"
+        assert gguf_tokenizer.encode("the", add_special_tokens=True) == [1, 259 + 29]
     with gguf_model, hf_loaded:
         a, b = gguf_model.state_dict(), hf_loaded.state_dict()
         assert list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a)

@@ -136,3 +136,59 @@ def test_kiln_tiny_tokenizer_is_byte_level(models_home):
     assert ids[0] == tokenizer.token_to_id("<|im_start|>") == 257
     assert tokenizer.eos_token_id == 258 and tokenizer.pad_token_id == 259
     assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n"
+
+
+# -- SentencePiece GGUF vocabularies (Llama 2, Mistral, Phi-3) ----------------------------------------
+
+SPM_PIECES = list("▁abcdefghijklmnopqrstuvwxyz.,!?'TH0123456789") + [
+    "▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁h", "▁he", "ll", "llo", "▁hello", "▁w", "or", "ld", "▁wor",
+    "▁world", "▁▁", "▁▁▁", "▁T", "▁Th", "▁The"]
+SPM_TEXTS = ["the hello world", " the  hello", "The world!", "héllo wörld 😀", "a\nb\tc", "  leading", "trailing  ",
+             "<|user|>hi<|end|>", "", "ThThe 42", "x", "the\n\nworld"]
+
+
+def write_spm_gguf(path, arch, add_space_prefix=None):
+    """A GGUF whose vocabulary is SentencePiece's, as llama.cpp writes Llama 2 / Mistral / Phi-3 files:
+    <unk>, <s>, </s>, the 256 byte tokens, scored pieces (merges implied by the scores), control tokens."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
+                       (writer.add_feed_forward_length, 8), (writer.add_head_count, 2), (writer.add_head_count_kv, 2)):
+        add(value)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES + ["<|user|>", "<|end|>"]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES) + [3, 3])
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0, 0.0])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_sentencepiece_gguf_vocabulary_encodes_as_transformers_does(arch, tmp_path):
+    """Merges recovered from the scores, byte fallback, the space prefix (Metaspace for llama, Phi-3's
+    normalizer), BOS added by default, control tokens whole: ids and decoded text equal transformers'
+    GGUF tokenizer's on the same file."""
+    transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from trainer.bases_sources import _gguf_field
+    from trainer.tokenizer import tokenizer_from_gguf
+
+    write_spm_gguf(tmp_path / "spm.gguf", arch)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    reader = gguf.GGUFReader(tmp_path / "spm.gguf")
+    ours = tokenizer_from_gguf({k: _gguf_field(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")})
+    for text in SPM_TEXTS:
+        ids = ours.encode(text, add_special_tokens=True)
+        assert ids == reference.encode(text, add_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("hello", add_special_tokens=True)[0] == ours.bos_token_id == 1
+    # not in the vocabulary: the space prefix, then its two UTF-8 bytes as byte tokens (<0xC3> <0xA9>), never <unk>
+    assert ours.encode("é") == [3 + 256 + SPM_PIECES.index("▁"), 3 + 0xC3, 3 + 0xA9]
