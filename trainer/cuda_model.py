@@ -28,6 +28,7 @@ from native_ext import nf4 as nf4_codes
 from trainer.blocks import NF4_SCRATCH_ELEMENTS, rope_tables, window_limits
 from trainer.crossentropy import IGNORE_INDEX
 from trainer.lifetime import Closeable
+from trainer.model import DecoderOnlyTransformer
 from trainer.quantization import dequantize_nf4
 
 F32, I64 = np.float32, np.int64
@@ -81,7 +82,6 @@ class CudaModel(Closeable):
     closed_message = "the CUDA model has been closed; construct a new one"
 
     def __init__(self, model, library=None):
-        from trainer.model import DecoderOnlyTransformer  # the engine floor: model imports nothing of ours
         if not isinstance(model, DecoderOnlyTransformer):
             raise TypeError(f"CudaModel takes a DecoderOnlyTransformer, got {type(model).__name__}")
         model._check_open()
