@@ -750,7 +750,55 @@ class CudaModel(Closeable):
                 "first_moment": {name: m.to_host() for name, (m, _) in moments.items()},
                 "second_moment": {name: v.to_host() for name, (_, v) in moments.items()}}
 
-    # -- downloads ----------------------------------------------------------------------------------
+    def load_optimizer_state_dict(self, state: dict):
+        """Replace step, beta powers and moments from Adam.state_dict()'s layout (the CPU optimizer's, or this
+        model's); everything is checked before anything on the device changes."""
+        self._check_open()
+        trainable = self._trainable()
+        if not trainable:
+            raise ValueError("nothing is trainable, so there is no optimizer state to load")
+        names = [name for name, _, _ in trainable]
+        for key in ("first_moment", "second_moment"):
+            if sorted(state[key]) != sorted(names):
+                raise KeyError(f"{key} names do not match the trainable parameters")
+            for name, (_, _, shape), _ in trainable:
+                if tuple(np.shape(state[key][name])) != shape:
+                    raise ValueError(f"{key}[{name}] has shape {np.shape(state[key][name])}, expected {shape}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        for key in ("beta1_power", "beta2_power"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{key} must be a number in [0, 1], got {value!r}")
+        if self._adam is None:
+            self._adam = {"moments": {name: (self._zeros(shape), self._zeros(shape))
+                                      for name, (_, _, shape), _ in trainable}}
+        for name, (m, v) in self._adam["moments"].items():
+            self._upload_into(m, 0, state["first_moment"][name])
+            self._upload_into(v, 0, state["second_moment"][name])
+        self._adam.update(step=step, beta1_power=float(state["beta1_power"]),
+                          beta2_power=float(state["beta2_power"]),
+                          hyperparameters=dict(state.get("hyperparameters", {})))
+
+    # -- uploads and downloads ------------------------------------------------------------------------
+
+    def load_adapter_state_dict(self, mapping: dict):
+        """Set the device adapters by name (every name and shape is checked first)."""
+        self._check_open()
+        if self.lora_config is None:
+            raise ValueError("no LoRA adapter is attached")
+        missing = [name for name in self._adapter_names if name not in mapping]
+        unknown = sorted(set(mapping) - set(self._adapter_names))
+        if missing or unknown:
+            raise KeyError(f"adapter state mismatch: missing {missing[:5]}, unknown {unknown[:5]}")
+        for name in self._adapter_names:
+            if np.shape(mapping[name]) != self._adapter_params[name][2]:
+                raise ValueError(f"{name}: shape {np.shape(mapping[name])} does not match "
+                                 f"{self._adapter_params[name][2]}")
+        for name in self._adapter_names:
+            device, offset, _ = self._adapter_params[name]
+            self._upload_into(device, offset, mapping[name])
 
     def state_dict(self) -> dict:
         """{name: downloaded value} of every base parameter in the CPU engine's order.

@@ -195,6 +195,51 @@ def test_adam_steps_match_the_cpu_engine(lib, assert_close, kind):
             assert_close(state[key][name], moment, TOLERANCE, f"{key} {name}")
 
 
+def test_a_resumed_device_run_ends_with_the_same_bits(lib):
+    """Interrupted after two steps (adapters and optimizer state downloaded) and resumed in a fresh device
+    model, the third step ends `==` to an uninterrupted run's."""
+    lora, hyperparameters = LoraConfig(rank=4, alpha=8.0), dict(learning_rate=1e-2, weight_decay=0.01)
+    _, whole, whole_state, _ = adam_run(lib, make_model(lora=lora), 3, hyperparameters)
+    with CudaModel(make_model(lora=lora), lib) as first:
+        for step in range(2):
+            first.forward_backward(*batch(10 + step))
+            first.adam_step(**hyperparameters)
+        adapters, state = first.adapter_state_dict(), first.optimizer_state_dict()
+    with CudaModel(make_model(lora=lora), lib) as resumed:
+        resumed.load_adapter_state_dict(adapters)
+        resumed.load_optimizer_state_dict(state)
+        resumed.forward_backward(*batch(12))
+        resumed.adam_step(**hyperparameters)
+        for name, value in resumed.adapter_state_dict().items():
+            assert np.array_equal(value, whole[name]), name
+        final = resumed.optimizer_state_dict()
+    assert (final["step"], final["beta1_power"], final["beta2_power"]) == \
+        (whole_state["step"], whole_state["beta1_power"], whole_state["beta2_power"])
+    for key in ("first_moment", "second_moment"):
+        for name, moment in final[key].items():
+            assert np.array_equal(moment, whole_state[key][name]), f"{key} {name}"
+
+
+def test_the_cpu_optimizer_state_continues_on_the_device(lib, assert_close):
+    lora, hyperparameters = LoraConfig(rank=4, alpha=8.0), dict(learning_rate=1e-2, beta2=0.99)
+    model = make_model(lora=lora)
+    with model.adapter_parameters() as trainable:
+        optimizer = Adam(trainable, **hyperparameters)
+        model.forward_backward(*batch(10))
+        optimizer.step()
+        with CudaModel(model, lib) as device:
+            device.load_optimizer_state_dict(optimizer.state_dict())
+            with pytest.raises(KeyError, match="first_moment names"):
+                device.load_optimizer_state_dict({**optimizer.state_dict(), "first_moment": {}})
+            device.forward_backward(*batch(11))
+            device.adam_step(**hyperparameters)
+            model.forward_backward(*batch(11))
+            optimizer.step()
+            for p in trainable:
+                assert_close(device.adapter_state_dict()[p.name], p.value, TOLERANCE, p.name)
+            assert device.optimizer_state_dict()["step"] == optimizer.state_dict()["step"] == 2
+
+
 @pytest.mark.parametrize("kind", ["dense", "qlora-window"])
 def test_the_same_steps_give_the_same_bits_twice(lib, kind):
     """No atomics, fixed reduction orders: two fresh device models running the same steps agree with `==`."""
