@@ -13,6 +13,7 @@ import pytest
 
 from native_ext import cuda
 from trainer import Adam, DecoderOnlyTransformer, TransformerConfig
+from trainer.blocks import NF4_SCRATCH_ELEMENTS
 from trainer.cuda_model import CudaModel
 from trainer.lora import PROJECTIONS, LoraConfig
 
@@ -106,14 +107,35 @@ def test_lora_step_matches_the_cpu_engine(lib, assert_close, lora):
 def test_qlora_step_matches_the_cpu_engine(lib, assert_close, quantize):
     model = make_model(lora=LoraConfig(rank=4, alpha=8.0, targets=PROJECTIONS), quantize=quantize)
     compare_step(lib, assert_close, model)
-    with CudaModel(model, lib) as device:  # the base is uploaded packed and left so
+    recorder = DequantizeRecorder(lib)
+    with CudaModel(model, recorder) as device:  # the base is uploaded packed and dequantized in row tiles only
+        device.forward_backward(*batch(0))
         packed = model.packed_state()
-        for block in device._blocks:
-            for projections in block.projections.values():
-                for projection in projections:
-                    assert projection.packed.dtype == np.uint8
         name = next(iter(packed))
         np.testing.assert_array_equal(device.state_dict()[name], model.state_dict()[name])
+        sizes = {p.packed.ptr: p.rows * p.cols for block in device._blocks
+                 for projections in block.projections.values() for p in projections}
+    assert len(sizes) == len(packed) and recorder.calls
+    for pointer, count in recorder.calls:
+        assert count < sizes[pointer], "a whole NF4 weight was dequantized"
+        assert count <= NF4_SCRATCH_ELEMENTS
+
+
+class DequantizeRecorder:
+    """The library, recording (packed weight, element count) of every kiln_cuda_nf4_dequantize call."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        function = getattr(self.lib, name)
+        if name != "kiln_cuda_nf4_dequantize":
+            return function
+
+        def recorded(packed, absmax, out, start, count, block_size, stream):
+            self.calls.append((packed, count))
+            return function(packed, absmax, out, start, count, block_size, stream)
+        return recorded
 
 
 def test_frozen_quantized_base_without_adapters_has_nothing_to_train(lib, assert_close):
