@@ -24,12 +24,13 @@ from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # n
 from trainer.runtime import tune_allocator
 
 
-# the backends this engine computes on. The CUDA library (native_ext/cuda) and its loader are built and
-# their kernels tested, but no training step runs on them yet: until one does, trainer.runs.backend
-# refuses `cuda` with this reason even where a device is found, rather than record cuda and compute here.
+# the backends runs compute on. The CUDA library (native_ext/cuda) and a device-resident training step
+# over it (trainer.cuda_model.CudaModel) are built and tested on the host emulation, but the run logic
+# (trainer/runs) does not drive CudaModel yet: until it does, trainer.runs.backend refuses `cuda` with
+# this reason even where a device is found, rather than record cuda and compute here.
 COMPUTE_BACKENDS = ("cpu",)
-NO_CUDA_ENGINE = ("Kiln's training engine computes on the CPU only in this build: the CUDA kernels "
-                  "(libkiln_cuda.so) are built and tested, but no training step runs on them yet")
+NO_CUDA_ENGINE = ("Kiln's runs compute on the CPU only in this build: the CUDA kernels (libkiln_cuda.so) and "
+                  "a training step over them (trainer.cuda_model) are built and tested, but runs do not use them yet")
 
 
 @dataclass

@@ -104,10 +104,10 @@ def test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason(probe
     write_receipt(tmp_path)
     monkeypatch.setattr(model, "COMPUTE_BACKENDS", ("cpu",))
     execution._cached.cache_clear()
-    with pytest.raises(backend.BackendUnavailable, match="computes on the CPU only"):
+    with pytest.raises(backend.BackendUnavailable, match="compute on the CPU only"):
         resolve("cuda", tmp_path)
     choice = resolve("auto", tmp_path)
-    assert choice.resolved == "cpu" and "computes on the CPU only" in choice.reason
+    assert choice.resolved == "cpu" and "compute on the CPU only" in choice.reason
     assert model.COMPUTE_BACKENDS == ("cpu",)
 
 
