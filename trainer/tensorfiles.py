@@ -134,9 +134,22 @@ class SafetensorsFile:
 
 
 def safetensors_bytes(tensors: dict, metadata: dict | None = None) -> bytes:
-    """The safetensors serialisation of {name: array} (deterministic for equal input)."""
-    return _safetensors_save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                             metadata=metadata)
+    """The safetensors serialisation of {name: array}, the same bytes for equal input.
+
+    The safetensors library writes the metadata from a hash map, in an order that changes from
+    call to call; with more than one metadata key the header is rewritten with them sorted (the
+    same keys and values in the same compact JSON, so the header keeps its length).
+    """
+    data = _safetensors_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata)
+    if not metadata or len(metadata) < 2:
+        return data
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) != len(data[8:8 + size].rstrip(b" ")):
+        raise AssertionError("rewriting the safetensors header changed its length")
+    return data[:8] + text.ljust(size, b" ") + data[8 + size:]
 
 
 def write_synced(path, data: bytes):
