@@ -81,9 +81,12 @@ def run_kiln(quantized, steps, real=False, context=CONTEXT):
 
     tokens, targets = _batch(context)
     extra = {}
-    # the tiled attention beyond 256 positions: the dense scores [H, T, T] grow with the square
-    options = {"loss_route": "kt_tape_flce", "attention_algorithm": "tiled" if context > 256 else "dense",
-               "attention_block_size": 128}
+    from trainer.runs.admission import loss_options
+
+    # the fused loss with the chunk a run uses; the tiled attention beyond 256 positions (the dense
+    # scores [H, T, T] grow with the square)
+    options = {**loss_options("kt_tape_flce", SHAPE["vocabulary_size"]),
+               "attention_algorithm": "tiled" if context > 256 else "dense", "attention_block_size": 128}
     if real:
         from trainer.bases import load_base
         model, _ = load_base(smollm2_gguf(), **options)  # its context is 8192

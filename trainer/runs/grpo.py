@@ -23,7 +23,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import admit_backend, run_backend
+from trainer.runs.admission import admit_backend, loss_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_request, check_shared,
@@ -258,7 +258,8 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
         raise AdmissionError(code, "the dataset changed after admission",
                              [difference("dataset", admission.identities["dataset"], dataset)])
     source = StreamSource(path, dataset) if kind == "streamed_jsonl" else MemorySource(records)
-    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=route,
+    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
+                                 **loss_options(route, base.config["vocabulary_size"]),
                                  activation_checkpointing=config["activation_checkpointing"])
     try:
         model.attach_lora(lora_config(config, admission.effective_seed))

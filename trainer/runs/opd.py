@@ -23,7 +23,7 @@ import numpy as np
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import admit_backend, run_backend
+from trainer.runs.admission import admit_backend, loss_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -292,7 +292,8 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
         raise AdmissionError("base_changed", "the base model changed after admission")
     check_teacher(admission.identities["teacher"], teacher_identity(config, settings))
     check_base_adapter_unchanged(admission)
-    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True, loss_route=route,
+    model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
+                                 **loss_options(route, base.config["vocabulary_size"]),
                                  activation_checkpointing=config["activation_checkpointing"])
     teacher = None
     try:
