@@ -18,7 +18,6 @@ It is proven against the CPU engine (tests/engine/test_cuda_model.py); trainer.r
 yet, so trainer.model.COMPUTE_BACKENDS stays ("cpu",).
 """
 
-import math
 from ctypes import byref, c_size_t, c_void_p
 
 import numpy as np
@@ -28,7 +27,8 @@ from native_ext import nf4 as nf4_codes
 from trainer.blocks import NF4_SCRATCH_ELEMENTS, rope_tables, window_limits
 from trainer.crossentropy import IGNORE_INDEX
 from trainer.lifetime import Closeable
-from trainer.model import DecoderOnlyTransformer
+from trainer.model import DecoderOnlyTransformer, check_targets, check_tokens
+from trainer.optim import check_hyperparameters
 from trainer.quantization import dequantize_nf4
 
 F32, I64 = np.float32, np.int64
@@ -303,29 +303,10 @@ class CudaModel(Closeable):
     # -- inputs ----------------------------------------------------------------------------
 
     def _check_tokens(self, tokens, name="tokens"):
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 2:
-            raise ValueError(f"{name} must be [batch, time], got shape {tokens.shape}")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{name} must be integers, got {tokens.dtype}")
-        B, T = tokens.shape
-        if B < 1 or T < 1 or T > self.config.maximum_context:
-            raise ValueError(f"{name} shape {tokens.shape}: batch >= 1 and time in 1..maximum_context "
-                             f"{self.config.maximum_context}")
-        if tokens.min() < 0 or tokens.max() >= self.config.vocabulary_size:
-            raise ValueError(f"{name} ids must lie in [0, {self.config.vocabulary_size})")
-        return np.ascontiguousarray(tokens, dtype=I64)
+        return check_tokens(self.config, tokens, name)
 
     def _check_targets(self, targets, shape):
-        targets = np.asarray(targets)
-        if targets.shape != tuple(shape):
-            raise ValueError(f"targets shape {targets.shape} must equal inputs shape {tuple(shape)}")
-        if not np.issubdtype(targets.dtype, np.integer):
-            raise TypeError(f"targets must be integers, got {targets.dtype}")
-        valid = targets[targets != IGNORE_INDEX]
-        if valid.size and (valid.min() < 0 or valid.max() >= self.config.vocabulary_size):
-            raise ValueError(f"target ids must lie in [0, {self.config.vocabulary_size}) or be {IGNORE_INDEX}")
-        return np.ascontiguousarray(targets, dtype=I64)
+        return check_targets(self.config, targets, shape)
 
     # -- layout moves through identity rotary tables ------------------------------------------
 
@@ -712,15 +693,7 @@ class CudaModel(Closeable):
                              "before constructing the CudaModel")
         if not self._pending:
             raise RuntimeError("adam_step() needs a pending gradient; run forward_backward first")
-        for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)):
-            if not low <= value < high:
-                raise ValueError(f"{name} must lie in [0, 1), got {value}")
-        if not learning_rate >= 0.0 or not math.isfinite(learning_rate):
-            raise ValueError(f"learning_rate must be a finite non-negative number, got {learning_rate}")
-        if not epsilon > 0.0 or not math.isfinite(epsilon):
-            raise ValueError(f"epsilon must be a finite positive number, got {epsilon}")
-        if not weight_decay >= 0.0 or not math.isfinite(weight_decay):
-            raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay}")
+        check_hyperparameters(learning_rate, beta1, beta2, epsilon, weight_decay)
         if self._adam is None:
             self._adam = {"step": 0, "beta1_power": 1.0, "beta2_power": 1.0,
                           "moments": {name: (self._zeros(shape), self._zeros(shape))

@@ -33,6 +33,36 @@ NO_CUDA_ENGINE = ("Kiln's runs compute on the CPU only in this build: the CUDA k
                   "a training step over them (trainer.cuda_model) are built and tested, but runs do not use them yet")
 
 
+def check_tokens(config, tokens, name="tokens") -> np.ndarray:
+    """Token ids [B,T] as C-contiguous int64, checked against CONFIG (shape, dtype, ids in the vocabulary)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must be [batch, time], got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"{name} must be integers, got {tokens.dtype}")
+    B, T = tokens.shape
+    if B < 1:
+        raise ValueError(f"{name} needs at least one sequence, got batch size {B}")
+    if T < 1 or T > config.maximum_context:
+        raise ValueError(f"{name} time {T} outside 1..maximum_context {config.maximum_context}")
+    if tokens.min() < 0 or tokens.max() >= config.vocabulary_size:
+        raise ValueError(f"{name} ids must lie in [0, {config.vocabulary_size})")
+    return np.ascontiguousarray(tokens, dtype=np.int64)
+
+
+def check_targets(config, targets, shape) -> np.ndarray:
+    """Target ids of SHAPE as C-contiguous int64: in the vocabulary, or IGNORE_INDEX."""
+    targets = np.asarray(targets)
+    if targets.shape != tuple(shape):
+        raise ValueError(f"targets shape {targets.shape} must equal inputs shape {tuple(shape)}")
+    if not np.issubdtype(targets.dtype, np.integer):
+        raise TypeError(f"targets must be integers, got {targets.dtype}")
+    valid = targets[targets != IGNORE_INDEX]
+    if valid.size and (valid.min() < 0 or valid.max() >= config.vocabulary_size):
+        raise ValueError(f"target ids must lie in [0, {config.vocabulary_size}) or be {IGNORE_INDEX}")
+    return np.ascontiguousarray(targets, dtype=np.int64)
+
+
 @dataclass
 class ForwardState:
     """What the whole-model forward keeps for backward (one batch)."""
@@ -320,19 +350,7 @@ class DecoderOnlyTransformer(Closeable):
     # -- forward ----------------------------------------------------------------------
 
     def _check_tokens(self, tokens, name="tokens"):
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 2:
-            raise ValueError(f"{name} must be [batch, time], got shape {tokens.shape}")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{name} must be integers, got {tokens.dtype}")
-        B, T = tokens.shape
-        if B < 1:
-            raise ValueError(f"{name} needs at least one sequence, got batch size {B}")
-        if T < 1 or T > self.config.maximum_context:
-            raise ValueError(f"{name} time {T} outside 1..maximum_context {self.config.maximum_context}")
-        if tokens.min() < 0 or tokens.max() >= self.config.vocabulary_size:
-            raise ValueError(f"{name} ids must lie in [0, {self.config.vocabulary_size})")
-        return np.ascontiguousarray(tokens, dtype=np.int64)
+        return check_tokens(self.config, tokens, name)
 
     def _hidden(self, tokens, keep_activations):
         """Token ids [B,T] -> final normed hidden [N,C] and the ForwardState backward needs."""
@@ -398,15 +416,7 @@ class DecoderOnlyTransformer(Closeable):
         return np.where(flat == IGNORE_INDEX, np.float32(0), -logp).reshape(targets.shape)
 
     def _check_targets(self, targets, shape):
-        targets = np.asarray(targets)
-        if targets.shape != tuple(shape):
-            raise ValueError(f"targets shape {targets.shape} must equal inputs shape {tuple(shape)}")
-        if not np.issubdtype(targets.dtype, np.integer):
-            raise TypeError(f"targets must be integers, got {targets.dtype}")
-        valid = targets[targets != IGNORE_INDEX]
-        if valid.size and (valid.min() < 0 or valid.max() >= self.config.vocabulary_size):
-            raise ValueError(f"target ids must lie in [0, {self.config.vocabulary_size}) or be {IGNORE_INDEX}")
-        return np.ascontiguousarray(targets, dtype=np.int64)
+        return check_targets(self.config, targets, shape)
 
     # -- forward + backward -------------------------------------------------------------
 

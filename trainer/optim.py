@@ -17,6 +17,19 @@ from trainer.parameters import ParameterList
 STORAGES = ("contiguous", "paged")
 
 
+def check_hyperparameters(learning_rate, beta1, beta2, epsilon, weight_decay) -> None:
+    """ValueError naming the first of Adam's hyperparameters outside its range."""
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {value}")
+    if not learning_rate >= 0.0 or not math.isfinite(learning_rate):
+        raise ValueError(f"learning_rate must be a finite non-negative number, got {learning_rate}")
+    if not epsilon > 0.0 or not math.isfinite(epsilon):
+        raise ValueError(f"epsilon must be a finite positive number, got {epsilon}")
+    if not weight_decay >= 0.0 or not math.isfinite(weight_decay):
+        raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay}")
+
+
 class Adam(Closeable):
     closed_message = "the optimizer has been closed"
 
@@ -32,15 +45,7 @@ class Adam(Closeable):
             raise ValueError(
                 f"Adam must own the complete {parameters.kind} parameter list of its model "
                 f"({len(expected)} parameters, in order); got {len(parameters)}")
-        for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)):
-            if not (low <= value < high):
-                raise ValueError(f"{name} must lie in [0, 1), got {value}")
-        if not learning_rate >= 0.0 or not math.isfinite(learning_rate):
-            raise ValueError(f"learning_rate must be a finite non-negative number, got {learning_rate}")
-        if not epsilon > 0.0 or not math.isfinite(epsilon):
-            raise ValueError(f"epsilon must be a finite positive number, got {epsilon}")
-        if not weight_decay >= 0.0 or not math.isfinite(weight_decay):
-            raise ValueError(f"weight_decay must be a finite non-negative number, got {weight_decay}")
+        check_hyperparameters(learning_rate, beta1, beta2, epsilon, weight_decay)
         if state_storage not in STORAGES:
             raise ValueError(f"state_storage must be one of {STORAGES}, got {state_storage!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:

@@ -5,6 +5,7 @@ They are fixtures (not importable functions) because tests/ and tests/engine/ bo
 a top-level `conftest` module, so `from conftest import ...` would be ambiguous.
 """
 
+import functools
 import os
 import shutil
 import subprocess
@@ -116,3 +117,24 @@ def emulated_library(tmp_path_factory):
                     "-ffp-contract=off", "-I", str(CUDA_DIR), "-x", "c++", *sources, "-x", "none",
                     str(CUDA_DIR / "emulate_runtime.cpp"), "-o", str(output)], check=True)
     return output
+
+
+@functools.cache
+def cuda_probe() -> dict:
+    """The CUDA loader's probe, once per test process (isolated: collection does not initialise CUDA here)."""
+    from native_ext import cuda
+
+    return cuda.probe(isolated=True)
+
+
+@pytest.fixture(scope="module", params=["gpu", "emulated"])
+def lib(request):
+    """The CUDA library twice: on the GPU where one is (else skipped with the probe's reason), and as the host
+    emulation (always)."""
+    from native_ext import cuda
+
+    if request.param == "gpu":
+        if not cuda_probe()["available"]:
+            pytest.skip(f"no usable GPU: {cuda_probe()['reason']}")
+        return cuda.load()
+    return cuda.open_library(request.getfixturevalue("emulated_library"))

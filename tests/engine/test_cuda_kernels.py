@@ -18,8 +18,9 @@ import pytest
 
 from native_ext import cuda, kernels, nf4, reference
 from trainer import attention
+from tests.engine.conftest import cuda_probe
 
-PROBE = cuda.probe(isolated=True)  # collection does not initialise CUDA in the test process
+PROBE = cuda_probe()
 # the host emulation is built once per session by conftest.py's emulated_library fixture
 
 F32, I64 = np.float32, np.int64
@@ -42,15 +43,6 @@ def close(actual, expected, tolerance, what):
 
 def normal(*shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(F32)
-
-
-@pytest.fixture(scope="module", params=["gpu", "emulated"])
-def lib(request):
-    if request.param == "gpu":
-        if not PROBE["available"]:
-            pytest.skip(f"no usable GPU: {PROBE['reason']}")
-        return cuda.load()
-    return cuda.open_library(request.getfixturevalue("emulated_library"))
 
 
 @pytest.fixture(scope="module")

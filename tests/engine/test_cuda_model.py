@@ -11,26 +11,17 @@ what is promised across them; on one device the same steps give the same bits, c
 import numpy as np
 import pytest
 
-from native_ext import cuda
 from trainer import Adam, DecoderOnlyTransformer, TransformerConfig
 from trainer.blocks import NF4_SCRATCH_ELEMENTS
 from trainer.cuda_model import CudaModel
 from trainer.lora import PROJECTIONS, LoraConfig
+from tests.engine.conftest import cuda_probe
 
-PROBE = cuda.probe(isolated=True)  # collection does not initialise CUDA in the test process
+PROBE = cuda_probe()
 TOLERANCE = 1e-4
 SHAPE = dict(vocabulary_size=64, maximum_context=16, model_width=32, head_count=4, kv_head_count=2, block_count=2,
              feed_forward_width=48, initializer_range=0.2, loss_chunk_tokens=5)
 B, T = 2, 16
-
-
-@pytest.fixture(scope="module", params=["gpu", "emulated"])
-def lib(request):
-    if request.param == "gpu":
-        if not PROBE["available"]:
-            pytest.skip(f"no usable GPU: {PROBE['reason']}")
-        return cuda.load()
-    return cuda.open_library(request.getfixturevalue("emulated_library"))
 
 
 def make_model(lora=None, quantize=None, **overrides):
