@@ -18,6 +18,7 @@ It is proven against the CPU engine (tests/engine/test_cuda_model.py); trainer.r
 yet, so trainer.model.COMPUTE_BACKENDS stays ("cpu",).
 """
 
+import math
 from ctypes import byref, c_size_t, c_void_p
 
 import numpy as np
@@ -672,6 +673,46 @@ class CudaModel(Closeable):
         """{name: downloaded gradient} of the trainable parameters (adapters, or a dense base)."""
         self._check_open()
         return {name: self._download(*grad) for name, _, grad in self._trainable()}
+
+    def gradient_norm(self) -> float:
+        """The global L2 norm of the accumulated gradients: each trainable parameter's sum of squares in double
+        (kiln_cuda_sum_squares, a fixed tree), then their sum in the CPU engine's parameter order and its square
+        root (kiln_cuda_global_norm). trainer.runs.step.clip_and_step's norm, summed in another order."""
+        self._check_open()
+        trainable = self._trainable()
+        if not trainable:
+            raise ValueError("nothing is trainable, so there is no gradient norm")
+        workspace = self._buffer("norm_workspace", (cuda.NORM_BLOCKS,), np.float64)
+        sums = self._buffer("norm_sums", (len(trainable),), np.float64)  # [parameters]
+        norm = self._buffer("norm", (1,), np.float64)
+        for index, (_, _, (grad, offset, shape)) in enumerate(trainable):
+            self._call("kiln_cuda_sum_squares", self._at(grad, offset), int(np.prod(shape)), workspace.ptr,
+                       self._at(sums, index), None)
+        self._call("kiln_cuda_global_norm", sums.ptr, len(trainable), norm.ptr, None)
+        return float(self._download(norm, 0, (1,))[0])
+
+    def scale_gradients(self, factor):
+        """Every accumulated gradient *= float32(FACTOR) on the device (kiln_cuda_scale: one float32 product per
+        element, as numpy's `grad *= np.float32(factor)` on the CPU)."""
+        self._check_open()
+        factor = F32(factor)
+        if not np.isfinite(factor):
+            raise ValueError(f"the gradient scale must be finite, got {factor}")
+        for _, _, (grad, offset, shape) in self._trainable():
+            self._call("kiln_cuda_scale", self._at(grad, offset), int(np.prod(shape)), float(factor), None)
+
+    def clip_grad_norm(self, max_norm):
+        """(norm, clipped): the gradient norm and, when MAX_NORM (None: no clipping) is exceeded, the gradients
+        scaled by float32(max_norm / (norm + 1e-6)): trainer.runs.step.clip_and_step's rule and factor. A
+        non-finite norm clips nothing, so a caller that refuses it (as runs do) has changed nothing."""
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                     or not math.isfinite(max_norm) or max_norm <= 0):
+            raise ValueError(f"max_norm must be a positive number or None, got {max_norm!r}")
+        norm = self.gradient_norm()
+        clipped = max_norm is not None and math.isfinite(norm) and norm > max_norm
+        if clipped:
+            self.scale_gradients(F32(max_norm / (norm + 1e-6)))
+        return norm, clipped
 
     def zero_gradients(self):
         """Discard the accumulated gradients without a step."""

@@ -253,6 +253,59 @@ def test_the_cpu_optimizer_state_continues_on_the_device(lib, assert_close):
             assert device.optimizer_state_dict()["step"] == optimizer.state_dict()["step"] == 2
 
 
+@pytest.mark.parametrize("kind", ["dense", "lora", "qlora"])
+def test_clipping_and_scaling_follow_the_cpu_step(lib, assert_close, kind):
+    """trainer.runs.step.clip_and_step on the CPU engine (norm, clip decision, factor, Adam step) against
+    clip_grad_norm + adam_step on the device; scale_gradients and the clip factor are one float32 product per
+    element, so the device's own gradients after them are `==` to the downloaded ones times the factor."""
+    from trainer.runs.step import clip_and_step
+
+    hyperparameters = dict(learning_rate=1e-2, beta1=0.9, beta2=0.99, epsilon=1e-8, weight_decay=0.01)
+    lora = LoraConfig(rank=4, alpha=8.0) if kind != "dense" else None
+    quantize = dict(block_size=32, double_quantization=True) if kind == "qlora" else None
+    with CudaModel(make_model(lora=lora, quantize=quantize), lib) as device:
+        device.forward_backward(*batch(0))
+        device.forward_backward(*batch(1))
+        before = device.gradients()
+        expected_norm = np.sqrt(sum(float(np.dot(g.reshape(-1).astype(np.float64), g.reshape(-1)))
+                                    for g in before.values()))
+        norm = device.gradient_norm()
+        assert abs(norm - expected_norm) <= 1e-12 * expected_norm
+        half = np.float32(0.5)
+        device.scale_gradients(half)  # gradient accumulation's 1/micro
+        for name, gradient in device.gradients().items():
+            assert np.array_equal(gradient, before[name] * half), name
+        assert device.clip_grad_norm(None) == (device.gradient_norm(), False)
+        assert device.clip_grad_norm(10 * norm)[1] is False
+        scaled = device.gradients()
+        assert all(np.array_equal(scaled[name], before[name] * half) for name in before)  # nothing clipped
+        max_norm = 0.25 * norm
+        device_norm, clipped = device.clip_grad_norm(max_norm)
+        assert clipped and abs(device_norm - 0.5 * norm) <= 1e-6 * norm
+        factor = np.float32(max_norm / (device_norm + 1e-6))
+        for name, gradient in device.gradients().items():
+            assert np.array_equal(gradient, scaled[name] * factor), name
+        device.adam_step(**hyperparameters)
+        device_values = device.adapter_state_dict() if lora else device.state_dict()
+        for bad in (0, -1.0, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match="max_norm"):
+                device.clip_grad_norm(bad)
+    model = make_model(lora=lora, quantize=quantize)
+    config = {"max_grad_norm": max_norm, "learning_rate": hyperparameters["learning_rate"],
+              "lr_schedule": {"type": "constant", "warmup_steps": 0}}
+    with (model.adapter_parameters() if lora else model.parameters()) as trainable:
+        optimizer = Adam(trainable, **hyperparameters)
+        model.forward_backward(*batch(0))
+        model.forward_backward(*batch(1))
+        for p in trainable:
+            p.grad *= half
+        cpu_norm, cpu_clipped, learning_rate = clip_and_step(config, optimizer, trainable, 0, 1, 1.0)
+        assert cpu_clipped and learning_rate == hyperparameters["learning_rate"]
+        assert_close(device_norm, cpu_norm, TOLERANCE, "gradient norm")
+        for p in trainable:
+            assert_close(device_values[p.name], p.value, TOLERANCE, p.name)
+
+
 @pytest.mark.parametrize("kind", ["dense", "qlora-window"])
 def test_the_same_steps_give_the_same_bits_twice(lib, kind):
     """No atomics, fixed reduction orders: two fresh device models running the same steps agree with `==`."""
