@@ -14,8 +14,9 @@ rotary kernels with identity tables (cos 1, sin 0: x*1 - y*0 == x exactly), so n
 needed. Everything runs on the legacy default stream in FP32 (no TF32) without atomics: the same
 inputs give the same bits on one device. Gradients accumulate on the device until adam_step (or
 zero_gradients) consumes them; the host receives them only through gradients().
-It is proven against the CPU engine (tests/engine/test_cuda_model.py); trainer.runs does not use it
-yet, so trainer.model.COMPUTE_BACKENDS stays ("cpu",).
+It is proven against the CPU engine (tests/engine/test_cuda_model.py). SFT runs on the cuda backend
+train on it (trainer.runs.sft); GRPO, OPD and evaluations do not use it yet
+(trainer.runs.backend.CUDA_RUN_KINDS).
 """
 
 import math

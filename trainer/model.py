@@ -24,13 +24,14 @@ from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # n
 from trainer.runtime import tune_allocator
 
 
-# the backends runs compute on. The CUDA library (native_ext/cuda) and a device-resident training step
-# over it (trainer.cuda_model.CudaModel) are built and tested on the host emulation, but the run logic
-# (trainer/runs) does not drive CudaModel yet: until it does, trainer.runs.backend refuses `cuda` with
-# this reason even where a device is found, rather than record cuda and compute here.
+# the backends every workload (each run kind, evaluations) computes on. SFT runs also compute on cuda: their loop
+# drives a device-resident training step (trainer.cuda_model.CudaModel over the CUDA library, native_ext/cuda);
+# trainer.runs.backend.CUDA_RUN_KINDS names them. Every other workload is refused cuda with this reason (WORK
+# names it) even where a device is found, rather than record cuda and compute here.
 COMPUTE_BACKENDS = ("cpu",)
-NO_CUDA_ENGINE = ("Kiln's runs compute on the CPU only in this build: the CUDA kernels (libkiln_cuda.so) and "
-                  "a training step over them (trainer.cuda_model) are built and tested, but runs do not use them yet")
+NO_CUDA_ENGINE = ("{work} compute on the CPU only in this build: of Kiln's work only SFT runs train on the CUDA "
+                  "library (trainer.cuda_model over libkiln_cuda.so); GRPO and OPD runs and evaluations do not use it "
+                  "yet")
 
 
 def check_tokens(config, tokens, name="tokens") -> np.ndarray:

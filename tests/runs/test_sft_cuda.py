@@ -1,0 +1,139 @@
+"""SFT runs on the cuda backend (issue #17): trainer.runs.sft trains on trainer.cuda_model.CudaModel while
+checkpoints, resume, the final PEFT snapshot and the metrics stay those of the CPU loop; GRPO and OPD (which
+compute on the CPU only) are refused cuda with the engine's reason.
+
+No test needs a GPU: native_ext.cuda.load opens the host emulation of the CUDA library (the same kernel source
+built by g++ with -DKILN_CUDA_EMULATE; tests/engine/conftest.py's emulated_library) and native_ext.cuda.probe
+reports a device, as tests/controlplane/test_backend_selection.py's AVAILABLE does.
+
+Tolerance across backends: a relative difference of 1e-4 per step's loss and gradient norm, and of the final
+adapter's values (the device and the CPU engine sum in different orders). On one backend an interrupted and
+resumed run ends with the same bytes as an uninterrupted one, compared with `==`.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+from safetensors.numpy import load as safetensors_load
+
+from tests.engine.conftest import emulated_library  # noqa: F401  (a session fixture: the emulated library)
+from test_sft import RECORDS, StopAt, final_files, make_settings, request, write_dataset
+from trainer import teachers
+from trainer.runs import backend, checkpoint_dir, execution, grpo, opd
+from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError
+from trainer.runs.sft import admit_sft, run_sft
+
+TOLERANCE = 1e-4
+DEVICE = {"index": 0, "name": "Emulated Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
+          "free_memory": 79 << 30}
+AVAILABLE = {"library": "/opt/kiln/libkiln_cuda.so", "library_sha256": "ab" * 32,
+             "symbols": {"declared": 12, "resolved": 12, "missing": []}, "available": True, "reason": None,
+             "code": None, "devices": [DEVICE], "driver_version": "12040", "runtime_version": "12020",
+             "cublas_version": "120201"}
+SMALL = RECORDS[:4]  # 2 epochs of 4 examples: 4 steps at batch 2, or at batch 1 with 2 micro-batches each
+QLORA = {"quantization": {"type": "nf4", "block_size": 64, "double_quantization": True}}
+
+
+@pytest.fixture
+def device(monkeypatch, emulated_library):  # noqa: F811
+    """A CUDA device as the control plane sees it (the probe) and the emulated library as the one CudaModel loads;
+    the per-process caches (the execution identity, a static absence) are emptied before and after."""
+    from native_ext import cuda
+
+    library = cuda.open_library(emulated_library)
+    opened = []
+    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(library) or library)
+    monkeypatch.setattr(cuda, "probe", lambda min_capability=(8, 0), isolated=False: copy.deepcopy(AVAILABLE))
+    caches = (execution._cached, backend._absent_for_this_process)
+    for cache in caches:
+        cache.cache_clear()
+    yield opened
+    for cache in caches:
+        cache.cache_clear()
+
+
+def run(home, stop=None, resume=None, **config):
+    """(settings, result, hooks) of one SFT run over SMALL in HOME."""
+    settings = make_settings(home)
+    req = request(write_dataset(home, SMALL), **config)
+    if resume is not None:
+        req = request(req["dataset_path"], resume_checkpoint=resume, **config)
+    hooks = StopAt(stop)
+    result = run_sft(admit_sft(req, settings), settings, hooks)
+    return settings, result, hooks
+
+
+def adapter_values(settings):
+    return safetensors_load((settings.registry / "support-bot" / "adapter_model.safetensors").read_bytes())
+
+
+def relative(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
+
+
+CASES = {"lora-accumulation": dict(batch_size=1, gradient_accumulation_steps=2, max_grad_norm=0.05),
+         "qlora": dict(QLORA, max_grad_norm=None)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_cuda_run_follows_the_cpu_run(device, tmp_path, case):
+    """The same request on cpu and cuda: every step's loss, gradient norm, clip decision and learning rate, and
+    the final adapter, within TOLERANCE; the cuda run recorded cuda and trained on the (emulated) device."""
+    config = CASES[case]
+    cpu_settings, cpu, cpu_hooks = run(tmp_path / "cpu", backend="cpu", **config)
+    assert not device  # the cpu run never opened the library
+    cuda_settings, gpu, gpu_hooks = run(tmp_path / "cuda", backend="cuda", **config)
+    assert device, "the cuda run did not open the CUDA library"
+    assert gpu.status == cpu.status == "succeeded" and gpu.steps_completed == cpu.steps_completed == 4
+    assert relative(gpu.loss_history, cpu.loss_history) <= TOLERANCE
+    for step, (on_gpu, on_cpu) in enumerate(zip(gpu_hooks.metrics, cpu_hooks.metrics)):
+        assert on_gpu["clipped"] == on_cpu["clipped"], step
+        assert abs(on_gpu["grad_norm"] - on_cpu["grad_norm"]) <= TOLERANCE * on_cpu["grad_norm"], step
+        assert on_gpu["learning_rate"] == on_cpu["learning_rate"] and on_gpu["tokens"] == on_cpu["tokens"]
+    if config.get("max_grad_norm"):
+        assert any(m["clipped"] for m in cpu_hooks.metrics)  # the clip path ran
+    expected = adapter_values(cpu_settings)
+    for name, value in adapter_values(cuda_settings).items():
+        assert relative(value, expected[name]) <= TOLERANCE, name
+    assert gpu.latest_checkpoint["complete"] is True
+    path = checkpoint_dir.latest_checkpoint(cuda_settings.registry, "support-bot")
+    held = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS).manifest
+    assert held["execution"]["backend"] == "cuda" and held["execution"]["gpu"]["name"] == DEVICE["name"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cancel_then_resume_on_cuda_is_byte_identical(device, tmp_path, case):
+    """Cancelled after step 1 (a checkpoint downloaded from the device) and resumed in a fresh CudaModel, the run
+    ends with the same checkpoint and PEFT bytes as an uninterrupted cuda run."""
+    config = dict(CASES[case], backend="cuda")
+    whole_settings, whole, _ = run(tmp_path / "whole", **config)
+    settings, first, _ = run(tmp_path / "resumed", stop=1, **config)
+    assert first.status == "cancelled" and first.steps_completed == 1
+    opened = len(device)
+    _, second, _ = run(tmp_path / "resumed", resume=first.latest_checkpoint["resume_checkpoint"], **config)
+    assert len(device) == opened + 1  # a fresh CudaModel for the resumed run
+    assert second.status == "succeeded" and second.loss_history == whole.loss_history
+    assert final_files(settings) == final_files(whole_settings)
+
+
+def test_grpo_and_opd_are_refused_cuda_with_the_engines_reason(device, tmp_path):
+    from test_grpo import inline_request
+    from test_grpo import make_settings as grpo_settings
+
+    with pytest.raises(AdmissionError) as refused:
+        grpo.admit_grpo(inline_request(backend="cuda"), grpo_settings(tmp_path / "grpo"))
+    assert refused.value.code == "backend_unavailable"
+    assert "GRPO runs compute on the CPU only in this build" in refused.value.message
+    assert grpo.admit_grpo(inline_request(backend="auto"), grpo_settings(tmp_path / "grpo")) \
+        .effective_config["backend"] == "cpu"
+
+    spec = {"alias": "tutor@native", "route": "native", "base": "kiln-tiny", "adapter": None}
+    teacher = {**spec, "identity_revision": teachers.identity_revision(spec)}
+    opd_request = {"prompts": ["Hello"], "config": {"output_name": "distilled-bot", "teacher": teacher, "seed": 9,
+                                                    "steps": 2, "lora": {"rank": 4, "alpha": 8}, "backend": "cuda"}}
+    with pytest.raises(AdmissionError) as refused:
+        opd.admit_opd(opd_request, make_settings(tmp_path / "opd"))
+    assert refused.value.code == "backend_unavailable"
+    assert "OPD runs compute on the CPU only in this build" in refused.value.message
