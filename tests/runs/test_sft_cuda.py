@@ -137,3 +137,20 @@ def test_grpo_and_opd_are_refused_cuda_with_the_engines_reason(device, tmp_path)
         opd.admit_opd(opd_request, make_settings(tmp_path / "opd"))
     assert refused.value.code == "backend_unavailable"
     assert "OPD runs compute on the CPU only in this build" in refused.value.message
+
+
+def test_a_library_that_cannot_be_loaded_fails_the_run_with_the_loaders_reason(device, tmp_path, monkeypatch):
+    """The probe found a device, but the library will not load when the run builds its CudaModel: the run fails
+    before any step with backend_unavailable and the loader's reason, and publishes nothing."""
+    from native_ext import cuda
+
+    def refuse(min_capability=(8, 0)):
+        raise cuda.CudaUnavailable("driver_missing", None, "libcuda.so.1 went away")
+
+    monkeypatch.setattr(cuda, "load", refuse)
+    settings = make_settings(tmp_path)
+    admission = admit_sft(request(write_dataset(tmp_path, SMALL), backend="cuda"), settings)
+    with pytest.raises(AdmissionError) as refused:
+        run_sft(admission, settings, StopAt(None))
+    assert refused.value.code == "backend_unavailable" and "libcuda.so.1 went away" in refused.value.message
+    assert checkpoint_dir.latest_checkpoint(settings.registry, "support-bot") is None

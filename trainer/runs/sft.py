@@ -341,10 +341,15 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
 
 def _device_model(model, optimizer):
     """A CudaModel of the CPU model as it stands (quantized, adapters attached, warm-started or restored), with the
-    restored Adam state when there is one: the steps run on the device from here on."""
+    restored Adam state when there is one: the steps run on the device from here on. AdmissionError
+    backend_unavailable, with the loader's reason, when the library cannot be loaded after all."""
+    from native_ext.cuda import CudaUnavailable
     from trainer.cuda_model import CudaModel
 
-    device = CudaModel(model)
+    try:
+        device = CudaModel(model)
+    except CudaUnavailable as error:
+        raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None
     try:
         if optimizer.step_count > 0:
             device.load_optimizer_state_dict(optimizer.state_dict())
