@@ -118,12 +118,12 @@ def engine_unavailable(kind: str | None) -> str | None:
     return model.NO_CUDA_ENGINE.format(work=WORKLOADS.get(kind, f"{kind} runs"))
 
 
-def require_cuda(need_bytes: int | None = None, kind: str | None = None, device_only: bool = True) -> dict:
-    """The probe, when the device can run here (a worker's recheck at dequeue: admission chose the backend for the
-    job's kind, and the run rechecks its kind itself); with DEVICE_ONLY false, also when KIND computes on cuda.
-    Else BackendUnavailable with the reason."""
+def require_cuda(need_bytes: int | None = None) -> dict:
+    """The probe, when the device can run here; else BackendUnavailable with the loader's reason. The device alone:
+    a worker's recheck at dequeue (admission chose the backend for the job's kind, and the run rechecks its kind
+    before it allocates)."""
     probe = probe_cuda()
-    reason = cuda_unavailable(probe, need_bytes) or (None if device_only else engine_unavailable(kind))
+    reason = cuda_unavailable(probe, need_bytes)
     if reason is not None:
         raise BackendUnavailable("cuda", reason)
     return probe
@@ -179,7 +179,10 @@ def resolve_backend(requested: str | None, default: str, home, cuda_identity, ne
     if wanted == "cpu":
         return BackendChoice("cpu", "cpu", f"cpu: {source}")
     if wanted == "cuda":
-        require_cuda(need_bytes, kind, device_only=False)
+        require_cuda(need_bytes)
+        reason = engine_unavailable(kind)
+        if reason is not None:
+            raise BackendUnavailable("cuda", reason)
         return BackendChoice("cuda", "cuda", f"cuda: {source}")
     reason = cuda_unavailable(probe_cuda(), need_bytes) or engine_unavailable(kind)
     if reason is not None:
