@@ -234,7 +234,8 @@ def add_qualify(parser: argparse.ArgumentParser) -> None:
                         help="the backend to qualify (default: cpu)")
     parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json)")
     parser.add_argument("--route", action="append", choices=["sft", "grpo_inline", "grpo_streamed", "opd"],
-                        help="qualify only this route (repeatable; default: every route)")
+                        help="qualify only this route (repeatable; default: every route; on cuda, every route "
+                             "whose kind computes there: sft in this build)")
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
@@ -249,9 +250,9 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else home / "qualification" / f"latest-{args.backend}.json"
     try:
         receipt = qualify(backend=args.backend, output=output, routes=args.route)
-    except RuntimeError as error:  # BackendUnavailable: no receipt is written (none ran)
+    except (RuntimeError, ValueError) as error:  # BackendUnavailable, or routes cuda does not run: none ran
         print(f"kiln qualify: {error}", file=sys.stderr)
-        if getattr(error, "code", None) == "backend_unavailable":
+        if getattr(error, "code", None) == "backend_unavailable" or isinstance(error, ValueError):
             print(f"kiln qualify: no receipt written; {output} is left as it was", file=sys.stderr)
         return 2
     stamped = output.with_name(f"receipt-{args.backend}-{receipt['created'].replace(':', '')}.json")

@@ -205,6 +205,24 @@ def _qualify_route(name, kind, cancel_at, request, work: Path, bases_root: Path,
             "resumed_from": receipts["resumed"]["loaded"]["resume"], "execution": first["execution"]}
 
 
+def backend_routes(backend: str, table: dict, requested=None) -> list:
+    """The routes to qualify on BACKEND: those asked for (all by default) whose training kind computes there
+    (on cuda, trainer.runs.backend.CUDA_RUN_KINDS). Asking for one that does not is a ValueError naming it."""
+    from trainer.runs.backend import CUDA_RUN_KINDS
+
+    names = [name for name in table if not requested or name in requested]
+    unknown = sorted(set(requested or ()) - set(table))
+    if unknown:
+        raise ValueError(f"unknown routes {unknown}; the routes are {', '.join(table)}")
+    if backend != "cuda":
+        return names
+    outside = [name for name in names if table[name][0] not in CUDA_RUN_KINDS]
+    if requested and outside:
+        raise ValueError(f"routes {outside} do not compute on cuda in this build; on cuda only "
+                         f"{', '.join(sorted(CUDA_RUN_KINDS))} routes run")
+    return [name for name in names if name not in outside]
+
+
 def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
     """Run the qualification; returns (and writes, when `output` is given) the receipt. A backend that cannot
     run here (cuda without a usable device) raises BackendUnavailable with the loader's reason before anything
@@ -221,9 +239,12 @@ def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
         model, tokenizer = load_base("kiln-tiny", bases_root)
         model.close()
         results = []
-        for name, (kind, cancel_at, request) in _routes(_home(work / "shared")).items():
-            if routes and name not in routes:
-                continue
+        table = _routes(_home(work / "shared"))
+        selected = backend_routes(backend, table, routes)
+        if backend == "cuda" and len(selected) < len(table) and not routes:
+            progress(f"on cuda only these routes compute there in this build: {', '.join(selected)}")
+        for name in selected:
+            kind, cancel_at, request = table[name]
             progress(f"qualifying {name} (four fresh processes) ...")
             result = _qualify_route(name, kind, cancel_at, request, work, bases_root, backend)
             verdict = "passed" if result["passed"] else f"FAILED at {result['mismatches'][0]}" + (
