@@ -28,7 +28,7 @@ from native_ext import nf4 as nf4_codes
 from trainer.blocks import NF4_SCRATCH_ELEMENTS, rope_tables, window_limits
 from trainer.crossentropy import IGNORE_INDEX
 from trainer.lifetime import Closeable
-from trainer.model import DecoderOnlyTransformer, check_targets, check_tokens
+from trainer.model import DecoderOnlyTransformer, check_batch, check_tokens
 from trainer.cuda_optim import DeviceOptimizer
 from trainer.quantization import dequantize_nf4
 
@@ -306,9 +306,6 @@ class CudaModel(DeviceOptimizer, Closeable):
     def _check_tokens(self, tokens, name="tokens"):
         return check_tokens(self.config, tokens, name)
 
-    def _check_targets(self, targets, shape):
-        return check_targets(self.config, targets, shape)
-
     # -- layout moves through identity rotary tables ------------------------------------------
 
     def _rope_forward(self, x, strides, out, B, T, KV, g, identity=False):
@@ -513,12 +510,8 @@ class CudaModel(DeviceOptimizer, Closeable):
     def forward_backward(self, inputs, targets) -> float:
         """Mean cross-entropy over non-ignored targets; gradients accumulate on the device."""
         self._check_open()
-        inputs = self._check_tokens(inputs, "inputs")
-        targets = self._check_targets(targets, inputs.shape)
-        flat = targets.reshape(-1)
+        inputs, targets, flat = check_batch(self.config, inputs, targets)
         valid = int(np.count_nonzero(flat != IGNORE_INDEX))
-        if valid == 0:
-            raise ValueError("the batch has no target tokens (every target is ignored)")
         hidden = self._forward(inputs)
         losses = self._loss(hidden, flat, 1, grad_scale=1.0 / valid)
         self._backward_from_hidden(inputs.shape)
@@ -527,8 +520,7 @@ class CudaModel(DeviceOptimizer, Closeable):
     def token_losses(self, inputs, targets) -> np.ndarray:
         """Per-token cross-entropy [B,T] (0 where the target is IGNORE_INDEX); no gradients."""
         self._check_open()
-        inputs = self._check_tokens(inputs, "inputs")
-        targets = self._check_targets(targets, inputs.shape)
+        inputs, targets, _ = check_batch(self.config, inputs, targets, trained=False)
         logp = self._loss(self._forward(inputs), targets.reshape(-1), 0, chunk=self.config.loss_chunk_tokens)
         return (-logp).reshape(targets.shape) + F32(0)  # -0.0 at ignored targets becomes 0.0
 
@@ -539,12 +531,8 @@ class CudaModel(DeviceOptimizer, Closeable):
         the derivative of the caller's loss with respect to each token's log-probability.
         """
         self._check_open()
-        inputs = self._check_tokens(inputs, "inputs")
-        targets = self._check_targets(targets, inputs.shape)
-        flat = targets.reshape(-1)
+        inputs, targets, flat = check_batch(self.config, inputs, targets)
         valid = flat != IGNORE_INDEX
-        if not valid.any():
-            raise ValueError("the batch has no target tokens (every target is ignored)")
         hidden = self._forward(inputs)
         logp = self._loss(hidden, flat, 0, chunk=self.config.loss_chunk_tokens)  # [N], 0 where ignored
         coefficients = np.asarray(coefficient_fn(logp.reshape(targets.shape)), dtype=np.float64)

@@ -64,6 +64,17 @@ def check_targets(config, targets, shape) -> np.ndarray:
     return np.ascontiguousarray(targets, dtype=np.int64)
 
 
+def check_batch(config, inputs, targets, trained=True) -> tuple:
+    """(inputs, targets, flat targets [N]) checked against CONFIG; a batch that trains (TRAINED) needs at
+    least one target that is not IGNORE_INDEX."""
+    inputs = check_tokens(config, inputs, "inputs")
+    targets = check_targets(config, targets, inputs.shape)
+    flat = targets.reshape(-1)
+    if trained and not np.any(flat != IGNORE_INDEX):
+        raise ValueError("the batch has no target tokens (every target is ignored)")
+    return inputs, targets, flat
+
+
 @dataclass
 class ForwardState:
     """What the whole-model forward keeps for backward (one batch)."""
@@ -408,28 +419,20 @@ class DecoderOnlyTransformer(Closeable):
     def token_losses(self, inputs, targets) -> np.ndarray:
         """Per-token cross-entropy [B,T] (0 where the target is IGNORE_INDEX); no gradients."""
         self._check_open()
-        inputs = self._check_tokens(inputs, "inputs")
-        targets = self._check_targets(targets, inputs.shape)
+        inputs, targets, _ = check_batch(self.config, inputs, targets, trained=False)
         hidden, _ = self._hidden(inputs, keep_activations=False)
         flat = targets.reshape(-1)  # [N]
         logp, _ = fused_linear_cross_entropy(hidden, self.output_weight, flat,
                                              self.config.loss_chunk_tokens)  # [N]
         return np.where(flat == IGNORE_INDEX, np.float32(0), -logp).reshape(targets.shape)
 
-    def _check_targets(self, targets, shape):
-        return check_targets(self.config, targets, shape)
-
     # -- forward + backward -------------------------------------------------------------
 
     def forward_backward(self, inputs, targets) -> float:
         """Mean cross-entropy over non-ignored targets; accumulates pending gradients."""
         self._check_open()
-        inputs = self._check_tokens(inputs, "inputs")
-        targets = self._check_targets(targets, inputs.shape)
-        flat = targets.reshape(-1)
+        inputs, targets, flat = check_batch(self.config, inputs, targets)
         valid = int(np.count_nonzero(flat != IGNORE_INDEX))
-        if valid == 0:
-            raise ValueError("the batch has no target tokens (every target is ignored)")
         if self._base_trainable:
             self._ensure_base_grads()
         hidden, state = self._hidden(inputs, keep_activations=True)
@@ -476,12 +479,8 @@ class DecoderOnlyTransformer(Closeable):
         GRPO and OPD). Ignored targets get no gradient whatever c says there.
         """
         self._check_open()
-        inputs = self._check_tokens(inputs, "inputs")
-        targets = self._check_targets(targets, inputs.shape)
-        flat = targets.reshape(-1)
+        inputs, targets, flat = check_batch(self.config, inputs, targets)
         valid = flat != IGNORE_INDEX
-        if not valid.any():
-            raise ValueError("the batch has no target tokens (every target is ignored)")
         if self._base_trainable:
             self._ensure_base_grads()
         hidden, state = self._hidden(inputs, keep_activations=True)
