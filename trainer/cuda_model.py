@@ -14,9 +14,9 @@ rotary kernels with identity tables (cos 1, sin 0: x*1 - y*0 == x exactly), so n
 needed. Everything runs on the legacy default stream in FP32 (no TF32) without atomics: the same
 inputs give the same bits on one device. Gradients accumulate on the device until adam_step (or
 zero_gradients) consumes them; the host receives them only through gradients().
-It is proven against the CPU engine (tests/engine/test_cuda_model.py). SFT runs on the cuda backend
-train on it (trainer.runs.sft); GRPO, OPD and evaluations do not use it yet
-(trainer.runs.backend.CUDA_RUN_KINDS).
+KV-cached sampling passes (forward_cached, kv_cache) are trainer.cuda_decode's.
+It is proven against the CPU engine (tests/engine/test_cuda_model.py, test_cuda_decode.py). Runs on the cuda
+backend train on it (trainer.runs.device).
 """
 
 from ctypes import byref, c_size_t, c_void_p
@@ -29,6 +29,7 @@ from trainer.blocks import NF4_SCRATCH_ELEMENTS, rope_tables, window_limits
 from trainer.crossentropy import IGNORE_INDEX
 from trainer.lifetime import Closeable
 from trainer.model import DecoderOnlyTransformer, check_batch, check_tokens
+from trainer.cuda_decode import DeviceDecoding
 from trainer.cuda_optim import DeviceOptimizer
 from trainer.quantization import dequantize_nf4
 
@@ -72,7 +73,7 @@ class _Block:
         self.vector_grads = {}
 
 
-class CudaModel(DeviceOptimizer, Closeable):
+class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
     """A DecoderOnlyTransformer's weights and training step on the CUDA library; a context manager.
 
     Construct it from a CPU model (its config, FP32 base, attached LoRA adapters and packed NF4 bases
@@ -308,10 +309,11 @@ class CudaModel(DeviceOptimizer, Closeable):
 
     # -- layout moves through identity rotary tables ------------------------------------------
 
-    def _rope_forward(self, x, strides, out, B, T, KV, g, identity=False):
-        """out [B,KV,T,g,D] = rotary (or, with identity, a copy) of x [B,T,KV*g,D] at element strides."""
+    def _rope_forward(self, x, strides, out, B, T, KV, g, identity=False, offset=0):
+        """out [B,KV,T,g,D] = rotary at positions offset.. (or, with identity, a copy) of x [B,T,KV*g,D] at
+        element strides."""
         cos, sin = (self._identity_cos, self._identity_sin) if identity else (self._cos, self._sin)
-        self._call("kiln_cuda_rope_forward", x, *strides, cos.ptr, sin.ptr, self.config.maximum_context, 0, out,
+        self._call("kiln_cuda_rope_forward", x, *strides, cos.ptr, sin.ptr, self.config.maximum_context, offset, out,
                    B, T, KV, g, self.config.head_dimension, None)
 
     def _rope_backward(self, dout, dx, strides, B, T, KV, g, identity=False):
@@ -372,11 +374,13 @@ class CudaModel(DeviceOptimizer, Closeable):
 
     # -- LoRA: GEMMs reading and writing the group's output columns in place -----------------
 
-    def _lora_forward(self, block, index, group, x, out, N):
+    def _lora_forward(self, block, index, group, x, out, N, keep=True):
+        """out [N,out] += each adapter's scaling * (x @ A.T) @ B.T in its columns; x @ A.T is kept for backward
+        (or, without KEEP, computed in one shared decoding scratch)."""
         total, K = self._group_shapes[group]
         for j, adapter in enumerate(block.adapters.get(group, ())):
             p, r = adapter.projection, adapter.rank
-            u = self._buffer(f"lora_u.{index}.{group}.{j}", (N, r))  # [N,r] = x @ A.T, kept for backward
+            u = self._buffer(f"lora_u.{index}.{group}.{j}", (N, r)) if keep else self._rows("dec.lora_u", N, r)
             self._gemm(0, 1, N, r, K, 1.0, x, K, adapter.A.ptr, K, 0.0, u.ptr, r)
             self._gemm(0, 1, N, p.rows, r, adapter.scaling, u.ptr, r, adapter.B.ptr, r, 1.0, out + 4 * p.column,
                        total)
@@ -484,8 +488,9 @@ class CudaModel(DeviceOptimizer, Closeable):
         return hidden
 
     def _ones(self, N):
+        """A device vector of at least N ones (grown, never shrunk: training and decoding share it)."""
         ones = self._scratch.get("ones")
-        if ones is None or ones.shape != (N,):
+        if ones is None or ones.shape[0] < N:
             ones = self._buffer("ones", (N,))
             self._upload_into(ones, 0, np.ones(N, F32))
         return ones

@@ -115,6 +115,11 @@ class DeviceOptimizer:
                                           weight_decay=weight_decay))
         self.zero_gradients()
 
+    @property
+    def optimizer_steps(self) -> int:
+        """How many Adam steps the device state holds (restored ones included); 0 before the first."""
+        return 0 if self._adam is None else self._adam["step"]
+
     def optimizer_state_dict(self) -> dict:
         """trainer.optim.Adam.state_dict()'s layout: step, beta powers, hyperparameters, moments by name."""
         self._check_open()

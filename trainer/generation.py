@@ -14,16 +14,37 @@ import numpy as np
 from native_ext import kernels
 
 
-class KVCache:
-    """Rotated keys and values of every block for B sequences, up to maximum_context."""
+def check_cache_size(config, batch_size, positions) -> tuple:
+    """(batch_size, positions) of a new KV cache, checked; positions None means maximum_context."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if positions is None:
+        positions = config.maximum_context
+    if isinstance(positions, bool) or not isinstance(positions, int) or not 1 <= positions <= config.maximum_context:
+        raise ValueError(f"positions must be an integer in [1, maximum_context {config.maximum_context}], "
+                         f"got {positions!r}")
+    return batch_size, positions
 
-    def __init__(self, model, batch_size=1):
+
+def check_cache_room(config, cache, B, T) -> None:
+    """ValueError unless CACHE holds B sequences and has room for T more tokens."""
+    if cache.batch_size != B:
+        raise ValueError(f"the cache holds {cache.batch_size} sequences, got {B}")
+    if cache.length + T > cache.positions:
+        limit = "maximum_context" if cache.positions == config.maximum_context else "the cache's positions"
+        raise ValueError(f"{cache.length} cached + {T} new tokens exceed {limit} {cache.positions}")
+
+
+class KVCache:
+    """Rotated keys and values of every block for B sequences, up to `positions` tokens (maximum_context)."""
+
+    def __init__(self, model, batch_size=1, positions=None):
         cfg = model.config
-        groups = batch_size * cfg.kv_heads
-        shape = (groups, cfg.maximum_context, cfg.head_dimension)  # [G,P,D]
+        batch_size, positions = check_cache_size(cfg, batch_size, positions)
+        shape = (batch_size * cfg.kv_heads, positions, cfg.head_dimension)  # [G,P,D]
         self.keys = [np.zeros(shape, np.float32) for _ in range(cfg.block_count)]
         self.values = [np.zeros(shape, np.float32) for _ in range(cfg.block_count)]
-        self.batch_size = batch_size
+        self.batch_size, self.positions = batch_size, positions
         self.length = 0
 
 
@@ -146,7 +167,7 @@ def generate(model, prompt_ids, config: SamplingConfig, rng: SamplingRNG | None 
     if budget < 1:
         raise ValueError(f"the prompt ({prompt.size} tokens) leaves no room in maximum_context "
                          f"{model.config.maximum_context}")
-    cache = KVCache(model)
+    cache = model.kv_cache(1, prompt.size + min(config.max_new_tokens, budget))
     prompt_logprobs, prompt_top, top = [], [], []
     if echo:
         logits = model.forward_cached(prompt[None, :], cache)[0]  # [T,V]

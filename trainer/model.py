@@ -15,6 +15,7 @@ from native_ext import kernels
 from trainer.blocks import Block, block_backward, block_forward, rmsnorm_backward, rope_tables
 from trainer.config import TransformerConfig
 from trainer.crossentropy import IGNORE_INDEX, fused_linear_cross_entropy
+from trainer.generation import KVCache, check_cache_room
 from trainer.lifetime import Closeable
 from trainer.lora import LoraAdapter, LoraConfig
 from trainer.parameters import Parameter, ParameterList
@@ -24,14 +25,13 @@ from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # n
 from trainer.runtime import tune_allocator
 
 
-# the backends every workload (each run kind, evaluations) computes on. SFT runs also compute on cuda: their loop
-# drives a device-resident training step (trainer.cuda_model.CudaModel over the CUDA library, native_ext/cuda);
+# the backends every workload (each run kind, evaluations) computes on. Training runs also compute on cuda: their
+# loop drives a device-resident model (trainer.cuda_model.CudaModel over the CUDA library, native_ext/cuda);
 # trainer.runs.backend.CUDA_RUN_KINDS names them. Every other workload is refused cuda with this reason (WORK
 # names it) even where a device is found, rather than record cuda and compute here.
 COMPUTE_BACKENDS = ("cpu",)
-NO_CUDA_ENGINE = ("{work} compute on the CPU only in this build: of Kiln's work only SFT runs train on the CUDA "
-                  "library (trainer.cuda_model over libkiln_cuda.so); GRPO and OPD runs and evaluations do not use it "
-                  "yet")
+NO_CUDA_ENGINE = ("{work} compute on the CPU only in this build: of Kiln's work only training runs (SFT, GRPO, OPD) "
+                  "compute on the CUDA library (trainer.cuda_model over libkiln_cuda.so)")
 
 
 def check_tokens(config, tokens, name="tokens") -> np.ndarray:
@@ -380,21 +380,22 @@ class DecoderOnlyTransformer(Closeable):
         return hidden, ForwardState(batch=B, time=T, block_inputs=inputs, activations=activations,
                                     last=x, final_rstd=rstd)
 
+    def kv_cache(self, batch_size=1, positions=None):
+        """An empty KVCache for BATCH_SIZE sequences of up to POSITIONS tokens (maximum_context): what
+        forward_cached extends."""
+        return KVCache(self, batch_size, positions)
+
     def forward_cached(self, tokens, cache, last_only=False) -> np.ndarray:
         """Logits [B,T,V] of new tokens [B,T] after the cache's prefix; extends the cache.
 
-        `cache` is a trainer.generation.KVCache made for this model. No gradients. With
+        `cache` is this model's kv_cache(). No gradients. With
         last_only, only the last position's logits are computed ([B,1,V]).
         """
         self._check_open()
         tokens = self._check_tokens(tokens)
         B, T = tokens.shape
         past = cache.length
-        if cache.batch_size != B:
-            raise ValueError(f"the cache holds {cache.batch_size} sequences, got {B}")
-        if past + T > self.config.maximum_context:
-            raise ValueError(f"{past} cached + {T} new tokens exceed maximum_context "
-                             f"{self.config.maximum_context}")
+        check_cache_room(self.config, cache, B, T)
         x = self._embed.value[tokens.reshape(-1)]  # [N,C]
         for index, block in enumerate(self._blocks):
             x, _ = block_forward(block, x, self.config, self._rope, B, T,

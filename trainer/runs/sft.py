@@ -11,10 +11,7 @@ Exactness: every number that decides the arithmetic is either part of the effect
 configuration and identities (compared at resume) or part of the checkpoint (restored),
 so a resumed run ends with the same bytes as an uninterrupted one.
 
-On the cuda backend the steps run on trainer.cuda_model.CudaModel, built from the CPU model once it
-is quantized, LoRA-attached, warm-started and restored: clip_and_step's arithmetic on the device
-(device_clip_and_step), and the adapter values and Adam state downloaded into the CPU model and
-Adam before each checkpoint and the final snapshot, whose writers are the CPU loop's.
+On the cuda backend the steps run on trainer.cuda_model.CudaModel (trainer.runs.device.computing_model).
 """
 
 import hashlib
@@ -29,7 +26,7 @@ from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
 from trainer.runs.admission import admit_backend, loss_options, run_backend
-from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
+from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config, prepare,
@@ -41,7 +38,8 @@ from trainer.runs.formats import PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
-from trainer.runs.step import NullHooks, clip_and_step, learning_rate_at, should_publish
+from trainer.runs.device import computing_model, on_device, publishable, step_on
+from trainer.runs.step import NullHooks, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
 
@@ -281,9 +279,8 @@ def _restore_state(loaded, model, optimizer, loop: LoopState):
     check_restored_step(loop.step, optimizer, loaded)
 
 
-def _publish(admission, settings, model, optimizer, loop, hooks, complete, device=None):
-    if device is not None:
-        download_device_state(device, model, optimizer)
+def _publish(admission, settings, model, optimizer, loop, hooks, complete, computing):
+    publishable(computing, model, optimizer)
     files, seconds = snapshot(model, optimizer, lambda scalars: _state_document(loop, scalars))
     progress = {"next_cursor": {"epoch": loop.epoch, "example": loop.position}, "complete": complete}
     return publish(admission, settings, loop.step, files, progress, hooks, seconds)
@@ -322,68 +319,16 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                 _restore_state(loaded, model, optimizer, loop)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            device = _device_model(model, optimizer) if run_backend(admission) == "cuda" else None
-            try:
+            with computing_model(model, optimizer, run_backend(admission)) as computing:
                 result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks,
-                                device)
-                if device is not None and loop.step > 0:
-                    download_device_state(device, model, optimizer)  # what the final snapshot publishes
-            finally:
-                if device is not None:
-                    device.close()
+                                computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         model.close()
 
 
-# -- the cuda backend: the same steps on trainer.cuda_model.CudaModel -------------------------------------
-
-
-def _device_model(model, optimizer):
-    """A CudaModel of the CPU model as it stands (quantized, adapters attached, warm-started or restored), with the
-    restored Adam state when there is one: the steps run on the device from here on. AdmissionError
-    backend_unavailable, with the loader's reason, when the library cannot be loaded after all."""
-    from native_ext.cuda import CudaUnavailable
-    from trainer.cuda_model import CudaModel
-
-    try:
-        device = CudaModel(model)
-    except CudaUnavailable as error:
-        raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None
-    try:
-        if optimizer.step_count > 0:
-            device.load_optimizer_state_dict(optimizer.state_dict())
-    except BaseException:
-        device.close()
-        raise
-    return device
-
-
-def download_device_state(device, model, optimizer) -> None:
-    """The device's adapter values and Adam state into the CPU model and the CPU Adam (whose learning rate each
-    step already set), so the checkpoint and PEFT writers publish them unchanged; after at least one step (or a
-    restored Adam state)."""
-    model.load_adapter_state_dict(device.adapter_state_dict())
-    optimizer.load_state_dict(device.optimizer_state_dict())
-
-
-def device_clip_and_step(config, device, optimizer, step: int, total_steps: int, loss: float):
-    """trainer.runs.step.clip_and_step on the device: the gradient norm (summed in double on the device), the
-    clip rule and float32 factor (CudaModel.clip_grad_norm), the scheduled learning rate and one Adam step with
-    the CPU Adam's hyperparameters; returns (norm, clipped, lr). RunFailed("non_finite") before the adapters or
-    the optimizer change (a non-finite norm clips nothing)."""
-    grad_norm, clipped = device.clip_grad_norm(config["max_grad_norm"])
-    if not math.isfinite(loss) or not math.isfinite(grad_norm):
-        raise RunFailed("non_finite", f"step {step + 1}: loss {loss} / gradient norm {grad_norm} is not "
-                                      "finite; lower the learning rate or check the data")
-    optimizer.learning_rate = learning_rate_at(step, config, total_steps)
-    device.adam_step(optimizer.learning_rate, optimizer.beta1, optimizer.beta2, optimizer.epsilon,
-                     optimizer.weight_decay)
-    return grad_norm, clipped, optimizer.learning_rate
-
-
-def _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks, device=None):
-    """The loop; DEVICE (a CudaModel, on the cuda backend) takes every step in the CPU model's place."""
+def _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks, computing):
+    """The loop; COMPUTING (MODEL, or its device model on the cuda backend) takes every forward and backward."""
     config = admission.effective_config
     interval = config["checkpoint_interval"]
     batch_size, accumulation = config["batch_size"], config["gradient_accumulation_steps"]
@@ -398,22 +343,18 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
         while micro < accumulation and loop.position < len(order):
             indices = order[loop.position:loop.position + batch_size]
             inputs, targets = _batch(examples, indices, pad)
-            losses.append((model if device is None else device).forward_backward(inputs, targets))
+            losses.append(computing.forward_backward(inputs, targets))
             tokens += int(np.count_nonzero(targets != IGNORE_INDEX))
             loop.position += len(indices)
             micro += 1
-        if micro > 1 and device is not None:
-            device.scale_gradients(np.float32(1.0 / micro))
+        if micro > 1 and on_device(computing):
+            computing.scale_gradients(np.float32(1.0 / micro))
         elif micro > 1:
             for p in adapters:
                 p.grad *= np.float32(1.0 / micro)
         loss = float(np.mean(losses))
-        if device is None:
-            grad_norm, clipped, learning_rate = clip_and_step(config, optimizer, adapters, loop.step,
-                                                              admission.total_steps, loss)
-        else:
-            grad_norm, clipped, learning_rate = device_clip_and_step(config, device, optimizer, loop.step,
-                                                                     admission.total_steps, loss)
+        grad_norm, clipped, learning_rate = step_on(computing, config, optimizer, adapters, loop.step,
+                                                    admission.total_steps, loss)
         recent = loop.losses[-SPIKE_WINDOW:]
         spike = len(recent) >= 5 and loss > SPIKE_FACTOR * (sum(recent) / len(recent))
         loop.step += 1
@@ -429,7 +370,7 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
         done = loop.step >= admission.total_steps
         cancel = not done and hooks.should_cancel()
         if should_publish(interval, loop.step, done, cancel):
-            latest = _publish(admission, settings, model, optimizer, loop, hooks, done, device)
+            latest = _publish(admission, settings, model, optimizer, loop, hooks, done, computing)
         if cancel:
             hooks.on_event("info", f"cancelled after step {loop.step}")
             return RunResult("cancelled", loop.step, latest, list(loop.losses))
