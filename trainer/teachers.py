@@ -203,19 +203,31 @@ def content_revision(spec: TeacherSpec, bases_root) -> dict:
 
 
 class NativeTeacher:
-    """A registered base (with an optional PEFT adapter) scoring in this process."""
+    """A registered base (with an optional PEFT adapter) scoring in this process: on the CPU engine, or with
+    backend "cuda" on a trainer.cuda_model.CudaModel of it (native_ext.cuda.CudaUnavailable when the library
+    cannot be loaded)."""
 
-    def __init__(self, spec: TeacherSpec, bases_root, **execution_options):
+    def __init__(self, spec: TeacherSpec, bases_root, backend="cpu", **execution_options):
         from trainer.bases import load_base
         from trainer.peft import import_adapter
         self.spec = spec
-        self.model, self.tokenizer = load_base(spec.base, bases_root, verify=True, **execution_options)
+        cpu, self.tokenizer = load_base(spec.base, bases_root, verify=True, **execution_options)
         try:
             if spec.adapter is not None:
-                import_adapter(self.model, spec.adapter)
+                import_adapter(cpu, spec.adapter)
+            self.model = cpu
+            if backend == "cuda":
+                from trainer.cuda_model import CudaModel
+
+                self.model = CudaModel(cpu)  # a copy of the weights on the device
         except (OSError, ValueError) as error:
-            self.model.close()
+            cpu.close()
             raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: {error}") from None
+        except BaseException:
+            cpu.close()
+            raise
+        if self.model is not cpu:
+            cpu.close()
 
     def score(self, prompt_ids, completion_ids) -> np.ndarray:
         from trainer.generation import score_completion
@@ -256,8 +268,9 @@ class OpenAITeacher:
         pass
 
 
-def open_teacher(spec: TeacherSpec, bases_root, **execution_options):
-    """A scorer with score(prompt_ids, completion_ids) -> float32 [n] and close()."""
+def open_teacher(spec: TeacherSpec, bases_root, backend="cpu", **execution_options):
+    """A scorer with score(prompt_ids, completion_ids) -> float32 [n] and close(); a native teacher computes on
+    BACKEND (cpu or cuda), an endpoint wherever it runs."""
     if spec.route == "native":
-        return NativeTeacher(spec, bases_root, **execution_options)
+        return NativeTeacher(spec, bases_root, backend, **execution_options)
     return OpenAITeacher(spec)

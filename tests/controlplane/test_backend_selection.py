@@ -97,8 +97,8 @@ def resolve(requested, home, default="auto", need_bytes=None):
 
 
 def test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason(probe, tmp_path, monkeypatch):
-    """This build computes on cuda for SFT runs only (trainer.runs.backend.CUDA_RUN_KINDS): with a device (and a
-    receipt) SFT is admitted on cuda, while GRPO, OPD and evaluations must not record cuda and are refused with
+    """This build computes on cuda for training runs (trainer.runs.backend.CUDA_RUN_KINDS: SFT, GRPO, OPD): with a
+    device (and a receipt) they are admitted on cuda, while evaluations must not record cuda and are refused with
     the engine's reason naming them."""
     from trainer import model
 
@@ -106,15 +106,16 @@ def test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason(probe
     write_receipt(tmp_path)
     monkeypatch.setattr(model, "COMPUTE_BACKENDS", ("cpu",))
     execution._cached.cache_clear()
-    assert model.COMPUTE_BACKENDS == ("cpu",) and backend.CUDA_RUN_KINDS == {"sft"}
-    assert admission.choose_backend("cuda", "auto", tmp_path, kind="sft").resolved == "cuda"
-    assert admission.choose_backend("auto", "auto", tmp_path, kind="sft").resolved == "cuda"
-    assert admission.select_loss_route("cuda", AVAILABLE, kind="sft") == "kt_tape_flce"
-    for kind, work in (("grpo", "GRPO runs"), (None, "evaluations")):
-        with pytest.raises(backend.BackendUnavailable, match=f"{work}.* compute on the CPU only in this build"):
-            admission.choose_backend("cuda", "auto", tmp_path, kind=kind)
-        choice = admission.choose_backend("auto", "auto", tmp_path, kind=kind)
-        assert choice.resolved == "cpu" and f"{work}" in choice.reason and "CPU only" in choice.reason
+    assert model.COMPUTE_BACKENDS == ("cpu",) and backend.CUDA_RUN_KINDS == {"sft", "grpo", "opd"}
+    for kind in ("sft", "grpo", "opd"):
+        assert admission.choose_backend("cuda", "auto", tmp_path, kind=kind).resolved == "cuda"
+        assert admission.choose_backend("auto", "auto", tmp_path, kind=kind).resolved == "cuda"
+        assert admission.select_loss_route("cuda", AVAILABLE, kind=kind) == "kt_tape_flce"
+    with pytest.raises(backend.BackendUnavailable, match="evaluations.* compute on the CPU only in this build"):
+        admission.choose_backend("cuda", "auto", tmp_path, kind=None)
+    choice = admission.choose_backend("auto", "auto", tmp_path, kind=None)
+    assert choice.resolved == "cpu" and "evaluations" in choice.reason and "CPU only" in choice.reason
+    monkeypatch.setattr(backend, "CUDA_RUN_KINDS", frozenset({"sft"}))  # a build whose OPD computes on the CPU
     with pytest.raises(admission.AdmissionError) as refused:
         admission.require_loss_route("kt_tape_flce", "cuda", kind="opd")  # a run's own recheck
     assert refused.value.code == "backend_unavailable" and "OPD runs compute on the CPU only" in refused.value.message

@@ -2,7 +2,7 @@
 
 cuda is usable when the CUDA loader's probe (native_ext.cuda.probe) loads the library and finds a device of
 compute capability >= 8.0 (with free memory for the run's planned need, when that is known). `cuda` asked for
-explicitly needs that and a workload that computes on cuda (CUDA_RUN_KINDS: SFT runs only); without either the
+explicitly needs that and a workload that computes on cuda (CUDA_RUN_KINDS: the run kinds); without either the
 request is refused (`backend_unavailable`, with the loader's reason or the engine's).
 `auto` picks cuda only when it is usable AND a passing `kiln qualify --backend cuda` receipt
 ($KILN_HOME/qualification/latest-cuda.json) holds for this exact execution envelope; otherwise cpu, and the
@@ -21,9 +21,9 @@ BACKENDS = ("auto", "cpu", "cuda")
 MIN_CAPABILITY = (8, 0)  # the CUDA kernels' floor (Ampere's 8.0: TF32-free FP32 paths, cp.async)
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # what trainer.qualify writes (kiln_web.dashboard.readers checks it)
 # the run kinds whose loop computes on cuda, beyond trainer.model.COMPUTE_BACKENDS (what every workload computes on):
-# trainer.runs.sft drives trainer.cuda_model.CudaModel; GRPO and OPD (sampling, reference and teacher scoring) and
-# evaluations (generation) compute on the CPU engine only
-CUDA_RUN_KINDS = frozenset({"sft"})
+# each drives trainer.cuda_model.CudaModel through trainer.runs.device (GRPO's reference scoring, OPD's sampling and
+# a native teacher included); evaluations (generation outside a run) compute on the CPU engine only
+CUDA_RUN_KINDS = frozenset({"sft", "grpo", "opd"})
 WORKLOADS = {"sft": "SFT runs", "grpo": "GRPO runs", "opd": "OPD runs",
              None: "evaluations (and other work outside a training run)"}
 

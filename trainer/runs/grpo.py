@@ -38,7 +38,8 @@ from trainer.runs.formats import REFERENCE_FILE, ROLLOUT_FILE  # noqa: F401 (rea
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot, tensors_from)
-from trainer.runs.step import NullHooks, adapter_values, clip_and_step, should_publish
+from trainer.runs.device import computing_model, publishable, step_on
+from trainer.runs.step import NullHooks, adapter_values, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "grpo"
@@ -287,8 +288,9 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
                     batch.ref = {int(k.split("/")[1]): v for k, v in rollout.items() if k.startswith("ref/")}
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            result = _train(admission, settings, model, tokenizer, optimizer, adapters, source, loop, reference,
-                            batch, latest, hooks)
+            with computing_model(model, optimizer, run_backend(admission)) as computing:
+                result = _train(admission, settings, model, tokenizer, optimizer, adapters, source, loop, reference,
+                                batch, latest, hooks, computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         source.close()
@@ -320,7 +322,8 @@ def _reference_logp(model, reference, inputs, targets, config):
 
 
 def _train(admission, settings, model, tokenizer, optimizer, adapters, source, loop, reference, batch,
-           latest, hooks):
+           latest, hooks, computing):
+    """The loop; COMPUTING (MODEL, or its device model on the cuda backend) takes every forward and backward."""
     config = admission.effective_config
     interval = config["checkpoint_interval"]
     iterations = config["num_iterations"]
@@ -341,7 +344,7 @@ def _train(admission, settings, model, tokenizer, optimizer, adapters, source, l
             if not mask.any():
                 continue
             if config["beta"] != 0.0 and position not in batch.ref:
-                batch.ref[position] = _reference_logp(model, reference, inputs, targets, config)
+                batch.ref[position] = _reference_logp(computing, reference, inputs, targets, config)
             captured = {}
 
             def coefficients(logp, position=position, mask=mask, advantages=advantages):
@@ -359,11 +362,11 @@ def _train(admission, settings, model, tokenizer, optimizer, adapters, source, l
                 captured.update(loss=loss, audit=audit)
                 return c
 
-            model.forward_backward_weighted(inputs, targets, coefficients)
+            computing.forward_backward_weighted(inputs, targets, coefficients)
             loss_total += captured["loss"]
             sums.append(captured["audit"])
-        grad_norm, clipped, learning_rate = clip_and_step(config, optimizer, adapters, loop.step,
-                                                          admission.total_steps, loss_total)
+        grad_norm, clipped, learning_rate = step_on(computing, config, optimizer, adapters, loop.step,
+                                                    admission.total_steps, loss_total)
         loop.step += 1
         loop.iteration += 1
         audit = _audit(batch, sums, config)
@@ -375,7 +378,7 @@ def _train(admission, settings, model, tokenizer, optimizer, adapters, source, l
                            "accumulation": len(batch.groups)})
         if config["reference"]["type"] == "ema" and loop.step % config["reference"]["refresh_steps"] == 0:
             alpha = np.float32(config["reference"]["mixup_alpha"])
-            policy = model.adapter_state_dict()
+            policy = computing.adapter_state_dict()
             reference = {k: v * (np.float32(1.0) - alpha) + policy[k] * alpha for k, v in reference.items()}
             loop.refreshes.append(loop.step)
         finished_batch = loop.iteration >= iterations
@@ -391,6 +394,7 @@ def _train(admission, settings, model, tokenizer, optimizer, adapters, source, l
         done = loop.step >= admission.total_steps
         cancel = not done and hooks.should_cancel()
         if should_publish(interval, loop.step, done, cancel):
+            publishable(computing, model, optimizer)
             latest = _publish(admission, settings, model, optimizer, loop, source, reference, rollout, hooks, done)
         if cancel:
             hooks.on_event("info", f"cancelled after step {loop.step}")

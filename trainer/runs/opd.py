@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from native_ext.cuda import CudaUnavailable
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
@@ -36,7 +37,8 @@ from trainer.runs.formats import GUARDRAILS, MAX_IDLE_CANDIDATES, rollout_seed  
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
-from trainer.runs.step import NullHooks, clip_and_step, should_publish
+from trainer.runs.device import computing_model, publishable, step_on
+from trainer.runs.step import NullHooks, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "opd"
@@ -298,9 +300,12 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     teacher = None
     try:
         try:
-            teacher = teachers.open_teacher(teachers.parse_teacher(config["teacher"]), settings.bases_root)
+            teacher = teachers.open_teacher(teachers.parse_teacher(config["teacher"]), settings.bases_root,
+                                            backend=run_backend(admission))
         except teachers.TeacherError as error:
             raise AdmissionError(error.code, error.message) from None
+        except CudaUnavailable as error:
+            raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None
         context = model.config.maximum_context
         prompts = [prompt_ids(r, tokenizer, context, f"prompts[{i}]") for i, r in enumerate(records)]
         model.attach_lora(lora_config(config, admission.effective_seed))
@@ -327,8 +332,9 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}, candidate "
                                        f"{loop.candidate}")
-            result = _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts,
-                            sampling, rng, loop, latest, hooks)
+            with computing_model(model, optimizer, run_backend(admission)) as computing:
+                result = _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records,
+                                prompts, sampling, rng, loop, latest, hooks, computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         if teacher is not None:
@@ -361,7 +367,9 @@ def _sample(model, tokenizer, teacher, prompt, sampling, rng):
 
 
 def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts, sampling, rng,
-           loop, latest, hooks):
+           loop, latest, hooks, computing):
+    """The loop; COMPUTING (MODEL, or its device model on the cuda backend) samples and takes every forward and
+    backward."""
     config = admission.effective_config
     interval = config["checkpoint_interval"]
     guardrails = Guardrails(config["guardrails"])
@@ -371,7 +379,7 @@ def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, 
         while len(chosen) < config["candidates_per_step"]:
             index = loop.candidate
             prompt = prompts[index % len(prompts)]
-            tokens, teacher_logp, stats = _sample(model, tokenizer, teacher, prompt, sampling, rng)
+            tokens, teacher_logp, stats = _sample(computing, tokenizer, teacher, prompt, sampling, rng)
             loop.candidate += 1
             loop.candidates.append({"candidate": index, "prompt": index % len(prompts), "tokens": len(tokens),
                                     "empty": stats["empty"], "update_step": None if stats["empty"] else loop.step + 1})
@@ -403,12 +411,12 @@ def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, 
                 captured["kl"] = kl
                 return c
 
-            model.forward_backward_weighted(inputs, targets, coefficients)
+            computing.forward_backward_weighted(inputs, targets, coefficients)
             kls.append(captured["kl"])
             token_count += len(tokens)
         loss = float(np.mean(kls))
-        grad_norm, clipped, learning_rate = clip_and_step(config, optimizer, adapters, loop.step,
-                                                          admission.total_steps, loss)
+        grad_norm, clipped, learning_rate = step_on(computing, config, optimizer, adapters, loop.step,
+                                                    admission.total_steps, loss)
         loop.step += 1
         metrics = {
             "kl": loss,
@@ -429,6 +437,7 @@ def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, 
         cancel = not done and hooks.should_cancel()
         if should_publish(interval, loop.step, done, cancel):
             loop.rollout = rng.state()
+            publishable(computing, model, optimizer)
             latest = _publish(admission, settings, model, optimizer, loop, records, done, hooks)
         if cancel:
             hooks.on_event("info", f"cancelled after step {loop.step}")
