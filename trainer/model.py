@@ -25,15 +25,6 @@ from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # n
 from trainer.runtime import tune_allocator
 
 
-# the backends every workload (each run kind, evaluations) computes on. Training runs also compute on cuda: their
-# loop drives a device-resident model (trainer.cuda_model.CudaModel over the CUDA library, native_ext/cuda);
-# trainer.runs.backend.CUDA_RUN_KINDS names them. Every other workload is refused cuda with this reason (WORK
-# names it) even where a device is found, rather than record cuda and compute here.
-COMPUTE_BACKENDS = ("cpu",)
-NO_CUDA_ENGINE = ("{work} compute on the CPU only in this build: of Kiln's work only training runs (SFT, GRPO, OPD) "
-                  "compute on the CUDA library (trainer.cuda_model over libkiln_cuda.so)")
-
-
 def check_tokens(config, tokens, name="tokens") -> np.ndarray:
     """Token ids [B,T] as C-contiguous int64, checked against CONFIG (shape, dtype, ids in the vocabulary)."""
     tokens = np.asarray(tokens)

@@ -205,22 +205,12 @@ def _qualify_route(name, kind, cancel_at, request, work: Path, bases_root: Path,
             "resumed_from": receipts["resumed"]["loaded"]["resume"], "execution": first["execution"]}
 
 
-def backend_routes(backend: str, table: dict, requested=None) -> list:
-    """The routes to qualify on BACKEND: those asked for (all by default) whose training kind computes there
-    (on cuda, trainer.runs.backend.CUDA_RUN_KINDS). Asking for one that does not is a ValueError naming it."""
-    from trainer.runs.backend import CUDA_RUN_KINDS
-
-    names = [name for name in table if not requested or name in requested]
+def selected_routes(table: dict, requested=None) -> list:
+    """The routes to qualify: those asked for (all by default); a name that is not a route is a ValueError."""
     unknown = sorted(set(requested or ()) - set(table))
     if unknown:
         raise ValueError(f"unknown routes {unknown}; the routes are {', '.join(table)}")
-    if backend != "cuda":
-        return names
-    outside = [name for name in names if table[name][0] not in CUDA_RUN_KINDS]
-    if requested and outside:
-        raise ValueError(f"routes {outside} do not compute on cuda in this build; on cuda only "
-                         f"{', '.join(sorted(CUDA_RUN_KINDS))} routes run")
-    return [name for name in names if name not in outside]
+    return [name for name in table if not requested or name in requested]
 
 
 def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
@@ -240,9 +230,7 @@ def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
         model.close()
         results = []
         table = _routes(_home(work / "shared"))
-        selected = backend_routes(backend, table, routes)
-        if backend == "cuda" and len(selected) < len(table) and not routes:
-            progress(f"on cuda only these routes compute there in this build: {', '.join(selected)}")
+        selected = selected_routes(table, routes)
         for name in selected:
             kind, cancel_at, request = table[name]
             progress(f"qualifying {name} (four fresh processes) ...")

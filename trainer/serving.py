@@ -4,8 +4,9 @@ One model instance per served name (a base, or a base with one PEFT adapter load
 the registry). Requests read under the shared side of a readers-writer lock; loading,
 unloading and activation take the exclusive side only for the moment they swap the
 pool's tables, so a slow load never blocks completions. Each request owns its KV cache,
-so concurrent requests on one model are independent; they take turns on the CPU token by
-token (TurnLock).
+so concurrent requests on one model are independent; they take turns token by token (TurnLock).
+A pool computes on one backend: the CPU engine, or with backend "cuda" the CUDA library, each
+model loaded on the CPU and copied once to a trainer.cuda_model.CudaModel (the CPU copy is closed).
 """
 
 import math
@@ -72,7 +73,7 @@ class ReadWriteLock:
 
 
 class TurnLock:
-    """Requests take turns on the CPU, one token each, first come first served.
+    """Requests take turns on the pool's backend, one token each, first come first served.
 
     The kernels and BLAS already use every core for one forward step; two requests stepping at
     once only fight over the cores (OpenBLAS threads from two callers slow both several times
@@ -133,13 +134,31 @@ class Served:
 
 
 class ServingPool:
-    def __init__(self, bases_root: Path, registry: Path):
+    def __init__(self, bases_root: Path, registry: Path, backend: str = "cpu"):
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be cpu or cuda, got {backend!r}")
         self.bases_root = Path(bases_root)
         self.registry = Path(registry)
+        self.backend = backend
         self.lock = ReadWriteLock()
         self.turns = TurnLock()  # one request computes at a time, token by token
         self._served = {}  # name -> Served
         self._active = None  # the adapter served when a request names no model
+
+    def _place(self, model):
+        """MODEL on the pool's backend: itself on cpu; on cuda a CudaModel copy, the CPU model closed either way
+        (ServingError backend_unavailable, with the loader's reason, when the library cannot be loaded)."""
+        if self.backend != "cuda":
+            return model
+        from native_ext.cuda import CudaUnavailable
+        from trainer.cuda_model import CudaModel
+
+        try:
+            return CudaModel(model)
+        except CudaUnavailable as error:
+            raise ServingError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None
+        finally:
+            model.close()
 
     def _base(self, name):
         served = self._served.get(name)
@@ -148,9 +167,12 @@ class ServingPool:
                 model, tokenizer = load_base(name, self.bases_root)
             except (LookupError, ValueError) as error:
                 raise ServingError("model_not_found", str(error)) from None
+            model = self._place(model)
             served = Served(name=name, base=name, model=model, tokenizer=tokenizer)
             with self.lock.write():
-                self._served.setdefault(name, served)
+                kept = self._served.setdefault(name, served)
+            if kept is not served:  # another request loaded it meanwhile
+                model.close()
         return self._served[name]
 
     def load_adapter(self, adapter: str, base: str) -> Served:
@@ -168,6 +190,7 @@ class ServingPool:
         except ValueError as error:
             model.close()
             raise ServingError("adapter_incompatible", str(error)) from None
+        model = self._place(model)
         served = Served(name=adapter, base=base, model=model, tokenizer=tokenizer, adapter_path=str(path))
         with self.lock.write():
             previous = self._served.get(adapter)

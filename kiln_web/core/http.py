@@ -39,6 +39,7 @@ STATUS = {
     "adapter_incompatible": 409,
     "adapter_unavailable": 503,
     "adapter_changed": 503,
+    "backend_unavailable": 503,  # serving: the process's configured backend (cuda) has no usable device
 }
 
 

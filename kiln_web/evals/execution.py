@@ -79,7 +79,7 @@ def execute_evaluation(run_id, worker_id: str) -> str:
         comparison = runtime.compare(
             suite, candidate=run.candidate.name, candidate_base=run.candidate_base, baseline_kind=run.baseline_kind,
             baseline=run.baseline, baseline_base=run.baseline_base, baseline_sha256=run.baseline_sha256,
-            max_new_tokens=run.max_new_tokens)
+            max_new_tokens=run.max_new_tokens, backend=run.backend)
     except Exception as exc:  # noqa: BLE001 (mapped to failed; the gate reads it as unavailable)
         code = getattr(exc, "code", None)
         if not isinstance(code, str) or not code:

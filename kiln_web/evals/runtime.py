@@ -62,11 +62,11 @@ def parse(name: str, content: str, default_metric: str):
 
 
 def compare(suite, *, candidate: str, candidate_base: str, baseline_kind: str, baseline: str, baseline_base: str,
-            baseline_sha256: str = "", max_new_tokens: int = 64, progress=None) -> Comparison:
-    """Greedy completions of every example by the candidate adapter, then by the baseline."""
+            baseline_sha256: str = "", max_new_tokens: int = 64, progress=None, backend: str = "cpu") -> Comparison:
+    """Greedy completions of every example by the candidate adapter, then by the baseline, on BACKEND."""
     total = 2 * len(suite.examples)
     try:
-        with serving_runtime.scratch_pool() as pool:
+        with serving_runtime.scratch_pool(backend) as pool:
             sha = serving_runtime.snapshot_sha256(candidate)
             served = pool.load_adapter(candidate, candidate_base)
             if serving_runtime.snapshot_sha256(candidate) != sha:

@@ -141,10 +141,24 @@ def is_base(name: str) -> bool:
 # -- pools --
 
 
+def serving_backend() -> str:
+    """The backend this process's pools compute on: KILN_TRAINING_BACKEND resolved as a request without `backend`
+    is (auto: cuda only with a usable device and a passing qualification receipt for this envelope). An explicit
+    cuda stays cuda where there is no device: every load is then refused (backend_unavailable, with the loader's
+    reason) rather than served on another backend than the one configured."""
+    from trainer.runs.admission import choose_backend
+    from trainer.runs.backend import BackendUnavailable
+
+    try:
+        return choose_backend(None, settings.KILN_TRAINING_BACKEND, settings.KILN_HOME).resolved
+    except BackendUnavailable:
+        return "cuda"
+
+
 @contextmanager
-def scratch_pool():
-    """A pool of this call's own (canaries, evaluations), closed afterwards."""
-    pool = ServingPool(settings.KILN_HOME, registry())
+def scratch_pool(backend: str | None = None):
+    """A pool of this call's own (canaries, evaluations) on BACKEND (None: serving_backend()), closed afterwards."""
+    pool = ServingPool(settings.KILN_HOME, registry(), serving_backend() if backend is None else backend)
     try:
         yield pool
     finally:
@@ -168,8 +182,8 @@ def canary(adapter: str, base: str) -> tuple[bool, str, str]:
 
 
 class ServingRuntime:
-    def __init__(self, home: Path, adapters: Path, threads: int):
-        self.pool = ServingPool(home, adapters)
+    def __init__(self, home: Path, adapters: Path, threads: int, backend: str = "cpu"):
+        self.pool = ServingPool(home, adapters, backend)
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kiln-serving")
         self._lock = threading.RLock()  # one load, unload or reconcile at a time
         self._loaded = {}  # name -> (generation, sha256) this process holds
@@ -259,7 +273,8 @@ def serving() -> ServingRuntime:
     """This process's ServingRuntime, created on first use from the settings."""
     with _RUNTIME_LOCK:
         if not _RUNTIME:
-            _RUNTIME.append(ServingRuntime(settings.KILN_HOME, registry(), settings.KILN_SERVING_THREADS))
+            _RUNTIME.append(ServingRuntime(settings.KILN_HOME, registry(), settings.KILN_SERVING_THREADS,
+                                           serving_backend()))
         return _RUNTIME[0]
 
 

@@ -43,14 +43,9 @@ GPU_FIELDS = {"name", "compute_capability", "total_memory", "driver_version", "r
 
 @pytest.fixture
 def probe(monkeypatch):
-    """set(result): native_ext.cuda.probe answers RESULT (a fake loader module when the real one is absent), and
-    the engine is taken to compute on cuda (trainer.model.COMPUTE_BACKENDS; this build's does not, which
-    test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason checks).
+    """set(result): native_ext.cuda.probe answers RESULT (a fake loader module when the real one is absent).
     The per-process caches (the identity, a static absence) are emptied before and after, so no fake device (or
     fake absence) outlives the test."""
-    from trainer import model
-
-    monkeypatch.setattr(model, "COMPUTE_BACKENDS", ("cpu", "cuda"))
     try:
         from native_ext import cuda as module
     except ImportError:
@@ -96,30 +91,16 @@ def resolve(requested, home, default="auto", need_bytes=None):
 # -- resolution (no database) --
 
 
-def test_a_device_without_a_cuda_engine_is_refused_with_the_engines_reason(probe, tmp_path, monkeypatch):
-    """This build computes on cuda for training runs (trainer.runs.backend.CUDA_RUN_KINDS: SFT, GRPO, OPD): with a
-    device (and a receipt) they are admitted on cuda, while evaluations must not record cuda and are refused with
-    the engine's reason naming them."""
-    from trainer import model
-
+def test_every_workload_resolves_to_cuda_with_a_device(probe, tmp_path):
+    """Training runs, evaluations and serving all compute on cuda in this build: with a device (and, for auto, a
+    receipt) each resolves to cuda and a run's recheck passes; the device alone decides."""
     probe(AVAILABLE)
     write_receipt(tmp_path)
-    monkeypatch.setattr(model, "COMPUTE_BACKENDS", ("cpu",))
-    execution._cached.cache_clear()
-    assert model.COMPUTE_BACKENDS == ("cpu",) and backend.CUDA_RUN_KINDS == {"sft", "grpo", "opd"}
-    for kind in ("sft", "grpo", "opd"):
-        assert admission.choose_backend("cuda", "auto", tmp_path, kind=kind).resolved == "cuda"
-        assert admission.choose_backend("auto", "auto", tmp_path, kind=kind).resolved == "cuda"
-        assert admission.select_loss_route("cuda", AVAILABLE, kind=kind) == "kt_tape_flce"
-    with pytest.raises(backend.BackendUnavailable, match="evaluations.* compute on the CPU only in this build"):
-        admission.choose_backend("cuda", "auto", tmp_path, kind=None)
-    choice = admission.choose_backend("auto", "auto", tmp_path, kind=None)
-    assert choice.resolved == "cpu" and "evaluations" in choice.reason and "CPU only" in choice.reason
-    monkeypatch.setattr(backend, "CUDA_RUN_KINDS", frozenset({"sft"}))  # a build whose OPD computes on the CPU
-    with pytest.raises(admission.AdmissionError) as refused:
-        admission.require_loss_route("kt_tape_flce", "cuda", kind="opd")  # a run's own recheck
-    assert refused.value.code == "backend_unavailable" and "OPD runs compute on the CPU only" in refused.value.message
-    backend.require_cuda()  # a worker's dequeue check asks for the device alone; admission chose for the kind
+    assert admission.choose_backend("cuda", "auto", tmp_path).resolved == "cuda"
+    assert admission.choose_backend("auto", "auto", tmp_path).resolved == "cuda"
+    assert admission.select_loss_route("cuda", AVAILABLE) == "kt_tape_flce"
+    admission.require_loss_route("kt_tape_flce", "cuda")  # a run's own recheck before it allocates
+    backend.require_cuda()  # a worker's dequeue check
 
 
 def test_auto_picks_cpu_on_this_machine_and_says_why(tmp_path):

@@ -126,19 +126,13 @@ def test_cli_fails_and_names_the_route_when_a_route_fails(tmp_path, monkeypatch,
 real_routes = qualification._routes
 
 
-def test_cuda_qualifies_only_the_routes_that_compute_there(monkeypatch):
-    """A cuda receipt covers the routes whose kind runs on the device (every training kind in this build); in a
-    build where one does not, it is left out and asking for it is refused by name; on cpu every route runs."""
-    from trainer.qualify import backend_routes
-    from trainer.runs import backend
+def test_routes_are_selected_by_name():
+    """Every route by default (on either backend: every training kind computes on cuda too), the named ones in the
+    table's order, and an unknown name refused with the list of routes."""
+    from trainer.qualify import selected_routes
 
     table = {"sft": ("sft", 3, {}), "grpo_inline": ("grpo", 2, {}), "opd": ("opd", 2, {})}
-    assert backend_routes("cpu", table) == ["sft", "grpo_inline", "opd"]
-    assert backend_routes("cuda", table) == ["sft", "grpo_inline", "opd"]
-    monkeypatch.setattr(backend, "CUDA_RUN_KINDS", frozenset({"sft"}))
-    assert backend_routes("cuda", table) == ["sft"]
-    assert backend_routes("cuda", table, ["sft"]) == ["sft"]
-    with pytest.raises(ValueError, match=r"routes \['opd'\] do not compute on cuda"):
-        backend_routes("cuda", table, ["sft", "opd"])
-    with pytest.raises(ValueError, match="unknown routes"):
-        backend_routes("cpu", table, ["nope"])
+    assert selected_routes(table) == ["sft", "grpo_inline", "opd"]
+    assert selected_routes(table, ["opd", "sft"]) == ["sft", "opd"]
+    with pytest.raises(ValueError, match=r"unknown routes \['nope'\]; the routes are sft, grpo_inline, opd"):
+        selected_routes(table, ["nope"])

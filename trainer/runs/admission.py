@@ -17,8 +17,7 @@ from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.fsio import file_sha256
-from trainer.runs.backend import (BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, engine_unavailable,
-                                  probe_cuda, resolve_backend)
+from trainer.runs.backend import BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, probe_cuda, resolve_backend
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, OPTIMIZER_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
 from trainer.runs.execution import KERNEL_CONTRACT, execution_identity  # noqa: F401  (re-exported)
@@ -283,12 +282,10 @@ def comparable_config(config: dict) -> dict:
 # -- identities ------------------------------------------------------------------------------
 
 
-def choose_backend(requested: str | None, default: str, home, need_bytes: int | None = None,
-                   kind: str | None = None) -> BackendChoice:
-    """trainer.runs.backend.resolve_backend for KIND (a run kind; None: work outside a training run, such as an
-    evaluation) with this process's cuda execution identity (what a receipt must hold for); ValueError or
-    BackendUnavailable as it raises them."""
-    return resolve_backend(requested, default, home, lambda: execution_identity("cuda"), need_bytes, kind)
+def choose_backend(requested: str | None, default: str, home, need_bytes: int | None = None) -> BackendChoice:
+    """trainer.runs.backend.resolve_backend with this process's cuda execution identity (what a receipt must hold
+    for); ValueError or BackendUnavailable as it raises them."""
+    return resolve_backend(requested, default, home, lambda: execution_identity("cuda"), need_bytes)
 
 
 def planned_device_bytes(config: dict, base) -> int | None:
@@ -303,14 +300,14 @@ def planned_device_bytes(config: dict, base) -> int | None:
     return 4 * count
 
 
-def admit_backend(config: dict, settings: RunSettings, base=None, kind: str | None = None) -> BackendChoice:
-    """Resolve config.backend (None: the server's settings.backend) for a run of KIND from capabilities
-    (trainer.runs.backend; the device must have free at least the floor of what the run over BASE needs, and KIND
-    must compute on cuda) and record the resolved one in the effective configuration; AdmissionError
-    backend_unavailable, with the loader's reason or the engine's, when cuda is asked for and cannot run here."""
+def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoice:
+    """Resolve config.backend (None: the server's settings.backend) for a run from capabilities
+    (trainer.runs.backend; the device must have free at least the floor of what the run over BASE needs) and
+    record the resolved one in the effective configuration; AdmissionError backend_unavailable, with the loader's
+    reason, when cuda is asked for and cannot run here."""
     need_bytes = None if base is None else planned_device_bytes(config, base)
     try:
-        choice = choose_backend(config.get("backend"), settings.backend, settings.home, need_bytes, kind)
+        choice = choose_backend(config.get("backend"), settings.backend, settings.home, need_bytes)
     except BackendUnavailable as error:
         raise AdmissionError("backend_unavailable", f"{error.message}; ask for backend cpu or auto, or run on a "
                                                     "machine whose CUDA device the loader finds") from None
@@ -329,15 +326,15 @@ def run_backend(admission) -> str:
     return backend
 
 
-def select_loss_route(backend: str, capabilities: dict | None = None, kind: str | None = None) -> str:
-    """The loss route admission budgets for a run of KIND, derived from the backend and its capabilities (the CUDA
+def select_loss_route(backend: str, capabilities: dict | None = None) -> str:
+    """The loss route admission budgets for a run, derived from the backend and its capabilities (the CUDA
     loader's probe; None: probed here): cpu as it always was, cuda the chunked fused route, once the probe finds a
-    device and KIND computes on cuda."""
+    device."""
     routes = BACKEND_LOSS_ROUTES.get(backend)
     if not routes:
         raise AdmissionError("backend_unavailable", f"backend {backend!r} has no loss route here")
     if backend == "cuda":
-        reason = cuda_unavailable(probe_cuda() if capabilities is None else capabilities) or engine_unavailable(kind)
+        reason = cuda_unavailable(probe_cuda() if capabilities is None else capabilities)
         if reason is not None:
             raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {reason}")
     return routes[0]
@@ -357,13 +354,13 @@ def loss_options(route: str, vocabulary_size: int) -> dict:
     return {"loss_route": route, "loss_chunk_tokens": max(64, LOSS_CHUNK_BYTES // (4 * int(vocabulary_size)))}
 
 
-def require_loss_route(route: str, backend: str, kind: str | None = None) -> None:
-    """AdmissionError unless this process can run the admitted loss route of a run of KIND on the run's BACKEND
-    (rechecked before allocation: a cuda run needs the device now, and a kind that computes on cuda)."""
+def require_loss_route(route: str, backend: str) -> None:
+    """AdmissionError unless this process can run the admitted loss route of a run on the run's BACKEND
+    (rechecked before allocation: a cuda run needs the device now)."""
     if route not in BACKEND_LOSS_ROUTES.get(backend, ()):
         raise AdmissionError("loss_route_unavailable", f"loss route {route!r} is not available on backend "
                                                        f"{backend!r}")
-    select_loss_route(backend, kind=kind)
+    select_loss_route(backend)
 
 
 def planning_identity(objective: str, config: dict, loss_route: str) -> dict:

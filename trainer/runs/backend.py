@@ -2,8 +2,8 @@
 
 cuda is usable when the CUDA loader's probe (native_ext.cuda.probe) loads the library and finds a device of
 compute capability >= 8.0 (with free memory for the run's planned need, when that is known). `cuda` asked for
-explicitly needs that and a workload that computes on cuda (CUDA_RUN_KINDS: the run kinds); without either the
-request is refused (`backend_unavailable`, with the loader's reason or the engine's).
+explicitly needs that; without it the request is refused (`backend_unavailable`, with the loader's reason).
+Every workload computes on either: training runs (trainer.runs.device), evaluations and serving (trainer.serving).
 `auto` picks cuda only when it is usable AND a passing `kiln qualify --backend cuda` receipt
 ($KILN_HOME/qualification/latest-cuda.json) holds for this exact execution envelope; otherwise cpu, and the
 choice records why. Device and vendor names never enter the decision.
@@ -20,12 +20,7 @@ from pathlib import Path
 BACKENDS = ("auto", "cpu", "cuda")
 MIN_CAPABILITY = (8, 0)  # the CUDA kernels' floor (Ampere's 8.0: TF32-free FP32 paths, cp.async)
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # what trainer.qualify writes (kiln_web.dashboard.readers checks it)
-# the run kinds whose loop computes on cuda, beyond trainer.model.COMPUTE_BACKENDS (what every workload computes on):
-# each drives trainer.cuda_model.CudaModel through trainer.runs.device (GRPO's reference scoring, OPD's sampling and
-# a native teacher included); evaluations (generation outside a run) compute on the CPU engine only
-CUDA_RUN_KINDS = frozenset({"sft", "grpo", "opd"})
-WORKLOADS = {"sft": "SFT runs", "grpo": "GRPO runs", "opd": "OPD runs",
-             None: "evaluations (and other work outside a training run)"}
+
 
 
 class BackendUnavailable(RuntimeError):
@@ -95,8 +90,7 @@ def cuda_device(probe: dict) -> dict | None:
 
 
 def cuda_unavailable(probe: dict, need_bytes: int | None = None) -> str | None:
-    """Why the device cannot run here (the loader's reason), or None when it can; whether a workload computes on
-    it is engine_unavailable's question."""
+    """Why the device cannot run here (the loader's reason), or None when it can."""
     if not probe.get("available"):
         return probe.get("reason") or probe.get("code") or "the CUDA loader reports no usable device"
     device = cuda_device(probe)
@@ -106,16 +100,6 @@ def cuda_unavailable(probe: dict, need_bytes: int | None = None) -> str | None:
     if need_bytes and isinstance(free, int) and free < need_bytes:
         return f"device {device.get('index')} has {free} bytes free; the run plans {need_bytes}"
     return None
-
-
-def engine_unavailable(kind: str | None) -> str | None:
-    """Why KIND (a run kind: sft, grpo, opd; None: work outside a training run, such as an evaluation) does not
-    compute on cuda in this build (trainer.model.NO_CUDA_ENGINE, naming it), or None when it does."""
-    from trainer import model
-
-    if "cuda" in model.COMPUTE_BACKENDS or kind in CUDA_RUN_KINDS:
-        return None
-    return model.NO_CUDA_ENGINE.format(work=WORKLOADS.get(kind, f"{kind} runs"))
 
 
 def require_cuda(need_bytes: int | None = None) -> dict:
@@ -165,13 +149,12 @@ def unqualified(home, identity: dict) -> str | None:
     return None
 
 
-def resolve_backend(requested: str | None, default: str, home, cuda_identity, need_bytes: int | None = None,
-                    kind: str | None = None) -> BackendChoice:
-    """REQUESTED (a request's backend; None: DEFAULT, the server's KILN_TRAINING_BACKEND) resolved to cpu or cuda
-    for KIND (a run kind; None: work outside a training run, such as an evaluation); CUDA_IDENTITY() is this
-    process's cuda execution identity, which a receipt must hold for (auto only).
-    ValueError on a name that is not a backend; BackendUnavailable when cuda is asked for and cannot run (no
-    device: the loader's reason; a KIND that computes on the CPU only: the engine's)."""
+def resolve_backend(requested: str | None, default: str, home, cuda_identity,
+                    need_bytes: int | None = None) -> BackendChoice:
+    """REQUESTED (a request's backend; None: DEFAULT, the server's KILN_TRAINING_BACKEND) resolved to cpu or cuda;
+    CUDA_IDENTITY() is this process's cuda execution identity, which a receipt must hold for (auto only).
+    ValueError on a name that is not a backend; BackendUnavailable (the loader's reason) when cuda is asked for
+    and cannot run."""
     wanted = requested if requested is not None else default
     if wanted not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {wanted!r}")
@@ -180,11 +163,8 @@ def resolve_backend(requested: str | None, default: str, home, cuda_identity, ne
         return BackendChoice("cpu", "cpu", f"cpu: {source}")
     if wanted == "cuda":
         require_cuda(need_bytes)
-        reason = engine_unavailable(kind)
-        if reason is not None:
-            raise BackendUnavailable("cuda", reason)
         return BackendChoice("cuda", "cuda", f"cuda: {source}")
-    reason = cuda_unavailable(probe_cuda(), need_bytes) or engine_unavailable(kind)
+    reason = cuda_unavailable(probe_cuda(), need_bytes)
     if reason is not None:
         return BackendChoice("auto", "cpu", f"auto: cuda unavailable: {reason}")
     reason = unqualified(home, cuda_identity())

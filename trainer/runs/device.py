@@ -3,8 +3,7 @@
 The device model is built from the CPU model once it is quantized, LoRA-attached, warm-started and restored
 (with the restored Adam state); clip_and_step's arithmetic runs on the device (device_clip_and_step); before each
 checkpoint and the final snapshot the adapter values and Adam state come back into the CPU model and Adam
-(download_device_state), whose writers are the CPU loop's. A run kind computes on cuda only when it is in
-trainer.runs.backend.CUDA_RUN_KINDS.
+(download_device_state), whose writers are the CPU loop's.
 """
 
 import math

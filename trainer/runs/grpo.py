@@ -147,8 +147,8 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, base = _prepare(request, settings)
-    backend = admit_backend(config, settings, base, kind="grpo")
-    loss_route = select_loss_route(backend.resolved, kind="grpo")
+    backend = admit_backend(config, settings, base)
+    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
     kind, dataset, _, path = read_groups(
@@ -249,7 +249,7 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
-    require_loss_route(route, run_backend(admission), kind="grpo")
+    require_loss_route(route, run_backend(admission))
     _, base = _prepare(admission.request, settings)
     if base.identity != admission.identities["base"]["identity"]:
         raise AdmissionError("base_changed", "the base model changed after admission")

@@ -183,8 +183,8 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
     from trainer.bases import show_base
     config, records, raw, kind, base = _prepare(request, settings)
-    backend = admit_backend(config, settings, base, kind="opd")
-    loss_route = select_loss_route(backend.resolved, kind="opd")
+    backend = admit_backend(config, settings, base)
+    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
     for index, record in enumerate(records):
@@ -286,7 +286,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
-    require_loss_route(route, run_backend(admission), kind="opd")
+    require_loss_route(route, run_backend(admission))
     _, records, raw, _, base = _prepare(admission.request, settings)
     if sha256_hex(raw) != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the prompts changed after admission")

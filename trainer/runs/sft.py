@@ -197,8 +197,8 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, records, raw, kind, base = _prepare(request, settings)
-    backend = admit_backend(config, settings, base, kind="sft")
-    loss_route = select_loss_route(backend.resolved, kind="sft")
+    backend = admit_backend(config, settings, base)
+    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
     steps_per_epoch = _steps_per_epoch(len(examples), config)
@@ -293,7 +293,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
     config = admission.effective_config
     seed = admission.effective_seed
     loss_route = admission.identities["planning"]["sft_loss_route"]
-    require_loss_route(loss_route, run_backend(admission), kind="sft")
+    require_loss_route(loss_route, run_backend(admission))
     config_now, records, raw, kind, base = _prepare(admission.request, settings)
     if hashlib.sha256(raw).hexdigest() != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the dataset changed after admission")

@@ -1,0 +1,151 @@
+"""The serving pool on the cuda backend (trainer.serving.ServingPool(backend="cuda")): bases and adapters copied to
+trainer.cuda_model.CudaModel, completions sampled through its device KV caches (trainer/cuda_decode.py), and the
+evaluation harness (trainer.evals.evaluate) over them.
+
+No test needs a GPU: native_ext.cuda.load opens the host emulation of the CUDA library (the same kernel source
+built by g++; conftest.py's emulated_library). Greedy tokens are compared with `==` against a cpu pool and the
+log-probabilities within 1e-4 relative (the device and the CPU engine sum in different orders).
+"""
+
+import threading
+from contextlib import closing
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import emulated_library  # noqa: F401  (a session fixture: the emulated library)
+from trainer import LoraConfig
+from trainer.bases import load_base
+from trainer.cuda_model import CudaModel
+from trainer.evals import evaluate, parse_suite
+from trainer.generation import SamplingConfig
+from trainer.peft import publish_final_adapter
+from trainer.serving import ServingError, ServingPool
+
+TOLERANCE = 1e-4
+GREEDY = SamplingConfig(max_new_tokens=10, temperature=0)
+
+
+@pytest.fixture
+def library(monkeypatch, emulated_library):  # noqa: F811
+    """The emulated library as the one native_ext.cuda.load opens; yields the list of loads."""
+    from native_ext import cuda
+
+    handle = cuda.open_library(emulated_library)
+    loads = []
+    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): loads.append(handle) or handle)
+    return loads
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """kiln-tiny's home and a registry holding one PEFT snapshot, "greeter", with non-trivial adapters."""
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    model, _ = load_base("kiln-tiny", tmp_path)
+    model.attach_lora(LoraConfig(rank=4, alpha=8))
+    rng = np.random.default_rng(0)
+    model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.5
+                                   for k, v in model.adapter_state_dict().items()})
+    publish_final_adapter(model, registry, "greeter", "kiln-tiny")
+    model.close()
+    return tmp_path, registry
+
+
+def pools(registry):
+    home, adapters = registry
+    return ServingPool(home, adapters, "cpu"), ServingPool(home, adapters, "cuda")
+
+
+def prompt_of(pool, text):
+    tokenizer = pool.resolve("kiln-tiny").tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True))
+
+
+def relative(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
+
+
+def test_a_cuda_pool_serves_what_a_cpu_pool_serves(library, registry):
+    """Base and adapter on the device: the cpu pool's greedy tokens, log-probabilities (echoed prompt ones too)
+    within TOLERANCE; the canary passes; the served models are CudaModels, and unloading closes them."""
+    cpu, gpu = pools(registry)
+    with closing(cpu), closing(gpu):
+        prompt = prompt_of(cpu, "hi")
+        for name in ("kiln-tiny", "greeter"):
+            if name == "greeter":
+                cpu.load_adapter("greeter", "kiln-tiny")
+                gpu.load_adapter("greeter", "kiln-tiny")
+            _, expected = cpu.complete(name, prompt, GREEDY, echo=True, top_logprobs=2)
+            served, actual = gpu.complete(name, prompt, GREEDY, echo=True, top_logprobs=2)
+            assert isinstance(served.model, CudaModel) and library
+            assert actual.tokens == expected.tokens and len(actual.tokens) == 10, name
+            assert actual.text == expected.text
+            assert relative(actual.logprobs, expected.logprobs) <= TOLERANCE, name
+            assert relative(actual.prompt_logprobs, expected.prompt_logprobs) <= TOLERANCE, name
+        _, base = gpu.complete("kiln-tiny", prompt, GREEDY)
+        _, adapted = gpu.complete("greeter", prompt, GREEDY)
+        assert adapted.tokens != base.tokens  # the adapter is on the device too
+        assert gpu.canary("greeter") == (True, "loaded, generated and scored")
+        model = gpu.resolve("greeter").model
+        gpu.unload("greeter")
+        assert model.closed
+
+
+def test_concurrent_requests_on_the_device_keep_their_own_caches(library, registry):
+    """Two streams on one served device model, taking turns token by token: each gets the tokens it gets alone."""
+    _, gpu = pools(registry)
+    with closing(gpu):
+        gpu.load_adapter("greeter", "kiln-tiny")
+        prompts = [prompt_of(gpu, "hi"), prompt_of(gpu, "tell me a story")]
+        alone = [gpu.complete("greeter", p, GREEDY)[1].tokens for p in prompts]
+        both_started, results = threading.Barrier(2), [None, None]
+
+        def stream(index):
+            both_started.wait()
+            results[index] = gpu.complete("greeter", prompts[index], GREEDY)[1].tokens
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == alone and alone[0] != alone[1]
+
+
+def test_an_evaluation_on_the_device_scores_what_the_cpu_scores(library, registry):
+    """trainer.evals.evaluate over a device model: the same completions and verdicts as over the CPU model."""
+    cpu, gpu = pools(registry)
+    with closing(cpu), closing(gpu):
+        lines = [f'{{"prompt": "say {word}", "expected": "{word}", "metric": "contains"}}'
+                 for word in ("hello", "yes", "no")]
+        suite = parse_suite("words", "\n".join(lines))
+        results = []
+        for pool in (cpu, gpu):
+            served = pool.load_adapter("greeter", "kiln-tiny")
+            results.append(evaluate(served.model, served.tokenizer, suite, max_new_tokens=6))
+        expected, actual = results
+        assert any(e["output"] for e in expected.examples)
+        assert [e["output"] for e in actual.examples] == [e["output"] for e in expected.examples]
+        assert actual.accuracy == expected.accuracy
+
+
+def test_a_pool_without_the_library_refuses_loads_with_the_loaders_reason(monkeypatch, registry):
+    from native_ext import cuda
+
+    def refuse(min_capability=(8, 0)):
+        raise cuda.CudaUnavailable("driver_missing", None, "libcuda.so.1 is not installed")
+
+    monkeypatch.setattr(cuda, "load", refuse)
+    _, gpu = pools(registry)
+    with closing(gpu):
+        for load in (lambda: gpu.resolve("kiln-tiny"), lambda: gpu.load_adapter("greeter", "kiln-tiny")):
+            with pytest.raises(ServingError) as refused:
+                load()
+            assert refused.value.code == "backend_unavailable"
+            assert "libcuda.so.1 is not installed" in refused.value.message
+        assert gpu.loaded() == []
+    with pytest.raises(ValueError, match="backend must be cpu or cuda"):
+        ServingPool(registry[0], registry[1], "tpu")
