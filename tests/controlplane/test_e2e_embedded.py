@@ -7,6 +7,8 @@ from kiln_web.jobs import actions
 from kiln_web.jobs.models import JobMetric, TrainingJob
 from kiln_web.jobs.worker import EmbeddedWorker
 
+from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
+
 from .conftest import sft_body
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
@@ -114,3 +116,20 @@ def test_resume_drift_and_dequeue_revalidation(real_runner, api, adapter_name, m
     job = TrainingJob.objects.get(pk=response.json()["id"])
     assert job.status == "failed" and job.error_code == "checksum_mismatch", (job.error_code, job.error_message)
     assert not JobMetric.objects.filter(job=job).exists()
+
+
+def test_cancel_then_resume_on_cuda_is_byte_identical(real_runner, api, adapter_name, monkeypatch,
+                                                      cuda_environment):  # noqa: F811
+    """The same proof on the cuda backend (a GPU, or the host emulation of the library as the loader's device):
+    the jobs record cuda and its device, and the resumed run's state files equal the uninterrupted run's."""
+    whole = submit_and_run(api, request(adapter_name + "-whole", backend="cuda"))
+    assert whole["status"] == "succeeded", whole["error"]
+    assert whole["effective_config"]["backend"] == "cuda"
+    assert whole["identities"]["execution"]["backend"] == "cuda" and whole["identities"]["execution"]["gpu"]["name"]
+    parted = request(adapter_name, backend="cuda")
+    cancelled = submit_and_run(api, parted, cancel_at_step=4, monkeypatch=monkeypatch)
+    assert cancelled["status"] == "cancelled" and cancelled["latest_checkpoint"]["committed_step"] == 4
+    parted["config"]["resume_checkpoint"] = cancelled["latest_checkpoint"]["resume_checkpoint"]
+    resumed = submit_and_run(api, parted)
+    assert resumed["status"] == "succeeded", resumed["error"]
+    assert final_bytes(real_runner, resumed) == final_bytes(real_runner, whole)

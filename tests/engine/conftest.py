@@ -168,3 +168,25 @@ def emulated_device(monkeypatch, emulated_library):
     yield opened
     for cache in caches:
         cache.cache_clear()
+
+
+@pytest.fixture(params=["gpu", "emulated"])
+def cuda_environment(request):
+    """This process (and the fresh processes it starts) on a CUDA device, twice: on the GPU where the loader finds
+    one (else skipped with the probe's reason), and on the host emulation, named by KILN_CUDA_LIBRARY so that the
+    loader, its isolated probe and child processes all find it (it reports one device of compute capability 8.0).
+    Yields the library path, or None on the GPU; the per-process caches are emptied before and after."""
+    from trainer.runs import backend, execution
+
+    if request.param == "gpu" and not cuda_probe()["available"]:
+        pytest.skip(f"no usable GPU: {cuda_probe()['reason']}")
+    path = None if request.param == "gpu" else request.getfixturevalue("emulated_library")
+    caches = (execution._cached, backend._absent_for_this_process)
+    with pytest.MonkeyPatch.context() as patch:  # its own: a test's monkeypatch.undo() leaves it in place
+        if path is not None:
+            patch.setenv("KILN_CUDA_LIBRARY", str(path))
+        for cache in caches:
+            cache.cache_clear()
+        yield path
+        for cache in caches:
+            cache.cache_clear()
