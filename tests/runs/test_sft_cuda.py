@@ -1,6 +1,6 @@
 """SFT runs on the cuda backend (issue #17): trainer.runs.sft trains on trainer.cuda_model.CudaModel while
-checkpoints, resume, the final PEFT snapshot and the metrics stay those of the CPU loop; GRPO and OPD (which
-compute on the CPU only) are refused cuda with the engine's reason.
+checkpoints, resume, the final PEFT snapshot and the metrics stay those of the CPU loop (GRPO and OPD on cuda:
+test_grpo_opd_cuda.py).
 
 No test needs a GPU: native_ext.cuda.load opens the host emulation of the CUDA library (the same kernel source
 built by g++ with -DKILN_CUDA_EMULATE; tests/engine/conftest.py's emulated_library) and native_ext.cuda.probe
@@ -19,8 +19,7 @@ from safetensors.numpy import load as safetensors_load
 
 from tests.engine.conftest import emulated_library  # noqa: F401  (a session fixture: the emulated library)
 from test_sft import RECORDS, StopAt, final_files, make_settings, request, write_dataset
-from trainer import teachers
-from trainer.runs import backend, checkpoint_dir, execution, grpo, opd
+from trainer.runs import backend, checkpoint_dir, execution
 from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError
 from trainer.runs.sft import admit_sft, run_sft
 
@@ -116,27 +115,6 @@ def test_cancel_then_resume_on_cuda_is_byte_identical(device, tmp_path, case):
     assert len(device) == opened + 1  # a fresh CudaModel for the resumed run
     assert second.status == "succeeded" and second.loss_history == whole.loss_history
     assert final_files(settings) == final_files(whole_settings)
-
-
-def test_grpo_and_opd_are_refused_cuda_with_the_engines_reason(device, tmp_path):
-    from test_grpo import inline_request
-    from test_grpo import make_settings as grpo_settings
-
-    with pytest.raises(AdmissionError) as refused:
-        grpo.admit_grpo(inline_request(backend="cuda"), grpo_settings(tmp_path / "grpo"))
-    assert refused.value.code == "backend_unavailable"
-    assert "GRPO runs compute on the CPU only in this build" in refused.value.message
-    assert grpo.admit_grpo(inline_request(backend="auto"), grpo_settings(tmp_path / "grpo")) \
-        .effective_config["backend"] == "cpu"
-
-    spec = {"alias": "tutor@native", "route": "native", "base": "kiln-tiny", "adapter": None}
-    teacher = {**spec, "identity_revision": teachers.identity_revision(spec)}
-    opd_request = {"prompts": ["Hello"], "config": {"output_name": "distilled-bot", "teacher": teacher, "seed": 9,
-                                                    "steps": 2, "lora": {"rank": 4, "alpha": 8}, "backend": "cuda"}}
-    with pytest.raises(AdmissionError) as refused:
-        opd.admit_opd(opd_request, make_settings(tmp_path / "opd"))
-    assert refused.value.code == "backend_unavailable"
-    assert "OPD runs compute on the CPU only in this build" in refused.value.message
 
 
 def test_a_library_that_cannot_be_loaded_fails_the_run_with_the_loaders_reason(device, tmp_path, monkeypatch):
