@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
 from trainer import qualify as qualification
 from trainer import qualify_child
 
@@ -136,3 +137,18 @@ def test_routes_are_selected_by_name():
     assert selected_routes(table, ["opd", "sft"]) == ["sft", "opd"]
     with pytest.raises(ValueError, match=r"unknown routes \['nope'\]; the routes are sft, grpo_inline, opd"):
         selected_routes(table, ["nope"])
+
+
+def test_every_route_qualifies_on_cuda_in_fresh_processes(cuda_environment, tmp_path):  # noqa: F811
+    """kiln qualify --backend cuda on a device (a GPU, or the host emulation the loader finds through
+    KILN_CUDA_LIBRARY in every fresh process): each route's repeat and cancel-then-resume equal its first run, on
+    the device, and the receipt's envelope is the cuda identity."""
+    output = tmp_path / "latest-cuda.json"
+    document = qualification.qualify(backend="cuda", output=output, progress=lambda line: None)
+    assert document["passed"] is True, [(r["route"], r["mismatches"], r.get("error")) for r in document["routes"]]
+    assert [r["route"] for r in document["routes"]] == ["sft", "grpo_inline", "grpo_streamed", "opd"]
+    execution = document["envelope"]["execution"]
+    assert document["backend"] == "cuda" and execution["backend"] == "cuda"
+    assert execution["kernel_contract"] == "kiln-cuda-kernels-v1" and execution["gpu"]["name"]
+    if cuda_environment is not None:
+        assert execution["gpu"]["name"] == "kiln host emulation"
