@@ -2,9 +2,8 @@
 OPD samples on it (trainer.cuda_decode) and a native teacher scores on one of its own, while checkpoints, resume
 and the final PEFT snapshot stay those of the CPU loop.
 
-No test needs a GPU: test_sft_cuda's `device` fixture makes native_ext.cuda.load open the host emulation of the
-CUDA library and native_ext.cuda.probe report a device; the list it yields holds one entry per library load, i.e.
-per CudaModel built.
+Each test runs on a GPU where the loader finds one (skipped without) and on the host emulation of the CUDA library
+(test_sft_cuda's `device` fixture); the list it yields holds one entry per library load, i.e. per CudaModel built.
 
 Tolerance across backends: a relative difference of 1e-4 (TOLERANCE) for the loss history (scaled by its largest
 value: a GRPO loss can sit near zero) and each step's gradient norm; clip decisions, learning rates and token counts
@@ -24,7 +23,7 @@ import json
 import pytest
 from safetensors.numpy import load as safetensors_load
 
-from tests.engine.conftest import emulated_library  # noqa: F401  (a session fixture: the emulated library)
+from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
 from test_grpo import GROUPS, INLINE
 from test_grpo import final_files as grpo_final_files
 from test_grpo import make_settings as grpo_settings
@@ -35,7 +34,7 @@ from test_opd import make_settings as opd_settings
 from test_opd import native_teacher
 from test_opd import request as opd_request
 from test_opd import run as opd_run
-from test_sft_cuda import DEVICE, TOLERANCE, device, relative  # noqa: F401  (device: the emulated CUDA device)
+from test_sft_cuda import TOLERANCE, device, gpu_name, relative  # noqa: F401  (device: a GPU, or the emulation)
 from trainer import teachers
 from trainer.cuda_model import CudaModel
 from trainer.runs import checkpoint_dir, opd
@@ -93,7 +92,7 @@ def assert_same_adapter(gpu_settings, cpu_settings, adapter):
 def assert_recorded_cuda(settings, adapter):
     path = checkpoint_dir.latest_checkpoint(settings.registry, adapter)
     held = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS).manifest
-    assert held["execution"]["backend"] == "cuda" and held["execution"]["gpu"]["name"] == DEVICE["name"]
+    assert held["execution"]["backend"] == "cuda" and held["execution"]["gpu"]["name"] == gpu_name()
 
 
 # -- GRPO ------------------------------------------------------------------------------------------

@@ -2,54 +2,48 @@
 checkpoints, resume, the final PEFT snapshot and the metrics stay those of the CPU loop (GRPO and OPD on cuda:
 test_grpo_opd_cuda.py).
 
-No test needs a GPU: native_ext.cuda.load opens the host emulation of the CUDA library (the same kernel source
-built by g++ with -DKILN_CUDA_EMULATE; tests/engine/conftest.py's emulated_library) and native_ext.cuda.probe
-reports a device, as tests/controlplane/test_backend_selection.py's AVAILABLE does.
+Each test runs on a GPU where the loader finds one (skipped, with the probe's reason, without) and on the host
+emulation of the CUDA library (the same kernel source built by g++ with -DKILN_CUDA_EMULATE), which the loader
+finds through KILN_CUDA_LIBRARY and reports as a device of compute capability 8.0 (tests/engine/conftest.py's
+cuda_environment).
 
 Tolerance across backends: a relative difference of 1e-4 per step's loss and gradient norm, and of the final
 adapter's values (the device and the CPU engine sum in different orders). On one backend an interrupted and
 resumed run ends with the same bytes as an uninterrupted one, compared with `==`.
 """
 
-import copy
-
 import numpy as np
 import pytest
 from safetensors.numpy import load as safetensors_load
 
-from tests.engine.conftest import emulated_library  # noqa: F401  (a session fixture: the emulated library)
+from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
 from test_sft import RECORDS, StopAt, final_files, make_settings, request, write_dataset
-from trainer.runs import backend, checkpoint_dir, execution
+from trainer.runs import checkpoint_dir
 from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError
 from trainer.runs.sft import admit_sft, run_sft
 
 TOLERANCE = 1e-4
-DEVICE = {"index": 0, "name": "Emulated Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
-          "free_memory": 79 << 30}
-AVAILABLE = {"library": "/opt/kiln/libkiln_cuda.so", "library_sha256": "ab" * 32,
-             "symbols": {"declared": 12, "resolved": 12, "missing": []}, "available": True, "reason": None,
-             "code": None, "devices": [DEVICE], "driver_version": "12040", "runtime_version": "12020",
-             "cublas_version": "120201"}
 SMALL = RECORDS[:4]  # 2 epochs of 4 examples: 4 steps at batch 2, or at batch 1 with 2 micro-batches each
 QLORA = {"quantization": {"type": "nf4", "block_size": 64, "double_quantization": True}}
 
 
 @pytest.fixture
-def device(monkeypatch, emulated_library):  # noqa: F811
-    """A CUDA device as the control plane sees it (the probe) and the emulated library as the one CudaModel loads;
-    the per-process caches (the execution identity, a static absence) are emptied before and after."""
+def device(monkeypatch, cuda_environment):  # noqa: F811
+    """The runs' CUDA device, twice (tests/engine/conftest.py's cuda_environment): a GPU where the loader finds one,
+    and the host emulation the loader finds through KILN_CUDA_LIBRARY. Yields the list of native_ext.cuda.load
+    calls, one per CudaModel built."""
     from native_ext import cuda
 
-    library = cuda.open_library(emulated_library)
-    opened = []
-    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(library) or library)
-    monkeypatch.setattr(cuda, "probe", lambda min_capability=(8, 0), isolated=False: copy.deepcopy(AVAILABLE))
-    caches = (execution._cached, backend._absent_for_this_process)
-    for cache in caches:
-        cache.cache_clear()
+    real, opened = cuda.load, []
+    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(1) or real(min_capability))
     yield opened
-    for cache in caches:
-        cache.cache_clear()
+
+
+def gpu_name() -> str:
+    """The name of the device the runs compute on, as this process's probe reports it."""
+    from native_ext import cuda
+
+    return cuda.probe(isolated=True)["devices"][0]["name"]
 
 
 def run(home, stop=None, resume=None, **config):
@@ -99,7 +93,7 @@ def test_a_cuda_run_follows_the_cpu_run(device, tmp_path, case):
     assert gpu.latest_checkpoint["complete"] is True
     path = checkpoint_dir.latest_checkpoint(cuda_settings.registry, "support-bot")
     held = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS).manifest
-    assert held["execution"]["backend"] == "cuda" and held["execution"]["gpu"]["name"] == DEVICE["name"]
+    assert held["execution"]["backend"] == "cuda" and held["execution"]["gpu"]["name"] == gpu_name()
 
 
 @pytest.mark.parametrize("case", list(CASES))
