@@ -5,7 +5,6 @@ They are fixtures (not importable functions) because tests/ and tests/engine/ bo
 a top-level `conftest` module, so `from conftest import ...` would be ambiguous.
 """
 
-import copy
 import functools
 import os
 import shutil
@@ -141,35 +140,6 @@ def lib(request):
     return cuda.open_library(request.getfixturevalue("emulated_library"))
 
 
-EMULATED_DEVICE = {"index": 0, "name": "Emulated Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
-                   "free_memory": 79 << 30}
-EMULATED_PROBE = {"library": "/opt/kiln/libkiln_cuda.so", "library_sha256": "ab" * 32,
-                  "symbols": {"declared": 12, "resolved": 12, "missing": []}, "available": True, "reason": None,
-                  "code": None, "devices": [EMULATED_DEVICE], "driver_version": "12040", "runtime_version": "12020",
-                  "cublas_version": "120201"}
-
-
-@pytest.fixture
-def emulated_device(monkeypatch, emulated_library):
-    """A CUDA device as the control plane sees it (native_ext.cuda.probe answers EMULATED_PROBE) and the host
-    emulation as the library native_ext.cuda.load opens; yields the list of its loads. The per-process caches
-    (the execution identity, a static absence) are emptied before and after. Other directories' tests use it by
-    importing it and emulated_library from here."""
-    from native_ext import cuda
-    from trainer.runs import backend, execution
-
-    library = cuda.open_library(emulated_library)
-    opened = []
-    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(library) or library)
-    monkeypatch.setattr(cuda, "probe", lambda min_capability=(8, 0), isolated=False: copy.deepcopy(EMULATED_PROBE))
-    caches = (execution._cached, backend._absent_for_this_process)
-    for cache in caches:
-        cache.cache_clear()
-    yield opened
-    for cache in caches:
-        cache.cache_clear()
-
-
 @pytest.fixture(params=["gpu", "emulated"])
 def cuda_environment(request):
     """This process (and the fresh processes it starts) on a CUDA device, twice: on the GPU where the loader finds
@@ -190,3 +160,14 @@ def cuda_environment(request):
         yield path
         for cache in caches:
             cache.cache_clear()
+
+
+@pytest.fixture
+def cuda_loads(cuda_environment):
+    """cuda_environment with a spy: yields the list of native_ext.cuda.load calls (one per CudaModel built)."""
+    from native_ext import cuda
+
+    real, opened = cuda.load, []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(1) or real(min_capability))
+        yield opened

@@ -2,8 +2,8 @@
 trainer.cuda_model.CudaModel, completions sampled through its device KV caches (trainer/cuda_decode.py), and the
 evaluation harness (trainer.evals.evaluate) over them.
 
-No test needs a GPU: native_ext.cuda.load opens the host emulation of the CUDA library (the same kernel source
-built by g++; conftest.py's emulated_library). Greedy tokens are compared with `==` against a cpu pool and the
+Each test runs on a GPU where the loader finds one and on the host emulation of the CUDA library (the same kernel
+source built by g++), which the loader finds through KILN_CUDA_LIBRARY (conftest.py's cuda_environment). Greedy tokens are compared with `==` against a cpu pool and the
 log-probabilities within 1e-4 relative (the device and the CPU engine sum in different orders).
 """
 
@@ -13,7 +13,6 @@ from contextlib import closing
 import numpy as np
 import pytest
 
-from tests.engine.conftest import emulated_library  # noqa: F401  (a session fixture: the emulated library)
 from trainer import LoraConfig
 from trainer.bases import load_base
 from trainer.cuda_model import CudaModel
@@ -24,17 +23,6 @@ from trainer.serving import ServingError, ServingPool
 
 TOLERANCE = 1e-4
 GREEDY = SamplingConfig(max_new_tokens=10, temperature=0)
-
-
-@pytest.fixture
-def library(monkeypatch, emulated_library):  # noqa: F811
-    """The emulated library as the one native_ext.cuda.load opens; yields the list of loads."""
-    from native_ext import cuda
-
-    handle = cuda.open_library(emulated_library)
-    loads = []
-    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): loads.append(handle) or handle)
-    return loads
 
 
 @pytest.fixture
@@ -68,7 +56,7 @@ def relative(actual, expected):
     return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
 
 
-def test_a_cuda_pool_serves_what_a_cpu_pool_serves(library, registry):
+def test_a_cuda_pool_serves_what_a_cpu_pool_serves(cuda_loads, registry):
     """Base and adapter on the device: the cpu pool's greedy tokens, log-probabilities (echoed prompt ones too)
     within TOLERANCE; the canary passes; the served models are CudaModels, and unloading closes them."""
     cpu, gpu = pools(registry)
@@ -80,7 +68,7 @@ def test_a_cuda_pool_serves_what_a_cpu_pool_serves(library, registry):
                 gpu.load_adapter("greeter", "kiln-tiny")
             _, expected = cpu.complete(name, prompt, GREEDY, echo=True, top_logprobs=2)
             served, actual = gpu.complete(name, prompt, GREEDY, echo=True, top_logprobs=2)
-            assert isinstance(served.model, CudaModel) and library
+            assert isinstance(served.model, CudaModel) and cuda_loads
             assert actual.tokens == expected.tokens and len(actual.tokens) == 10, name
             assert actual.text == expected.text
             assert relative(actual.logprobs, expected.logprobs) <= TOLERANCE, name
@@ -94,7 +82,7 @@ def test_a_cuda_pool_serves_what_a_cpu_pool_serves(library, registry):
         assert model.closed
 
 
-def test_concurrent_requests_on_the_device_keep_their_own_caches(library, registry):
+def test_concurrent_requests_on_the_device_keep_their_own_caches(cuda_loads, registry):
     """Two streams on one served device model, taking turns token by token: each gets the tokens it gets alone."""
     _, gpu = pools(registry)
     with closing(gpu):
@@ -115,7 +103,7 @@ def test_concurrent_requests_on_the_device_keep_their_own_caches(library, regist
         assert results == alone and alone[0] != alone[1]
 
 
-def test_an_evaluation_on_the_device_scores_what_the_cpu_scores(library, registry):
+def test_an_evaluation_on_the_device_scores_what_the_cpu_scores(cuda_loads, registry):
     """trainer.evals.evaluate over a device model: the same completions and verdicts as over the CPU model."""
     cpu, gpu = pools(registry)
     with closing(cpu), closing(gpu):

@@ -2,8 +2,8 @@
 scratch pool (kiln_web.evals.runtime.compare -> trainer.serving.ServingPool(backend="cuda")) and records cuda; its
 answers are those of the same run on cpu.
 
-No test needs a GPU: the host emulation of the CUDA library stands in for the device (tests/engine/conftest.py's
-emulated_device: the probe reports a device and native_ext.cuda.load opens the emulation).
+It runs on a GPU where the loader finds one and on the host emulation of the CUDA library, which the loader finds
+through KILN_CUDA_LIBRARY (tests/engine/conftest.py's cuda_environment, cuda_loads).
 """
 
 import json
@@ -12,7 +12,7 @@ import pytest
 
 from kiln_web.evals.models import EvalExampleResult
 from kiln_web.jobs.worker import EmbeddedWorker
-from tests.engine.conftest import emulated_device, emulated_library  # noqa: F401  (fixtures used from here)
+from tests.engine.conftest import cuda_environment, cuda_loads, emulated_library  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.django_db
 
@@ -31,16 +31,16 @@ def run_evaluation(api, adapter_name, backend, capture):
 
 
 def test_an_evaluation_on_cuda_generates_on_the_device_and_answers_as_on_cpu(
-        emulated_device, api, publish, adapter_name, django_capture_on_commit_callbacks):  # noqa: F811
+        cuda_loads, api, publish, adapter_name, django_capture_on_commit_callbacks):  # noqa: F811
     publish(adapter_name)
     content = "\n".join(json.dumps({"prompt": f"Say {word}.", "expected": word, "metric": "contains"})
                         for word in ("kiln", "fire", "clay"))
     assert api.post("/v1/evals/suites", {"name": "words", "content": content}).status_code == 201
     cpu_run, cpu_outputs = run_evaluation(api, adapter_name, "cpu", django_capture_on_commit_callbacks)
-    assert cpu_run["backend"]["resolved"] == "cpu" and not emulated_device  # the cpu run loaded no library
+    assert cpu_run["backend"]["resolved"] == "cpu" and not cuda_loads  # the cpu run loaded no library
     cuda_run, cuda_outputs = run_evaluation(api, adapter_name, "cuda", django_capture_on_commit_callbacks)
     assert cuda_run["backend"]["resolved"] == "cuda"
-    assert len(emulated_device) == 2  # the candidate's and the baseline's models were built on the device
+    assert len(cuda_loads) == 2  # the candidate's and the baseline's models were built on the device
     assert cuda_outputs == cpu_outputs and len(cuda_outputs) == 3
     assert any(candidate != baseline for candidate, baseline in cuda_outputs)  # the adapter changed the answers
     assert cuda_run["candidate"]["summary"] == cpu_run["candidate"]["summary"]

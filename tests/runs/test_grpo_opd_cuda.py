@@ -23,7 +23,7 @@ import json
 import pytest
 from safetensors.numpy import load as safetensors_load
 
-from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
+from tests.engine.conftest import cuda_environment, cuda_loads, emulated_library  # noqa: F401  (fixtures)
 from test_grpo import GROUPS, INLINE
 from test_grpo import final_files as grpo_final_files
 from test_grpo import make_settings as grpo_settings

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as safetensors_load
 
-from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
+from tests.engine.conftest import cuda_environment, cuda_loads, emulated_library  # noqa: F401  (fixtures)
 from test_sft import RECORDS, StopAt, final_files, make_settings, request, write_dataset
 from trainer.runs import checkpoint_dir
 from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError
@@ -28,15 +28,10 @@ QLORA = {"quantization": {"type": "nf4", "block_size": 64, "double_quantization"
 
 
 @pytest.fixture
-def device(monkeypatch, cuda_environment):  # noqa: F811
-    """The runs' CUDA device, twice (tests/engine/conftest.py's cuda_environment): a GPU where the loader finds one,
-    and the host emulation the loader finds through KILN_CUDA_LIBRARY. Yields the list of native_ext.cuda.load
-    calls, one per CudaModel built."""
-    from native_ext import cuda
-
-    real, opened = cuda.load, []
-    monkeypatch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(1) or real(min_capability))
-    yield opened
+def device(cuda_loads):  # noqa: F811
+    """The runs' CUDA device, twice: a GPU where the loader finds one, and the host emulation
+    (tests/engine/conftest.py's cuda_environment); the list of CudaModels built (cuda_loads)."""
+    return cuda_loads
 
 
 def gpu_name() -> str:

@@ -2,15 +2,15 @@
 resolves to (kiln_web.serving.runtime.serving_backend), so /v1/completions answers from a CudaModel; an explicit
 cuda without a device refuses every load with the loader's reason instead of serving on the CPU.
 
-No test needs a GPU: tests/engine/conftest.py's emulated_device stands in for one (the probe reports a device and
-native_ext.cuda.load opens the host emulation of the library).
+Each test runs on a GPU where the loader finds one and on the host emulation of the CUDA library, which the
+loader finds through KILN_CUDA_LIBRARY (tests/engine/conftest.py's cuda_environment, cuda_loads).
 """
 
 import pytest
 from django.test import Client
 
 from kiln_web.serving import runtime
-from tests.engine.conftest import emulated_device, emulated_library  # noqa: F401  (fixtures used from here)
+from tests.engine.conftest import cuda_environment, cuda_loads, emulated_library  # noqa: F401  (fixtures)
 from trainer.cuda_model import CudaModel
 
 pytestmark = pytest.mark.django_db
@@ -22,7 +22,7 @@ def complete(ada, model):
                                          "logprobs": 1}, content_type="application/json")
 
 
-def test_completions_on_cuda_answer_as_on_cpu(emulated_device, settings, ada, api, publish,  # noqa: F811
+def test_completions_on_cuda_answer_as_on_cpu(cuda_loads, settings, ada, api, publish,  # noqa: F811
                                                adapter_name):
     publish(adapter_name, seed=3)
     settings.KILN_TRAINING_BACKEND = "cpu"
@@ -30,13 +30,13 @@ def test_completions_on_cuda_answer_as_on_cpu(emulated_device, settings, ada, ap
     assert api.post(f"/v1/adapters/{adapter_name}/load").status_code == 200
     on_cpu = complete(ada, adapter_name)
     assert on_cpu.status_code == 200, on_cpu.content
-    assert not emulated_device  # nothing was loaded on the device
+    assert not cuda_loads  # nothing was loaded on the device
     runtime.close_serving()
     settings.KILN_TRAINING_BACKEND = "cuda"
     assert runtime.serving_backend() == "cuda"
     on_cuda = complete(ada, adapter_name)  # the new pool reconciles: the served adapter is loaded on the device
     assert on_cuda.status_code == 200, on_cuda.content
-    assert emulated_device and isinstance(runtime.serving().pool.resolve(adapter_name).model, CudaModel)
+    assert cuda_loads and isinstance(runtime.serving().pool.resolve(adapter_name).model, CudaModel)
     cpu_choice, cuda_choice = on_cpu.json()["choices"][0], on_cuda.json()["choices"][0]
     assert cuda_choice["text"] == cpu_choice["text"] and cuda_choice["text"]
     expected, actual = cpu_choice["logprobs"]["token_logprobs"], cuda_choice["logprobs"]["token_logprobs"]
