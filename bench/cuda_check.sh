@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The CUDA backend on a GPU machine, in one go (under 8 minutes): build libkiln_cuda.so, probe it, run the
-# CUDA tests (the kernels against their numpy twins, then the library tests), time bench/cuda_step.py
-# (PyTorch CUDA + peft LoRA step, and Kiln's kernels at the same shape), and print one summary.
+# The CUDA backend on a GPU machine, in one go (under 8 minutes): build libkiln_cuda.so, probe it, run the GPU
+# half of every CUDA test (kernels against their numpy twins, the library, CudaModel and its decoding against the
+# CPU engine, SFT/GRPO/OPD runs within tolerance of cpu and cancel-then-resume ==, serving and evaluations, the
+# API's cancel-then-resume byte for byte, kiln qualify --backend cuda in fresh processes), time
+# bench/cuda_step.py (Kiln's LoRA step against PyTorch CUDA + peft in FP32 and BF16 at the SmolLM2-135M shape,
+# context 1024, batch 8), and print one summary.
 #   bench/cuda_check.sh            (from a checkout whose .venv ./dev has made, or with PYTHON=...)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,8 +44,14 @@ say "probe: $probe"
 
 # 3. tests
 tests="not run"
-if timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/engine/test_cuda_kernels.py \
-        tests/engine/test_cuda_library.py >"$LOG/tests.log" 2>&1; then
+# the GPU halves only (-k "not emulated"): the emulated halves run in every CI run on any machine
+if timeout 330 "$PYTHON" -m pytest -q -p no:cacheprovider -rs -k "not emulated" tests/engine/test_cuda_kernels.py \
+        tests/engine/test_cuda_library.py tests/engine/test_cuda_model.py tests/engine/test_cuda_decode.py \
+        tests/engine/test_serving_cuda.py tests/runs/test_sft_cuda.py tests/runs/test_grpo_opd_cuda.py \
+        tests/evals/test_evals_cuda.py tests/serving/test_serving_cuda.py \
+        "tests/controlplane/test_e2e_embedded.py::test_cancel_then_resume_on_cuda_is_byte_identical" \
+        "tests/runs/test_qualify.py::test_every_route_qualifies_on_cuda_in_fresh_processes" \
+        >"$LOG/tests.log" 2>&1; then
     tests="passed: $(tail -1 "$LOG/tests.log")"
 else
     tests="FAILED: $(tail -1 "$LOG/tests.log") (see $LOG/tests.log)"
@@ -51,7 +60,7 @@ say "tests: $tests"
 
 # 4. benchmark
 bench="not run"
-if timeout 150 "$PYTHON" bench/cuda_step.py --steps 5 >"$LOG/bench.log" 2>&1; then
+if timeout 150 "$PYTHON" bench/cuda_step.py --steps 5 --context 1024 --batch 8 >"$LOG/bench.log" 2>&1; then
     bench="ok"
 else
     bench="FAILED (see $LOG/bench.log)"
