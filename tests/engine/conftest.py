@@ -171,3 +171,23 @@ def cuda_loads(cuda_environment):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cuda, "load", lambda min_capability=(8, 0): opened.append(1) or real(min_capability))
         yield opened
+
+
+@pytest.fixture
+def greeter_registry(tmp_path):
+    """(home, registry): kiln-tiny's home and an adapter registry holding one PEFT snapshot, "greeter", whose
+    adapters are random enough to change what kiln-tiny says."""
+    from trainer import LoraConfig
+    from trainer.bases import load_base
+    from trainer.peft import publish_final_adapter
+
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    model, _ = load_base("kiln-tiny", tmp_path)
+    model.attach_lora(LoraConfig(rank=4, alpha=8))
+    rng = np.random.default_rng(0)
+    model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.5
+                                   for k, v in model.adapter_state_dict().items()})
+    publish_final_adapter(model, registry, "greeter", "kiln-tiny")
+    model.close()
+    return tmp_path, registry

@@ -2,27 +2,15 @@
 
 import threading
 
-import numpy as np
 import pytest
 
-from trainer import LoraConfig
-from trainer.bases import load_base
 from trainer.generation import SamplingConfig
-from trainer.peft import publish_final_adapter
 from trainer.serving import ReadWriteLock, ServingError, ServingPool
 
 
 @pytest.fixture
-def pool(tmp_path):
-    registry = tmp_path / "adapters"
-    registry.mkdir()
-    model, _ = load_base("kiln-tiny", tmp_path)
-    model.attach_lora(LoraConfig(rank=4, alpha=8))
-    rng = np.random.default_rng(0)
-    model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.5
-                                   for k, v in model.adapter_state_dict().items()})
-    publish_final_adapter(model, registry, "greeter", "kiln-tiny")
-    serving = ServingPool(tmp_path, registry)
+def pool(greeter_registry):
+    serving = ServingPool(*greeter_registry)
     yield serving
     serving.close()
 

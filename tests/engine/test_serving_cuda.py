@@ -13,35 +13,17 @@ from contextlib import closing
 import numpy as np
 import pytest
 
-from trainer import LoraConfig
-from trainer.bases import load_base
 from trainer.cuda_model import CudaModel
 from trainer.evals import evaluate, parse_suite
 from trainer.generation import SamplingConfig
-from trainer.peft import publish_final_adapter
 from trainer.serving import ServingError, ServingPool
 
 TOLERANCE = 1e-4
 GREEDY = SamplingConfig(max_new_tokens=10, temperature=0)
 
 
-@pytest.fixture
-def registry(tmp_path):
-    """kiln-tiny's home and a registry holding one PEFT snapshot, "greeter", with non-trivial adapters."""
-    registry = tmp_path / "adapters"
-    registry.mkdir()
-    model, _ = load_base("kiln-tiny", tmp_path)
-    model.attach_lora(LoraConfig(rank=4, alpha=8))
-    rng = np.random.default_rng(0)
-    model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.5
-                                   for k, v in model.adapter_state_dict().items()})
-    publish_final_adapter(model, registry, "greeter", "kiln-tiny")
-    model.close()
-    return tmp_path, registry
-
-
-def pools(registry):
-    home, adapters = registry
+def pools(greeter_registry):
+    home, adapters = greeter_registry
     return ServingPool(home, adapters, "cpu"), ServingPool(home, adapters, "cuda")
 
 
@@ -56,10 +38,10 @@ def relative(actual, expected):
     return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
 
 
-def test_a_cuda_pool_serves_what_a_cpu_pool_serves(cuda_loads, registry):
+def test_a_cuda_pool_serves_what_a_cpu_pool_serves(cuda_loads, greeter_registry):
     """Base and adapter on the device: the cpu pool's greedy tokens, log-probabilities (echoed prompt ones too)
     within TOLERANCE; the canary passes; the served models are CudaModels, and unloading closes them."""
-    cpu, gpu = pools(registry)
+    cpu, gpu = pools(greeter_registry)
     with closing(cpu), closing(gpu):
         prompt = prompt_of(cpu, "hi")
         for name in ("kiln-tiny", "greeter"):
@@ -82,9 +64,9 @@ def test_a_cuda_pool_serves_what_a_cpu_pool_serves(cuda_loads, registry):
         assert model.closed
 
 
-def test_concurrent_requests_on_the_device_keep_their_own_caches(cuda_loads, registry):
+def test_concurrent_requests_on_the_device_keep_their_own_caches(cuda_loads, greeter_registry):
     """Two streams on one served device model, taking turns token by token: each gets the tokens it gets alone."""
-    _, gpu = pools(registry)
+    _, gpu = pools(greeter_registry)
     with closing(gpu):
         gpu.load_adapter("greeter", "kiln-tiny")
         prompts = [prompt_of(gpu, "hi"), prompt_of(gpu, "tell me a story")]
@@ -103,9 +85,9 @@ def test_concurrent_requests_on_the_device_keep_their_own_caches(cuda_loads, reg
         assert results == alone and alone[0] != alone[1]
 
 
-def test_an_evaluation_on_the_device_scores_what_the_cpu_scores(cuda_loads, registry):
+def test_an_evaluation_on_the_device_scores_what_the_cpu_scores(cuda_loads, greeter_registry):
     """trainer.evals.evaluate over a device model: the same completions and verdicts as over the CPU model."""
-    cpu, gpu = pools(registry)
+    cpu, gpu = pools(greeter_registry)
     with closing(cpu), closing(gpu):
         lines = [f'{{"prompt": "say {word}", "expected": "{word}", "metric": "contains"}}'
                  for word in ("hello", "yes", "no")]
@@ -120,14 +102,14 @@ def test_an_evaluation_on_the_device_scores_what_the_cpu_scores(cuda_loads, regi
         assert actual.accuracy == expected.accuracy
 
 
-def test_a_pool_without_the_library_refuses_loads_with_the_loaders_reason(monkeypatch, registry):
+def test_a_pool_without_the_library_refuses_loads_with_the_loaders_reason(monkeypatch, greeter_registry):
     from native_ext import cuda
 
     def refuse(min_capability=(8, 0)):
         raise cuda.CudaUnavailable("driver_missing", None, "libcuda.so.1 is not installed")
 
     monkeypatch.setattr(cuda, "load", refuse)
-    _, gpu = pools(registry)
+    _, gpu = pools(greeter_registry)
     with closing(gpu):
         for load in (lambda: gpu.resolve("kiln-tiny"), lambda: gpu.load_adapter("greeter", "kiln-tiny")):
             with pytest.raises(ServingError) as refused:
@@ -136,4 +118,4 @@ def test_a_pool_without_the_library_refuses_loads_with_the_loaders_reason(monkey
             assert "libcuda.so.1 is not installed" in refused.value.message
         assert gpu.loaded() == []
     with pytest.raises(ValueError, match="backend must be cpu or cuda"):
-        ServingPool(registry[0], registry[1], "tpu")
+        ServingPool(*greeter_registry, "tpu")
