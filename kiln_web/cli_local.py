@@ -234,8 +234,7 @@ def add_qualify(parser: argparse.ArgumentParser) -> None:
                         help="the backend to qualify (default: cpu)")
     parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json)")
     parser.add_argument("--route", action="append", choices=["sft", "grpo_inline", "grpo_streamed", "opd"],
-                        help="qualify only this route (repeatable; default: every route; on cuda, every route "
-                             "whose kind computes there: sft in this build)")
+                        help="qualify only this route (repeatable; default: every route, on either backend)")
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:
