@@ -6,12 +6,23 @@
 # bench/cuda_step.py (Kiln's LoRA step against PyTorch CUDA + peft in FP32 and BF16 at the SmolLM2-135M shape,
 # context 1024, batch 8), and print one summary.
 #   bench/cuda_check.sh            (from a checkout whose .venv ./dev has made, or with PYTHON=...)
+# On a GPU machine that cannot reach a package index (the device loan), carry .whl/ made here by
+# bench/device_kit.sh: its wheels are installed into a scratch folder first and nothing is downloaded.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON="$(command -v python3)"
 LOG="$(mktemp -d "${TMPDIR:-/tmp}/kiln-cuda-check.XXXXXX")"
 say() { printf 'cuda_check: %s\n' "$*" >&2; }
+offline=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+    offline=1
+    site="${TMPDIR:-/tmp}/kiln-site"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        >"$LOG/kit.log" 2>&1 || say "device kit: see $LOG/kit.log"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    say "device kit: $(ls .whl/*.whl | wc -l) wheels from .whl/ on PYTHONPATH"
+fi
 
 # 1. build (the cuBLAS wheel first, as ./dev does where nvcc is; then the editable install runs setup.py)
 build="skipped"
@@ -19,10 +30,16 @@ nvcc="$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/
 if [ -n "$nvcc" ]; then
     major="$("$nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')"
     wheel="nvidia-cublas>=13,<14"; [ "$major" = 12 ] && wheel="nvidia-cublas-cu12>=12,<13"
-    say "installing $wheel and building (nvcc $major)"
-    timeout 120 "$PYTHON" -m pip install --quiet --no-input "$wheel" >"$LOG/wheel.log" 2>&1 || say "cuBLAS wheel: see $LOG/wheel.log"
+    isolation=()
+    if [ -n "$offline" ]; then  # the image's setuptools, Cython, numpy and nvidia-cublas; nothing to fetch
+        isolation=(--no-build-isolation --no-index)
+        say "building (nvcc $major) with the image's build tools"
+    else
+        say "installing $wheel and building (nvcc $major)"
+        timeout 120 "$PYTHON" -m pip install --quiet --no-input "$wheel" >"$LOG/wheel.log" 2>&1 || say "cuBLAS wheel: see $LOG/wheel.log"
+    fi
     start=$SECONDS
-    if timeout 240 "$PYTHON" -m pip install --quiet --no-input --no-deps -e . >"$LOG/build.log" 2>&1; then
+    if timeout 240 "$PYTHON" -m pip install --quiet --no-input --no-deps "${isolation[@]}" -e . >"$LOG/build.log" 2>&1; then
         build="ok in $((SECONDS - start)) s"
     else
         build="FAILED (see $LOG/build.log)"
