@@ -9,7 +9,7 @@ exact loss history, and SHA-256 digests of the final adapter, the optimizer mome
 final checkpoint and of the final adapter snapshot; the optimizer's scalar state is recorded as it is.
 
 Test knob (never set it outside tests): KILN_QUALIFY_TEST_PLANT=ROUTE:PHASE makes that one process add 1e-3 to
-one gradient value in the first step it takes, a difference that lives in this process's memory only, so that a
+one gradient value (an adapter value on a device) in the first step it takes, a difference that lives in this process's memory only, so that a
 test can prove qualification catches it.
 """
 
@@ -51,17 +51,26 @@ def sha256(data) -> str:
 
 
 def plant(module) -> None:
-    """The test knob: the first gradient this process steps with has one value moved by 1e-3."""
-    real = module.clip_and_step
+    """The test knob: the first step this process takes has one value moved by 1e-3, a gradient on the CPU engine
+    (an adapter value on a device model), through the run kind MODULE's step (trainer.runs.device.step_on)."""
+    from trainer.runs.device import on_device
+
+    real = module.step_on
     done = []
 
-    def clip_and_step(config, optimizer, adapters, step, total_steps, loss):
+    def step_on(computing, config, optimizer, adapters, step, total_steps, loss):
         if not done:
             done.append(step)
-            adapters[0].grad.reshape(-1)[0] += np.float32(1e-3)
-        return real(config, optimizer, adapters, step, total_steps, loss)
+            if on_device(computing):
+                values = computing.adapter_state_dict()
+                first = next(iter(values))
+                values[first].reshape(-1)[0] += np.float32(1e-3)
+                computing.load_adapter_state_dict(values)
+            else:
+                adapters[0].grad.reshape(-1)[0] += np.float32(1e-3)
+        return real(computing, config, optimizer, adapters, step, total_steps, loss)
 
-    module.clip_and_step = clip_and_step
+    module.step_on = step_on
 
 
 def outcome(settings, kind, adapter: str, result) -> dict:

@@ -152,3 +152,13 @@ def test_every_route_qualifies_on_cuda_in_fresh_processes(cuda_environment, tmp_
     assert execution["kernel_contract"] == "kiln-cuda-kernels-v1" and execution["gpu"]["name"]
     if cuda_environment is not None:
         assert execution["gpu"]["name"] == "kiln host emulation"
+
+
+def test_a_difference_in_a_resumed_process_on_cuda_fails_qualification(cuda_environment, monkeypatch):  # noqa: F811
+    """The planted difference (one adapter value of the resumed process's device model) fails the cuda route."""
+    monkeypatch.setenv(qualify_child.PLANT_ENV, "sft:resumed")
+    receipt = qualification.qualify(backend="cuda", routes=["sft"], progress=lambda line: None)
+    route = receipt["routes"][0]
+    assert receipt["passed"] is False and route["passed"] is False
+    assert route["mismatches"] and all(m.startswith("resumed.") for m in route["mismatches"]), route["mismatches"]
+    assert "resumed.outcome.adapter_sha256" in route["mismatches"]
