@@ -48,9 +48,9 @@ def test_the_postgresql_pass_runs_every_test_whatever_the_machine_cluster_is(deb
     assert result.stdout.splitlines()[-1].startswith("total: ")
 
 
-def fake_pass(name: str, exitstatus: int = 0, **counts) -> run_suite.Pass:
+def fake_pass(name: str, exitstatus: int = 0, skips=None, **counts) -> run_suite.Pass:
     done = run_suite.Pass(name, name, [], {})
-    done.report = {"exitstatus": exitstatus, "counts": {"passed": 3, **counts}, "skips": {}}
+    done.report = {"exitstatus": exitstatus, "counts": {"passed": 3, **counts}, "skips": skips or {}}
     return done
 
 
@@ -58,6 +58,12 @@ def test_a_skip_in_the_postgresql_pass_fails_the_run_and_says_why():
     assert run_suite.judge([fake_pass("sqlite", skipped=1), fake_pass("postgresql")], []) == []
     problems = run_suite.judge([fake_pass("sqlite"), fake_pass("postgresql", skipped=2)], [])
     assert problems == ["the PostgreSQL pass skipped 2 tests it must run (reasons above)"]
+    no_gpu = "no usable GPU: the CUDA driver (libcuda.so.1) is not installed"
+    hardware = fake_pass("postgresql", skipped=3, skips={no_gpu: 3})  # the GPU halves on a machine without one
+    assert run_suite.judge([fake_pass("sqlite"), hardware], []) == []
+    mixed = fake_pass("postgresql", skipped=4, skips={no_gpu: 3, "KILN_TEST_REDIS_URL is unset": 1})
+    assert run_suite.judge([fake_pass("sqlite"), mixed], []) == [
+        "the PostgreSQL pass skipped 1 tests it must run (reasons above)"]
     assert run_suite.judge([fake_pass("sqlite", exitstatus=1, failed=1)], []) == [
         "the sqlite pass failed (pytest exit 1)"]
 
