@@ -73,12 +73,10 @@ class DeviceDecoding:
             raise ValueError("the cache was not made by this model's kv_cache() (or it was closed)")
         tokens = self._check_tokens(tokens)
         B, T = tokens.shape
-        past = cache.length
         check_cache_room(self.config, cache, B, T)
-        config = self.config
         hidden = self._decode(tokens, cache)
-        cache.length = past + T
-        C, V = config.model_width, config.vocabulary_size
+        cache.length += T
+        C, V = self.config.model_width, self.config.vocabulary_size
         if last_only:  # rows T-1, 2T-1, ...: a strided A operand
             logits = self._rows("dec.logits", B, V)
             self._gemm(0, 1, B, V, C, 1.0, hidden.ptr + 4 * (T - 1) * C, T * C, self._head.ptr, C, 0.0, logits.ptr, V)
