@@ -6,8 +6,11 @@ projections) at each context, the tokens/s of an adapter-only Adam step, Kiln's 
 the GEMM peak and the peak resident memory of each variant, each measured in its own process:
 
     python bench/adapter_step.py [--steps 5] [--contexts 256,1024] [--real]
-        [--variants kiln-lora,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora]
+        [--variants kiln-lora,kiln-lora-bf16,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora]
 
+kiln-lora-bf16 is Kiln's base_precision "bfloat16": the frozen base's products from bfloat16 operands
+on oneDNN (float32 accumulation; attention, adapters and the loss in float32), where the CPU and the
+library allow it (skipped with the reason elsewhere).
 peft-lora-bf16 is PyTorch + peft under torch.autocast("cpu", dtype=torch.bfloat16): the best
 PyTorch set-up on CPUs with AVX-512-BF16 or AMX, and skipped (with that reason) elsewhere. It
 is another precision than Kiln's FP32, shown beside it because it is what a PyTorch user there
@@ -76,7 +79,7 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def run_kiln(quantized, steps, real=False, context=CONTEXT):
+def run_kiln(quantized, steps, real=False, context=CONTEXT, precision="float32"):
     from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
 
     tokens, targets = _batch(context)
@@ -86,7 +89,8 @@ def run_kiln(quantized, steps, real=False, context=CONTEXT):
     # the fused loss with the chunk a run uses; the tiled attention beyond 256 positions (the dense
     # scores [H, T, T] grow with the square)
     options = {**loss_options("kt_tape_flce", SHAPE["vocabulary_size"]),
-               "attention_algorithm": "tiled" if context > 256 else "dense", "attention_block_size": 128}
+               "attention_algorithm": "tiled" if context > 256 else "dense", "attention_block_size": 128,
+               "base_precision": precision}
     if real:
         from trainer.bases import load_base
         model, _ = load_base(smollm2_gguf(), **options)  # its context is 8192
@@ -167,11 +171,12 @@ def run_peft(quantized, steps, real=False, context=CONTEXT, bf16=False):
     return float(np.median(times[1:])), {}
 
 
-VARIANTS = ("kiln-lora", "peft-lora", "peft-lora-bf16", "kiln-qlora", "peft-qlora")
+VARIANTS = ("kiln-lora", "kiln-lora-bf16", "peft-lora", "peft-lora-bf16", "kiln-qlora", "peft-qlora")
 
 
 def child(variant, steps, real, context):
     runner = {"kiln-lora": lambda: run_kiln(False, steps, real, context),
+              "kiln-lora-bf16": lambda: run_kiln(False, steps, real, context, precision="bfloat16"),
               "kiln-qlora": lambda: run_kiln(True, steps, context=context),
               "peft-lora": lambda: run_peft(False, steps, real, context),
               "peft-lora-bf16": lambda: run_peft(False, steps, real, context, bf16=True),
@@ -186,6 +191,11 @@ def measure(variants, steps, real, context) -> dict:
         if variant == "peft-lora-bf16" and not has_bf16_compute():
             print(f"{variant}: skipped: this CPU has neither AVX-512-BF16 nor AMX (no fast BF16 route)")
             continue
+        if variant == "kiln-lora-bf16":
+            from native_ext import onednn
+            if onednn.unavailable_reason():
+                print(f"{variant}: skipped: {onednn.unavailable_reason()}")
+                continue
         out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(steps),
                               "--contexts", str(context)] + (["--real"] if real else []),
                              capture_output=True, text=True)
@@ -207,7 +217,8 @@ def report(results, context, real, peak):
         rate = flops / r["seconds"]
         print(f"{name:15s} {tokens / r['seconds']:8.1f} {rate / 1e9:8.1f} {rate / peak:8.1%} "
               f"{r['peak_rss_mib']:13.0f}")
-    for ours, theirs in (("kiln-lora", "peft-lora"), ("kiln-lora", "peft-lora-bf16"), ("kiln-qlora", "peft-qlora")):
+    for ours, theirs in (("kiln-lora", "peft-lora"), ("kiln-lora", "peft-lora-bf16"),
+                         ("kiln-lora-bf16", "peft-lora-bf16"), ("kiln-qlora", "peft-qlora")):
         if ours in results and theirs in results:
             print(f"{ours} / {theirs} speed ratio: {results[theirs]['seconds'] / results[ours]['seconds']:.2f}")
     if "kiln-qlora" in results and "quantized_linear_ratio" in results["kiln-qlora"]:

@@ -1,8 +1,10 @@
-"""The LoRA step's GEMM shapes on numpy's OpenBLAS (what native_ext.blas.gemm calls) against Intel MKL's float32
-and BF16 GEMMs, side by side, each library in its own process (their thread pools slow each other in one).
+"""The LoRA step's GEMM shapes on numpy's OpenBLAS (what native_ext.blas.gemm calls) against Intel MKL's and
+oneDNN's (native_ext.onednn, base_precision "bfloat16") float32 and BF16 GEMMs, side by side, each library in its
+own process (their thread pools slow each other in one).
 
 MKL is not a Kiln dependency: install it into the environment first (`pip install mkl`, which brings
-intel-openmp and tbb) or name its libmkl_rt with --mkl. Without it the MKL columns say so.
+intel-openmp and tbb) or name its libmkl_rt with --mkl. Without it the MKL columns say so. oneDNN is one
+(`onednn-cpu-gomp`); its columns give the loader's reason where it cannot run.
 
     python bench/gemm_libraries.py [--threads 2] [--mkl /path/to/libmkl_rt.so.3]
 """
@@ -10,6 +12,7 @@ intel-openmp and tbb) or name its libmkl_rt with --mkl. Without it the MKL colum
 import argparse
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ from pathlib import Path
 SHAPES = [(256, 576, 960, True), (256, 576, 576, True), (256, 576, 3072, True), (256, 1536, 576, True),
           (256, 960, 576, False), (256, 3072, 576, False), (960, 256, 576, False), (1024, 576, 960, True),
           (1024, 576, 3072, True), (1024, 1536, 576, True), (256, 576, 49152, True), (1024, 576, 49152, True)]
-LIBRARIES = ("openblas", "mkl-fp32", "mkl-bf16")
+LIBRARIES = ("openblas", "mkl-fp32", "mkl-bf16", "onednn-fp32", "onednn-bf16")
 
 
 def find_mkl(given):
@@ -41,6 +44,12 @@ def measure(library: str, mkl_path, threads: int) -> list:
         threadpool_limits(threads, "blas")
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from native_ext import blas
+    elif library.startswith("onednn"):
+        threadpool_limits(1, "blas")  # as native_ext.onednn.computing holds it: one pool owns the cores
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from native_ext import onednn
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # before libgomp loads, with oneDNN
+        onednn.require()
     else:
         threadpool_limits(1, "blas")  # numpy's OpenBLAS quiet: no spinning pool beside MKL's
         mkl = ctypes.CDLL(str(mkl_path))
@@ -57,6 +66,14 @@ def measure(library: str, mkl_path, threads: int) -> list:
         if library == "openblas":
             def call():
                 blas.gemm(c, a, b, trans_b=transposed)
+        elif library == "onednn-fp32":
+            def call():
+                onednn.sgemm(c, a, b, trans_b=transposed)
+        elif library == "onednn-bf16":
+            a16, b16 = onednn.to_bf16(a), onednn.to_bf16(b)  # the frozen weight is converted once; so is a here
+
+            def call():
+                onednn.gemm(c, a16, b16, trans_b=transposed)
         else:
             if library == "mkl-bf16":  # the upper 16 bits: bfloat16 by truncation
                 a, b = (a.view(np.uint32) >> 16).astype(np.uint16), (b.view(np.uint32) >> 16).astype(np.uint16)
@@ -86,7 +103,13 @@ def main() -> int:
         return 0
     results = {}
     for library in LIBRARIES:
-        if library != "openblas" and (mkl_path is None or not mkl_path.is_file()):
+        if library.startswith("onednn"):
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from native_ext import onednn
+            if onednn.unavailable_reason():
+                results[library] = onednn.unavailable_reason()
+                continue
+        elif library != "openblas" and (mkl_path is None or not mkl_path.is_file()):
             results[library] = "not installed (pip install mkl, or --mkl PATH)"
             continue
         command = [sys.executable, __file__, "--child", library, "--threads", str(args.threads)]

@@ -111,10 +111,11 @@ def add_train(parser: argparse.ArgumentParser) -> None:
 
 SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_checkpoint", "learning_rate",
                "batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_sequence_length", "base_adapter",
-               "backend")
+               "backend", "precision")
 GRPO_OPTIONS = ("base_model", "seed", "learning_rate", "epochs", "groups_per_step", "loss_type", "beta",
-                "num_iterations", "checkpoint_interval", "resume_checkpoint", "base_adapter", "backend")
-OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint", "backend")
+                "num_iterations", "checkpoint_interval", "resume_checkpoint", "base_adapter", "backend", "precision")
+OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint", "backend",
+               "precision")
 BACKENDS = ("auto", "cpu", "cuda")
 
 
@@ -123,6 +124,10 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, help="auto: cuda when the server's CUDA device is found and "
                         "qualified, else cpu; cuda is refused without a device (default: the server's "
                         "KILN_TRAINING_BACKEND)")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"),
+                        help="bfloat16: the frozen LoRA base's products from bfloat16 operands on oneDNN (CPUs with "
+                        "AVX-512-BF16 or AMX; not with --qlora or on cuda); refused where unavailable (default: "
+                        "float32)")
 
 
 def _sft_body(args: argparse.Namespace) -> dict:

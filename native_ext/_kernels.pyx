@@ -11,7 +11,7 @@ set); this module hands them raw pointers.
 """
 
 from libc.math cimport exp, expf, log, sqrt, sqrtf, INFINITY
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 
@@ -42,6 +42,7 @@ cdef extern from "kiln_kernels.h" nogil:
                             int64_t N, int64_t V)
     void kiln_log_softmax_gather(const float *logits, const int64_t *targets, float *out,
                                  float *scratch, int64_t N, int64_t V)
+    void kiln_to_bf16(const float *x, uint16_t *out, int64_t n)
     void kiln_adam_update(float *param, const float *grad, float *m, float *v, int64_t n,
                           float b1, float b2, float omb1, float omb2, float wd, int decay,
                           float step_size, float bc2_sqrt, float eps)
@@ -219,3 +220,10 @@ def adam_update(f32[::1] param, const f32[::1] grad, f32[::1] m, f32[::1] v,
                          <float>weight_decay, weight_decay != 0.0,
                          <float>(learning_rate / bias_correction1), <float>sqrt(bias_correction2),
                          <float>epsilon)
+
+
+def to_bf16(const f32[:, ::1] x, uint16_t[:, ::1] out):
+    if x.shape[0] * x.shape[1] == 0:
+        return
+    with nogil:
+        kiln_to_bf16(&x[0, 0], &out[0, 0], x.shape[0] * x.shape[1])

@@ -11,6 +11,7 @@ output this way, with no temporary). Where numpy's BLAS cannot be found it falls
 numpy (a temporary product, scaled and added), which gives the same values up to rounding.
 """
 
+import contextlib
 import ctypes
 from pathlib import Path
 
@@ -45,6 +46,43 @@ def _load():
 
 
 _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only afterwards
+_routed = None  # a gemm with this module's contract that takes every product inside routed(), else None
+
+
+@contextlib.contextmanager
+def routed(gemm_function):
+    """gemm() and matmul() call GEMM_FUNCTION inside (native_ext.onednn.computing); nested use restores."""
+    global _routed
+    previous, _routed = _routed, gemm_function
+    try:
+        yield
+    finally:
+        _routed = previous
+
+
+def matmul(a, b, out=None):
+    """np.matmul of float32 2-d matrices or equal stacks of them ([G,M,K] @ [G,K,N]); exactly np.matmul
+    unless routed(), where each matrix product goes to the routed gemm (operands may be transposed views)."""
+    if _routed is None:
+        return np.matmul(a, b, out=out)
+    if a.ndim == 2:
+        return matmul(a[None], b[None], None if out is None else out[None])[0]
+    G, M, _ = a.shape
+    if out is None:
+        out = np.empty((G, M, b.shape[2]), np.float32)
+    for g in range(G):
+        (ag, trans_a), (bg, trans_b) = _row_major(a[g]), _row_major(b[g])
+        _routed(out[g], ag, bg, trans_a, trans_b)
+    return out
+
+
+def _row_major(x):
+    """(array, transposed) with the array's last axis contiguous: x itself, or x.T with transposed."""
+    if x.strides[-1] == x.itemsize:
+        return x, False
+    if x.strides[0] == x.itemsize:
+        return x.T, True
+    return np.ascontiguousarray(x), False
 
 
 def _rows(name, array):
@@ -69,6 +107,9 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         raise ValueError("c must be writable")
     lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
     if M == 0 or N == 0:
+        return
+    if _routed is not None and K:
+        _routed(c, a, b, trans_a, trans_b, alpha, beta)
         return
     if _SGEMM is None or K == 0:
         product = (a.T if trans_a else a) @ (b.T if trans_b else b)

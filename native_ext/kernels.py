@@ -216,3 +216,11 @@ def adam_update(param, grad, m, v, learning_rate, beta1, beta2, epsilon, weight_
     _kernels.adam_update(param, grad, m, v, float(learning_rate), float(beta1), float(beta2),
                          float(epsilon), float(weight_decay), float(bias_correction1),
                          float(bias_correction2))
+
+
+def to_bf16(x, out):
+    """out [N,C] uint16 = x [N,C] float32 rounded to bfloat16 (nearest, ties to even; NaN stays NaN)."""
+    _check("x", x, F32, 2)
+    _check("out", out, np.uint16, 2, True)
+    _same("out", out.shape, x.shape)
+    _kernels.to_bf16(x, out)

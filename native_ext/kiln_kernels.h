@@ -283,3 +283,17 @@ static void kiln_adam_update(float *param, const float *grad, float *m, float *v
         param[i] = param[i] - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
     }
 }
+
+/* float32 -> bfloat16 (the upper 16 bits) rounded to nearest, ties to even, as PyTorch's and oneDNN's
+ * conversions do; a NaN stays a quiet NaN with its sign. x and out have n elements. */
+KILN_CLONES
+static void kiln_to_bf16(const float *x, uint16_t *out, int64_t n) {
+    KILN_SIMD
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
+        uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+        uint32_t quiet = (b >> 16) | 0x40u;
+        out[i] = (uint16_t)((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+    }
+}

@@ -171,3 +171,16 @@ def adam_update(param, grad, m, v, learning_rate, beta1, beta2, epsilon, weight_
     bc2_sqrt = f(np.sqrt(bias_correction2))
     denom = np.sqrt(v) / bc2_sqrt + f(epsilon)
     param -= step_size * (m / denom)
+
+
+def to_bf16(x, out):
+    # x [N,C] float32 -> out [N,C] uint16: the upper half of the bits, rounded to nearest, ties to even
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    quiet = ((bits >> 16) | 0x40).astype(np.uint16)
+    out[:] = np.where((bits & 0x7FFFFFFF) > 0x7F800000, quiet, rounded)
+
+
+def from_bf16(bits):
+    """uint16 bfloat16 bits -> the float32 values they stand for (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -12,7 +12,7 @@ mask's), and the tiled algorithm skips key blocks no query of its block can see.
 
 import numpy as np
 
-from native_ext import kernels
+from native_ext import blas, kernels
 
 
 def hide_outside_window(scores, group_size, first_query, key_start, window):
@@ -35,20 +35,20 @@ def _first_key(first_query, window, block):
 
 def dense_forward(q, k, v, scale, group_size, past=0, window=None):
     # q [G,R,D], k/v [G,S,D]
-    probs = np.matmul(q, k.transpose(0, 2, 1))  # [G,R,S]
+    probs = blas.matmul(q, k.transpose(0, 2, 1))  # [G,R,S]
     hide_outside_window(probs, group_size, past, 0, window)
     kernels.softmax_causal_forward(probs, scale, group_size, past)
-    out = np.matmul(probs, v)  # [G,R,D]
+    out = blas.matmul(probs, v)  # [G,R,D]
     return out, probs
 
 
 def dense_backward(dout, q, k, v, probs, scale):
     # dout [G,R,D] -> dq [G,R,D], dk [G,S,D], dv [G,S,D]
-    dv = np.matmul(probs.transpose(0, 2, 1), dout)  # [G,S,D]
-    dscores = np.matmul(dout, v.transpose(0, 2, 1))  # [G,R,S]
+    dv = blas.matmul(probs.transpose(0, 2, 1), dout)  # [G,S,D]
+    dscores = blas.matmul(dout, v.transpose(0, 2, 1))  # [G,R,S]
     kernels.softmax_backward(probs, dscores, scale)
-    dq = np.matmul(dscores, k)  # [G,R,D]
-    dk = np.matmul(dscores.transpose(0, 2, 1), q)  # [G,S,D]
+    dq = blas.matmul(dscores, k)  # [G,R,D]
+    dk = blas.matmul(dscores.transpose(0, 2, 1), q)  # [G,S,D]
     return dq, dk, dv
 
 
@@ -74,12 +74,12 @@ def tiled_forward(q, k, v, scale, group_size, block, past=0, window=None):
         last_key = min(S, past + qe)  # keys beyond the block's last query are masked
         for ks in range(_first_key(past + qs, window, block), last_key, block):
             ke = min(ks + block, S)
-            scores = np.matmul(q_block, k[:, ks:ke].transpose(0, 2, 1))  # [G,Rq,Bk]
+            scores = blas.matmul(q_block, k[:, ks:ke].transpose(0, 2, 1))  # [G,Rq,Bk]
             hide_outside_window(scores, group_size, past + qs, ks, window)
             kernels.flash_block_forward(scores, running_max, running_sum, alpha, scale,
                                         group_size, past + qs, ks)
             acc *= alpha[..., None]
-            acc += np.matmul(scores, v[:, ks:ke])
+            acc += blas.matmul(scores, v[:, ks:ke])
         out[:, rows] = acc / running_sum[..., None]
         logsumexp[:, rows] = running_max + np.log(running_sum)
     return out, logsumexp
@@ -102,12 +102,12 @@ def tiled_backward(dout, q, k, v, out, logsumexp, scale, group_size, block, past
         for ks in range(_first_key(past + qs, window, block), last_key, block):
             ke = min(ks + block, S)
             k_block, v_block = k[:, ks:ke], v[:, ks:ke]
-            scores = np.matmul(q_block, k_block.transpose(0, 2, 1))  # [G,Rq,Bk]
+            scores = blas.matmul(q_block, k_block.transpose(0, 2, 1))  # [G,Rq,Bk]
             hide_outside_window(scores, group_size, past + qs, ks, window)
-            dscores = np.matmul(dout_block, v_block.transpose(0, 2, 1))  # [G,Rq,Bk]
+            dscores = blas.matmul(dout_block, v_block.transpose(0, 2, 1))  # [G,Rq,Bk]
             kernels.flash_block_backward(scores, lse_block, dscores, delta_block, scale,
                                          group_size, past + qs, ks)
-            dv[:, ks:ke] += np.matmul(scores.transpose(0, 2, 1), dout_block)
-            dq[:, rows] += np.matmul(dscores, k_block)
-            dk[:, ks:ke] += np.matmul(dscores.transpose(0, 2, 1), q_block)
+            dv[:, ks:ke] += blas.matmul(scores.transpose(0, 2, 1), dout_block)
+            dq[:, rows] += blas.matmul(dscores, k_block)
+            dk[:, ks:ke] += blas.matmul(dscores.transpose(0, 2, 1), q_block)
     return dq, dk, dv

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from native_ext import blas, kernels
+from native_ext import blas, kernels, onednn
 from trainer import attention, quantization
 from trainer.parameters import Parameter
 
@@ -87,6 +87,7 @@ class Block:
         self.qkv_grad = None
         self.qkv_bias_grad = None
         self.gate_up_grad = None
+        self.bf16 = None  # {group: bfloat16 bits of its frozen weight} under base_precision "bfloat16"
         # projection -> (fused output it writes, output columns); the input is the
         # fused product's input
         self.layout = {
@@ -118,8 +119,18 @@ class Block:
             tile = max(1, min(NF4_SCRATCH_ELEMENTS // cols, (rows + 1) // 2))
             yield self.layout[name][1].start, weight, tile
 
+    def freeze_bf16(self):
+        """Keep the bfloat16 bits of each frozen group weight: base products read them from here on."""
+        self.bf16 = {group: onednn.to_bf16(self.dense_weight(group)) for group in GROUPS}
+
     def base_forward(self, group, x):
-        """x [N,in] @ W.T for the projections writing `group`: one fused product, or NF4 tiles."""
+        """x [N,in] @ W.T for the projections writing `group`: one fused product (float32, or from
+        bfloat16 operands under base_precision "bfloat16"), or NF4 tiles."""
+        if self.bf16 is not None:
+            weight = self.bf16[group]  # [out,in]
+            y = np.empty((x.shape[0], weight.shape[0]), np.float32)
+            onednn.gemm(y, onednn.to_bf16(x), weight, trans_b=True)
+            return y
         weight = self.dense_weight(group)
         if weight is not None:
             return np.matmul(x, weight.T)
@@ -137,6 +148,11 @@ class Block:
 
     def base_input_grad(self, group, dy):
         """dy [N,out] @ W: the input gradient through the frozen (or trainable) base."""
+        if self.bf16 is not None:
+            weight = self.bf16[group]  # [out,in]
+            dx = np.empty((dy.shape[0], weight.shape[1]), np.float32)
+            onednn.gemm(dx, onednn.to_bf16(dy), weight)
+            return dx
         weight = self.dense_weight(group)
         if weight is not None:
             return np.matmul(dy, weight)

@@ -18,6 +18,11 @@ FAMILY_DEFAULTS = {"family": "llama", "attention_bias": False, "qk_norm": False,
 ATTENTION_ALGORITHMS = ("dense", "tiled")
 CHECKPOINTING_POLICIES = ("none", "blocks")
 LOSS_ROUTES = ("full_logits", "kt_tape_flce")
+# how a LoRA model's frozen base computes: float32 (OpenBLAS), or its Linear products from bfloat16-rounded
+# operands with float32 accumulation, every product on oneDNN (native_ext.onednn). Written by to_dict() only
+# when not float32, so every configuration written before the option existed keeps its bytes.
+BASE_PRECISIONS = ("float32", "bfloat16")
+OMITTED_AT_DEFAULT = {**FAMILY_DEFAULTS, "base_precision": "float32"}  # fields to_dict() writes only when set
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class TransformerConfig:
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before rotary (Qwen3)
     rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original context)
     sliding_window: int | None = None  # a query sees at most this many keys, itself included (Mistral, Phi-3)
+    base_precision: str = "float32"  # or "bfloat16": the frozen base's products of a LoRA model (BASE_PRECISIONS)
 
     def __post_init__(self):
         positive = ("vocabulary_size", "maximum_context", "model_width", "head_count",
@@ -83,7 +89,7 @@ class TransformerConfig:
             raise ValueError(f"initializer_seed must be a non-negative integer, got {self.initializer_seed!r}")
         for name, allowed in (("attention_algorithm", ATTENTION_ALGORITHMS),
                               ("activation_checkpointing", CHECKPOINTING_POLICIES),
-                              ("loss_route", LOSS_ROUTES)):
+                              ("loss_route", LOSS_ROUTES), ("base_precision", BASE_PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         self._check_family()
@@ -122,9 +128,9 @@ class TransformerConfig:
         return self.head_size if self.head_size is not None else self.model_width // self.head_count
 
     def to_dict(self) -> dict:
-        """Every field, but the family fields only where they differ from the plain Llama shape."""
+        """Every field, but the family fields and base_precision only where they differ from their defaults."""
         data = asdict(self)
-        for name, default in FAMILY_DEFAULTS.items():
+        for name, default in OMITTED_AT_DEFAULT.items():
             if data[name] == default:
                 del data[name]
         if data.get("rope_scaling") is not None:

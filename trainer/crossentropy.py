@@ -11,7 +11,7 @@ full-logits route).
 
 import numpy as np
 
-from native_ext import kernels
+from native_ext import blas, kernels
 from trainer.blocks import accumulate_weight_grad
 
 IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
@@ -40,7 +40,7 @@ def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, 
     dhidden = np.empty_like(hidden) if backward else None  # [N,C]
     for start in range(0, N, chunk):
         rows = slice(start, min(start + chunk, N))
-        logits = np.matmul(hidden[rows], weight.T)  # [n,V], becomes dlogits in place
+        logits = blas.matmul(hidden[rows], weight.T)  # [n,V], becomes dlogits in place
         if not backward:
             kernels.log_softmax_gather(logits, safe[rows], per_row[rows])
             continue
@@ -49,7 +49,7 @@ def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, 
                                                    grad_scale, IGNORE_INDEX)
         else:
             kernels.weighted_cross_entropy(logits, safe[rows], per_row[rows], row_scales[rows])
-        np.matmul(logits, weight, out=dhidden[rows])  # [n,C]
+        blas.matmul(logits, weight, out=dhidden[rows])  # [n,C]
         if head is not None:
             accumulate_weight_grad(head.grad, logits, hidden[rows], head.pending)  # [V,C]
             head.pending = True

@@ -7,11 +7,13 @@ trainer.blocks and the chunked loss in trainer.crossentropy; this module runs th
 order: embedding, the blocks, the final RMSNorm, the output projection and the loss.
 """
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-from native_ext import kernels
+from native_ext import kernels, onednn
 from trainer.blocks import Block, block_backward, block_forward, rmsnorm_backward, rope_tables
 from trainer.config import TransformerConfig
 from trainer.crossentropy import IGNORE_INDEX, fused_linear_cross_entropy
@@ -77,6 +79,15 @@ class ForwardState:
     last: np.ndarray  # [N,C] output of the last block, input of the final norm
     final_rstd: np.ndarray  # [N] reciprocal RMS of the final norm
     consumed: bool = False  # backward ran; the state may not be reused
+
+
+def _computing_scope(method):
+    """Runs a compute method inside its model's _computing() scope."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._computing():
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class DecoderOnlyTransformer(Closeable):
@@ -190,6 +201,26 @@ class DecoderOnlyTransformer(Closeable):
         self.lora_config = config
         self._base_trainable = False
         self._release_base_grads()
+        self._freeze_bf16()
+
+    # -- base_precision "bfloat16" ---------------------------------------------------------
+
+    def _freeze_bf16(self):
+        """Under base_precision "bfloat16", the blocks' frozen weights as bfloat16 (from their FP32 values)."""
+        if self.config.base_precision == "bfloat16" and self.lora_config is not None:
+            onednn.require()  # the CPU's BF16 instructions and the oneDNN library, or why not
+            for block in self._blocks:
+                block.freeze_bf16()
+
+    def _computing(self):
+        """The scope every forward and backward runs in: oneDNN's (native_ext.onednn.computing) under
+        base_precision "bfloat16", which is refused until the base is frozen by attach_lora."""
+        if self.config.base_precision == "float32":
+            return contextlib.nullcontext()
+        if self.lora_config is None:
+            raise ValueError("base_precision 'bfloat16' computes the frozen base of a LoRA model: attach_lora "
+                             "first (a trainable base computes in float32)")
+        return onednn.computing()
 
     # -- QLoRA: packed NF4 Linear bases --------------------------------------------------
 
@@ -207,6 +238,9 @@ class DecoderOnlyTransformer(Closeable):
         self._check_open()
         if self._quantization is not None:
             raise ValueError("the model is already quantized")
+        if self.config.base_precision == "bfloat16":
+            raise ValueError("base_precision 'bfloat16' is for a dense frozen base; a quantized (NF4) base "
+                             "computes its tiles in float32")
         if self.gradient_pending:
             raise RuntimeError("a gradient is pending; step or zero_gradients first")
         for block in self._blocks:
@@ -344,6 +378,7 @@ class DecoderOnlyTransformer(Closeable):
                 raise ValueError(f"{p.name}: shape {value.shape} does not match {p.shape}")
         for p in dense:
             p.value[...] = np.asarray(mapping[p.name], dtype=np.float32)
+        self._freeze_bf16()
 
     @property
     def output_weight(self) -> np.ndarray:
@@ -376,6 +411,7 @@ class DecoderOnlyTransformer(Closeable):
         forward_cached extends."""
         return KVCache(self, batch_size, positions)
 
+    @_computing_scope
     def forward_cached(self, tokens, cache, last_only=False) -> np.ndarray:
         """Logits [B,T,V] of new tokens [B,T] after the cache's prefix; extends the cache.
 
@@ -400,6 +436,7 @@ class DecoderOnlyTransformer(Closeable):
             return np.matmul(hidden, self.output_weight.T).reshape(B, 1, -1)  # [B,1,V]
         return np.matmul(hidden, self.output_weight.T).reshape(B, T, -1)  # [B,T,V]
 
+    @_computing_scope
     def logits(self, tokens) -> np.ndarray:
         """Float32 logits [B,T,V] for int token ids [B,T]."""
         self._check_open()
@@ -408,6 +445,7 @@ class DecoderOnlyTransformer(Closeable):
         B, T = tokens.shape
         return np.matmul(hidden, self.output_weight.T).reshape(B, T, -1)  # [B,T,V]
 
+    @_computing_scope
     def token_losses(self, inputs, targets) -> np.ndarray:
         """Per-token cross-entropy [B,T] (0 where the target is IGNORE_INDEX); no gradients."""
         self._check_open()
@@ -420,6 +458,7 @@ class DecoderOnlyTransformer(Closeable):
 
     # -- forward + backward -------------------------------------------------------------
 
+    @_computing_scope
     def forward_backward(self, inputs, targets) -> float:
         """Mean cross-entropy over non-ignored targets; accumulates pending gradients."""
         self._check_open()
@@ -463,6 +502,7 @@ class DecoderOnlyTransformer(Closeable):
             kernels.embedding_backward(dx, inputs.reshape(-1), self._embed.grad)
             self._embed.pending = True
 
+    @_computing_scope
     def forward_backward_weighted(self, inputs, targets, coefficient_fn) -> np.ndarray:
         """Backpropagate sum_t c_t * log p(target_t) and return log p [B,T] (0 where ignored).
 

@@ -146,7 +146,7 @@ def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = 
         return "not_claimed"
     identity, identity_error = None, None
     try:
-        identity = _identity_for(_job_backend(job_id))
+        identity = _identity_for(*_job_backend(job_id))
     except Exception as exc:  # noqa: BLE001 (the claimed job fails with it below)
         identity_error = exc
     if not through_outage(actions.do_claim_job, job_id, worker_id, execution=identity):
@@ -166,18 +166,20 @@ def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = 
     return final
 
 
-def _job_backend(job_id) -> str:
-    """The backend admission resolved for JOB_ID (its effective configuration's; a job admitted before
-    config.backend existed: its recorded execution identity's, which was cpu)."""
+def _job_backend(job_id) -> tuple[str, str | None]:
+    """(backend, precision) admission resolved for JOB_ID: its effective configuration's backend (a job admitted
+    before config.backend existed: its recorded execution identity's, which was cpu) and precision (None:
+    float32)."""
     row = TrainingJob.objects.filter(pk=job_id).values_list("effective_config", "identities").first()
     config, identities = row or ({}, {})
     backend = (config or {}).get("backend") if isinstance(config, dict) else None
     if backend is None and isinstance(identities, dict):
         backend = (identities.get("execution") or {}).get("backend")
-    return backend if backend in ("cpu", "cuda") else "cpu"  # a stand-in runner's record may hold the setting
+    precision = (config or {}).get("precision") if isinstance(config, dict) else None
+    return (backend if backend in ("cpu", "cuda") else "cpu"), precision  # a stand-in's record may hold the setting
 
 
-def _identity_for(backend: str) -> dict:
+def _identity_for(backend: str, precision: str | None = None) -> dict:
     """The execution identity this worker trains a job of BACKEND under: its own (computed at start) when that is
     for BACKEND, else one computed for it. A cuda job on a worker whose CUDA loader finds no device is refused here,
     at dequeue (backend_unavailable with the loader's reason), before anything is loaded."""
@@ -187,6 +189,8 @@ def _identity_for(backend: str) -> dict:
         raise runtime.BackendRefused(f"this worker cannot run the job's backend: {error.message}; run it on a "
                                      "worker whose CUDA device the loader finds, or submit it again with backend "
                                      "cpu") from None
+    if precision not in (None, "float32"):
+        return runtime.execution_identity(backend, precision)
     own = runtime.execution_identity()  # cached: the one this worker computed at start
     return own if own.get("backend") == backend else runtime.execution_identity(backend)
 

@@ -91,12 +91,12 @@ def run_settings(module: ModuleType | None = None):
     )
 
 
-def execution_identity(backend: str | None = None) -> dict:
+def execution_identity(backend: str | None = None, precision: str | None = None) -> dict:
     """This process's execution identity (trainer.runs.execution) for BACKEND, None: for this worker's own backend
-    (worker_backend): computed once per process, at a worker's start; what its checkpoints record and what a
-    resume it dequeues must match."""
+    (worker_backend), and PRECISION (None: float32): computed once per process, at a worker's start; what its
+    checkpoints record and what a resume it dequeues must match."""
     module = _module("trainer.runs.execution", "the execution identity")
-    return module.execution_identity(backend or worker_backend())
+    return module.execution_identity(backend or worker_backend(), precision)
 
 
 def worker_backend() -> str:

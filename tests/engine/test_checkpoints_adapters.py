@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import trainer.model
-from native_ext import nf4
+from native_ext import nf4, onednn
 from trainer import TransformerConfig, quantization
 from trainer.checkpoints import (
     CheckpointError,
@@ -185,6 +185,8 @@ CONTINUATION_CASES = {
                                       "activation_checkpointing": "blocks"}, "paged", "paged"),
     "qwen3-qlora": (LORA, DOUBLE_32, ABSMAX_64, {"family": "qwen3", "qk_norm": True, "head_size": 6},
                     "contiguous", "contiguous"),
+    # the frozen base computed from bfloat16 operands on oneDNN (tests/engine/test_bf16_base.py)
+    "lora-bf16": (LORA, None, None, {"base_precision": "bfloat16", "block_count": 2}, "contiguous", "paged"),
     "llama3-lora": (LORA, None, None, {"rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8.0)}, "contiguous", "paged"),
     "llama3-qlora": (LORA, ABSMAX_64, DOUBLE_32, {"rope_scaling": ("llama3", 8.0, 1.0, 4.0, 8.0)}, "paged",
                      "paged"),
@@ -204,6 +206,8 @@ CONTINUATION_CASES = {
 @pytest.mark.parametrize("case", list(CONTINUATION_CASES))
 def test_fresh_process_adapter_resume_equals_uninterrupted_run(tmp_path, case):
     lora, packed_as, target_packed_as, fields, before, after = CONTINUATION_CASES[case]
+    if fields.get("base_precision") == "bfloat16" and onednn.unavailable_reason():
+        pytest.skip(f"no bfloat16 route here: {onednn.unavailable_reason()}")
     N, K = 6, 2
     model, optimizer, source = make_run(fields, lora, packed_as, before, steps=N)
     expected_arrays, expected = worker.final_state(model, optimizer, source)

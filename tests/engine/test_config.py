@@ -6,7 +6,7 @@ import json
 import pytest
 
 from trainer import TransformerConfig
-from trainer.config import FAMILY_DEFAULTS
+from trainer.config import FAMILY_DEFAULTS, OMITTED_AT_DEFAULT
 
 REQUIRED = dict(vocabulary_size=32, maximum_context=16, model_width=16, head_count=4, block_count=1,
                 feed_forward_width=24)
@@ -95,8 +95,8 @@ def test_dict_round_trip_through_json():
                                attention_algorithm="tiled", activation_checkpointing="blocks",
                                loss_route="kt_tape_flce", loss_chunk_tokens=7, initializer_seed=3)
     data = config.to_dict()
-    # the family fields are written only where they differ from the plain Llama shape
-    assert set(data) == {f.name for f in dataclasses.fields(TransformerConfig)} - set(FAMILY_DEFAULTS)
+    # the family fields and base_precision are written only where they differ from their defaults
+    assert set(data) == {f.name for f in dataclasses.fields(TransformerConfig)} - set(OMITTED_AT_DEFAULT)
     assert TransformerConfig.from_dict(data) == config
     assert TransformerConfig.from_dict(json.loads(json.dumps(data))) == config
 

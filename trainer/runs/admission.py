@@ -13,7 +13,9 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from native_ext import onednn
 from trainer import LoraConfig
+from trainer.config import BASE_PRECISIONS
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.fsio import file_sha256
@@ -201,7 +203,27 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
         raise RequestError("config.activation_checkpointing", "must be none or blocks")
     if c.get("backend") is not None and c["backend"] not in BACKENDS:
         raise RequestError("config.backend", f"must be one of {', '.join(BACKENDS)} (absent: the server's default)")
+    check_precision(c)
     return c
+
+
+def check_precision(c: dict) -> None:
+    """config.precision: absent or float32 (then dropped, so a float32 run's effective configuration is what it
+    was before the field existed), or bfloat16 for a dense LoRA base (TransformerConfig.base_precision)."""
+    precision = c.pop("precision", None)
+    if precision in (None, "float32"):
+        return
+    if precision not in BASE_PRECISIONS:
+        raise RequestError("config.precision", f"must be one of {', '.join(BASE_PRECISIONS)} (absent: float32)")
+    if c.get("quantization") is not None:
+        raise RequestError("config.precision", "bfloat16 computes a dense LoRA base; a quantized (NF4) base "
+                                               "computes in float32")
+    c["precision"] = precision
+
+
+def precision_options(config: dict) -> dict:
+    """load_base's execution option for the effective configuration's precision."""
+    return {"base_precision": config.get("precision", "float32")}
 
 
 def check_request(request, inline_field: str) -> None:
@@ -306,8 +328,19 @@ def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoi
     record the resolved one in the effective configuration; AdmissionError backend_unavailable, with the loader's
     reason, when cuda is asked for and cannot run here."""
     need_bytes = None if base is None else planned_device_bytes(config, base)
+    requested = config.get("backend")
+    if config.get("precision") == "bfloat16":
+        if (requested or settings.backend) == "cuda":
+            raise AdmissionError("backend_unavailable", "precision bfloat16 is a CPU route (oneDNN) and the cuda "
+                                                        "backend computes in float32; ask for backend cpu or auto, "
+                                                        "or precision float32")
+        requested = "cpu"  # auto: the route exists on the CPU only
+        reason = onednn.unavailable_reason()
+        if reason is not None:
+            raise AdmissionError("backend_unavailable", f"precision bfloat16 is unavailable here: {reason}; ask "
+                                                        "for precision float32")
     try:
-        choice = choose_backend(config.get("backend"), settings.backend, settings.home, need_bytes)
+        choice = choose_backend(requested, settings.backend, settings.home, need_bytes)
     except BackendUnavailable as error:
         raise AdmissionError("backend_unavailable", f"{error.message}; ask for backend cpu or auto, or run on a "
                                                     "machine whose CUDA device the loader finds") from None
@@ -385,7 +418,7 @@ def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSe
         "tokenizer": tokenizer.identity(),
         "dataset": dataset,
         # this process's identity; a worker replaces it with its own at claim (revalidate compares that one)
-        "execution": execution_identity(config.get("backend") or settings.backend),
+        "execution": execution_identity(config.get("backend") or settings.backend, config.get("precision")),
         "planning": planning,
     }
     if backend is not None:

@@ -38,6 +38,7 @@ SFT_DEFAULTS = {
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
     "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
+    "precision": None,  # float32; or bfloat16: a LoRA base's products on oneDNN (written only when bfloat16)
 }
 
 GRPO_DEFAULTS = {
@@ -65,6 +66,7 @@ GRPO_DEFAULTS = {
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
     "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
+    "precision": None,  # float32; or bfloat16: a LoRA base's products on oneDNN (written only when bfloat16)
 }
 
 OPD_DEFAULTS = {
@@ -90,6 +92,7 @@ OPD_DEFAULTS = {
     "guardrails": GUARDRAIL_DEFAULTS,
     "activation_checkpointing": "none",
     "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
+    "precision": None,  # float32; or bfloat16: a LoRA base's products on oneDNN (written only when bfloat16)
 }
 
 DEFAULTS = {"sft": SFT_DEFAULTS, "grpo": GRPO_DEFAULTS, "opd": OPD_DEFAULTS}

@@ -11,7 +11,9 @@ numpy, python  their versions
 native_builds  SHA-256 of each built native_ext library
 kiln           the installed distribution's version
 code           SHA-256 over the trainer/ and native_ext/ sources and built libraries that run
-precision, kernel_contract
+precision      float32, or bfloat16 for a run whose base computes on oneDNN (config.precision); such an identity
+               adds onednn: the library's version and SHA-256 and its thread count (native_ext.onednn.identity)
+kernel_contract
 gpu            cuda only: the device's name and compute capability, the driver, runtime and cuBLAS versions
                and the SHA-256 of the CUDA library (native_ext.cuda.probe); a cpu identity has no such field
 
@@ -39,15 +41,24 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "av
 CODE_SUFFIXES = (".py", ".so", ".pyd", ".dylib")  # the sources and the built libraries that run
 
 
-def execution_identity(backend: str) -> dict:
-    """This process's identity for BACKEND, computed once (a worker computes it at start). A cuda identity is
-    kept only once the device is found (its gpu fields are then the device's): whether a cuda run may start
-    is the probe's answer at that moment (trainer.runs.backend.require_cuda), never this cache's."""
+def execution_identity(backend: str, precision: str | None = None) -> dict:
+    """This process's identity for BACKEND (and PRECISION, None: float32), computed once (a worker computes it at
+    start). A cuda identity is kept only once the device is found (its gpu fields are then the device's): whether
+    a cuda run may start is the probe's answer at that moment (trainer.runs.backend.require_cuda), never this
+    cache's."""
     if backend == "cuda":
         from trainer.runs.backend import cuda_unavailable, probe_cuda
         if cuda_unavailable(probe_cuda()) is not None:
             return compute_execution_identity(backend)
-    return dict(_cached(backend))
+    return with_precision(dict(_cached(backend)), precision)
+
+
+def with_precision(identity: dict, precision: str | None) -> dict:
+    """IDENTITY of a float32 run (unchanged), or of a bfloat16 one: its precision and the oneDNN it computes on."""
+    if precision in (None, "float32"):
+        return identity
+    from native_ext import onednn
+    return {**identity, "precision": precision, "onednn": onednn.identity()}
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import admit_backend, loss_options, run_backend
+from trainer.runs.admission import admit_backend, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_request, check_shared,
@@ -261,7 +261,8 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
     source = StreamSource(path, dataset) if kind == "streamed_jsonl" else MemorySource(records)
     model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
                                  **loss_options(route, base.config["vocabulary_size"]),
-                                 activation_checkpointing=config["activation_checkpointing"])
+                                 activation_checkpointing=config["activation_checkpointing"],
+                                 **precision_options(config))
     try:
         model.attach_lora(lora_config(config, admission.effective_seed))
         warm_start(model, admission)

@@ -24,7 +24,7 @@ from native_ext.cuda import CudaUnavailable
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import admit_backend, loss_options, run_backend
+from trainer.runs.admission import admit_backend, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -296,7 +296,8 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     check_base_adapter_unchanged(admission)
     model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
                                  **loss_options(route, base.config["vocabulary_size"]),
-                                 activation_checkpointing=config["activation_checkpointing"])
+                                 activation_checkpointing=config["activation_checkpointing"],
+                                 **precision_options(config))
     teacher = None
     try:
         try:
