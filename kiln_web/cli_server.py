@@ -267,6 +267,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for index, text in enumerate(cuda_doctor_lines(report["cuda"])):
         line("cuda" if index == 0 else "", text)
 
+    from native_ext import onednn
+
+    reason = onednn.unavailable_reason()  # precision bfloat16's route; float32 runs do not need it
+    report["onednn"] = {"library": str(onednn.library_path()), "cpu_bf16_flags": list(onednn.cpu_bf16_flags()),
+                        "available": reason is None, "reason": reason,
+                        **(onednn.identity() if reason is None else {})}
+    line("onednn", f"precision bfloat16 available: oneDNN {report['onednn']['version']}, "
+                   f"threads={report['onednn']['threads']} ({report['onednn']['library']})" if reason is None
+         else f"precision bfloat16 unavailable: {reason}")
+
     from django.core.exceptions import ImproperlyConfigured
 
     try:

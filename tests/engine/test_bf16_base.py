@@ -251,3 +251,18 @@ def test_bf16_without_the_cpu_instructions_or_the_library_is_refused_with_the_re
     finally:
         monkeypatch.delenv(onednn.LIBRARY_ENV)
         onednn._load.cache_clear()
+
+
+def test_kiln_doctor_reports_the_bf16_route(capsys, monkeypatch):
+    from kiln_web.cli import main
+
+    main(["doctor", "--json"])
+    report = json.loads(capsys.readouterr().out)["onednn"]
+    assert report["available"] == (UNAVAILABLE is None) and report["reason"] == UNAVAILABLE
+    assert report["cpu_bf16_flags"] == list(onednn.cpu_bf16_flags())
+    if UNAVAILABLE is None:
+        assert report["version"] and len(report["library_sha256"]) == 64 and report["threads"] >= 1
+    monkeypatch.setattr(onednn, "cpu_bf16_flags", lambda: ())
+    main(["doctor"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("onednn")]
+    assert len(lines) == 1 and "precision bfloat16 unavailable: this CPU has no BF16" in lines[0]
