@@ -9,7 +9,7 @@ the GEMM peak and the peak resident memory of each variant, each measured in its
         [--variants kiln-lora,kiln-lora-bf16,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora]
 
 kiln-lora-bf16 is Kiln's base_precision "bfloat16": the frozen base's products from bfloat16 operands
-on oneDNN (float32 accumulation; attention, adapters and the loss in float32), where the CPU and the
+on oneDNN (float32 accumulation; the output projection too; attention and adapters in float32), where the CPU and the
 library allow it (skipped with the reason elsewhere).
 peft-lora-bf16 is PyTorch + peft under torch.autocast("cpu", dtype=torch.bfloat16): the best
 PyTorch set-up on CPUs with AVX-512-BF16 or AMX, and skipped (with that reason) elsewhere. It

@@ -11,14 +11,14 @@ full-logits route).
 
 import numpy as np
 
-from native_ext import blas, kernels
+from native_ext import blas, kernels, onednn
 from trainer.blocks import accumulate_weight_grad
 
 IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, row_scales=None,
-                               head=None):
+                               head=None, weight_bf16=None):
     """Cross-entropy of softmax(hidden [N,C] @ weight.T [C,V]) against targets [N] int64.
 
     Without grad_scale and row_scales: returns (log p(target) [N] float32, None), 0 where
@@ -26,8 +26,11 @@ def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, 
     the loss grad_scale * sum of -log p over non-ignored rows. With row_scales [N] float32:
     returns (losses [N], dhidden [N,C]) of sum_t row_scales[t] * -log p_t; an ignored row
     must carry a zero scale. When head (the Parameter behind weight) is given, its
-    gradient [V,C] accumulates chunk by chunk and is marked pending.
+    gradient [V,C] accumulates chunk by chunk and is marked pending. With weight_bf16 (the
+    frozen weight's bfloat16 bits, base_precision "bfloat16") both products take bfloat16
+    operands on oneDNN (output_product).
     """
+    assert weight_bf16 is None or head is None, "a bfloat16 output weight is frozen"
     N = hidden.shape[0]
     assert chunk >= 1, f"chunk must be a positive row count, got {chunk}"
     assert targets.shape == (N,), f"targets {targets.shape} must be one id per hidden row ({N})"
@@ -40,7 +43,7 @@ def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, 
     dhidden = np.empty_like(hidden) if backward else None  # [N,C]
     for start in range(0, N, chunk):
         rows = slice(start, min(start + chunk, N))
-        logits = blas.matmul(hidden[rows], weight.T)  # [n,V], becomes dlogits in place
+        logits = output_product(hidden[rows], weight, weight_bf16)  # [n,V], becomes dlogits in place
         if not backward:
             kernels.log_softmax_gather(logits, safe[rows], per_row[rows])
             continue
@@ -49,10 +52,22 @@ def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, 
                                                    grad_scale, IGNORE_INDEX)
         else:
             kernels.weighted_cross_entropy(logits, safe[rows], per_row[rows], row_scales[rows])
-        blas.matmul(logits, weight, out=dhidden[rows])  # [n,C]
+        if weight_bf16 is None:
+            blas.matmul(logits, weight, out=dhidden[rows])  # [n,C]
+        else:
+            onednn.gemm(dhidden[rows], onednn.to_bf16(logits), weight_bf16)
         if head is not None:
             accumulate_weight_grad(head.grad, logits, hidden[rows], head.pending)  # [V,C]
             head.pending = True
     if not backward:
         per_row[ignored] = 0.0
     return per_row, dhidden
+
+
+def output_product(hidden, weight, weight_bf16=None):
+    """hidden [n,C] @ weight.T [C,V]: float32, or from bfloat16 operands on oneDNN given the weight's bits."""
+    if weight_bf16 is None:
+        return blas.matmul(hidden, weight.T)
+    logits = np.empty((hidden.shape[0], weight_bf16.shape[0]), np.float32)
+    onednn.gemm(logits, onednn.to_bf16(hidden), weight_bf16, trans_b=True)
+    return logits

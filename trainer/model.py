@@ -16,7 +16,7 @@ import numpy as np
 from native_ext import kernels, onednn
 from trainer.blocks import Block, block_backward, block_forward, rmsnorm_backward, rope_tables
 from trainer.config import TransformerConfig
-from trainer.crossentropy import IGNORE_INDEX, fused_linear_cross_entropy
+from trainer.crossentropy import IGNORE_INDEX, fused_linear_cross_entropy, output_product
 from trainer.generation import KVCache, check_cache_room
 from trainer.lifetime import Closeable
 from trainer.lora import LoraAdapter, LoraConfig
@@ -117,6 +117,7 @@ class DecoderOnlyTransformer(Closeable):
         self.lora_config = None
         self._adapters = []
         self._quantization = None
+        self._output_bf16 = None  # the output weight's bfloat16 bits under base_precision "bfloat16"
         self._closed = False
         if initialize:
             self._initialize(config.initializer_seed)
@@ -129,6 +130,7 @@ class DecoderOnlyTransformer(Closeable):
     def close(self):
         """Release every buffer; the model cannot be used afterwards."""
         super().close()
+        self._output_bf16 = None
         self._blocks = []
         self._base = []
         self._by_name = {}
@@ -211,6 +213,7 @@ class DecoderOnlyTransformer(Closeable):
             onednn.require()  # the CPU's BF16 instructions and the oneDNN library, or why not
             for block in self._blocks:
                 block.freeze_bf16()
+            self._output_bf16 = onednn.to_bf16(self.output_weight)  # the output projection is frozen too
 
     def _computing(self):
         """The scope every forward and backward runs in: oneDNN's (native_ext.onednn.computing) under
@@ -433,8 +436,8 @@ class DecoderOnlyTransformer(Closeable):
         cache.length = past + T
         if last_only:
             hidden = hidden.reshape(B, T, -1)[:, -1]  # [B,C]
-            return np.matmul(hidden, self.output_weight.T).reshape(B, 1, -1)  # [B,1,V]
-        return np.matmul(hidden, self.output_weight.T).reshape(B, T, -1)  # [B,T,V]
+            return output_product(hidden, self.output_weight, self._output_bf16).reshape(B, 1, -1)  # [B,1,V]
+        return output_product(hidden, self.output_weight, self._output_bf16).reshape(B, T, -1)  # [B,T,V]
 
     @_computing_scope
     def logits(self, tokens) -> np.ndarray:
@@ -443,7 +446,7 @@ class DecoderOnlyTransformer(Closeable):
         tokens = self._check_tokens(tokens)
         hidden, _ = self._hidden(tokens, keep_activations=False)
         B, T = tokens.shape
-        return np.matmul(hidden, self.output_weight.T).reshape(B, T, -1)  # [B,T,V]
+        return output_product(hidden, self.output_weight, self._output_bf16).reshape(B, T, -1)  # [B,T,V]
 
     @_computing_scope
     def token_losses(self, inputs, targets) -> np.ndarray:
@@ -453,7 +456,7 @@ class DecoderOnlyTransformer(Closeable):
         hidden, _ = self._hidden(inputs, keep_activations=False)
         flat = targets.reshape(-1)  # [N]
         logp, _ = fused_linear_cross_entropy(hidden, self.output_weight, flat,
-                                             self.config.loss_chunk_tokens)  # [N]
+                                             self.config.loss_chunk_tokens, weight_bf16=self._output_bf16)  # [N]
         return np.where(flat == IGNORE_INDEX, np.float32(0), -logp).reshape(targets.shape)
 
     # -- forward + backward -------------------------------------------------------------
@@ -469,7 +472,7 @@ class DecoderOnlyTransformer(Closeable):
         hidden, state = self._hidden(inputs, keep_activations=True)
         losses, dhidden = fused_linear_cross_entropy(
             hidden, self.output_weight, flat, self._loss_chunk(flat.shape[0]),
-            grad_scale=1.0 / valid, head=self._trainable_head())
+            grad_scale=1.0 / valid, head=self._trainable_head(), weight_bf16=self._output_bf16)
         self._backward_from_hidden(dhidden, inputs, state)
         return float(np.sum(losses, dtype=np.float64)) / valid
 
@@ -517,7 +520,7 @@ class DecoderOnlyTransformer(Closeable):
             self._ensure_base_grads()
         hidden, state = self._hidden(inputs, keep_activations=True)
         logp, _ = fused_linear_cross_entropy(hidden, self.output_weight, flat,
-                                             self.config.loss_chunk_tokens)  # [N], 0 where ignored
+                                             self.config.loss_chunk_tokens, weight_bf16=self._output_bf16)  # [N], 0 where ignored
         coefficients = np.asarray(coefficient_fn(logp.reshape(targets.shape)), dtype=np.float64)
         if coefficients.shape != targets.shape or not np.all(np.isfinite(coefficients)):
             raise ValueError(f"coefficient_fn must return finite values of shape {targets.shape}")
@@ -525,6 +528,6 @@ class DecoderOnlyTransformer(Closeable):
         row_scales = np.where(valid, -coefficients.reshape(-1), 0.0).astype(np.float32)
         _, dhidden = fused_linear_cross_entropy(
             hidden, self.output_weight, flat, self._loss_chunk(flat.shape[0]),
-            row_scales=row_scales, head=self._trainable_head())
+            row_scales=row_scales, head=self._trainable_head(), weight_bf16=self._output_bf16)
         self._backward_from_hidden(dhidden, inputs, state)
         return logp.reshape(targets.shape)

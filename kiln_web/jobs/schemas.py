@@ -86,7 +86,8 @@ MAX_SEED = 2**63 - 1
 BASE_ADAPTER = ("weights-only warm start of a new run: an absolute PEFT adapter directory (a finished run's snapshot, "
                 "e.g. $KILN_HOME/adapters/NAME) in the adapter registry or a data root; the LoRA shape becomes its own")
 PRECISION = ("how the frozen base computes. bfloat16: the LoRA base's products from bfloat16-rounded operands with "
-             "float32 accumulation on oneDNN (attention, adapters and the loss stay float32), on a CPU with "
+             "float32 accumulation on oneDNN, the output projection's too (attention, adapters, softmax and "
+             "cross-entropy stay float32), on a CPU with "
              "AVX-512-BF16 or AMX; not with quantization and not on cuda (400 backend_unavailable with the reason "
              "where it cannot run); recorded in effective_config and the execution identity, so a resume must ask "
              "for the same; absent: float32")

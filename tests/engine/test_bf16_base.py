@@ -96,7 +96,8 @@ def test_routed_products_go_to_onednn_and_agree_with_numpy():
 
 
 class _Bf16Linear(torch.autograd.Function):
-    """The recipe in PyTorch: y = bf16(x) @ bf16(W).T and dx = bf16(dy) @ bf16(W), accumulated in float32."""
+    """The recipe in PyTorch: y = bf16(x) @ bf16(W).T and dx = bf16(dy) @ bf16(W), accumulated in float32, for
+    every frozen Linear (the blocks' projections and the output projection)."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -113,8 +114,7 @@ class _Bf16Linear(torch.autograd.Function):
 def _recipe_twin(model, lora):
     twin = peft_twin(model, lora)
     for module in twin.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.shape[0] != model.config.vocabulary_size \
-                and not module.weight.requires_grad:
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:  # the base's and the head
             module.forward = lambda x, weight=module.weight: _Bf16Linear.apply(x, weight)
     return twin
 
