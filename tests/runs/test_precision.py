@@ -6,6 +6,7 @@ the loader's reason on a CPU without BF16 dot-product instructions or without th
 import pytest
 
 from native_ext import onednn
+from test_opd import bases  # noqa: F401  (the fixture: kiln-tiny, a teacher base and its adapter)
 from test_sft import StopAt, final_files, make_settings, request, write_dataset
 from trainer.runs.admission import AdmissionError, RequestError
 from trainer.runs.sft import admit_sft, revalidate_sft, run_sft
@@ -91,3 +92,40 @@ def test_bf16_on_cuda_or_without_the_route_is_backend_unavailable(tmp_path, monk
     with pytest.raises(AdmissionError, match="no BF16 dot-product instructions") as info:
         admit_sft(bf16_request(tmp_path), settings)
     assert info.value.code == "backend_unavailable"
+
+
+@needs_bf16
+def test_grpo_bf16_cancel_then_resume_is_byte_identical(tmp_path):
+    """GRPO's rollouts (cached generation), old and reference log-probabilities and weighted backward all run in
+    the bfloat16 scope; a cancelled run resumes to the bytes of an uninterrupted one."""
+    import test_grpo as g
+
+    whole_settings = g.make_settings(tmp_path / "whole")
+    whole, _ = g.run(whole_settings, g.inline_request(precision="bfloat16"))
+    assert whole.status == "succeeded"
+    settings = g.make_settings(tmp_path / "parts")
+    first, _ = g.run(settings, g.inline_request(precision="bfloat16"), stop=3)
+    basename = first.latest_checkpoint["resume_checkpoint"]
+    second, _ = g.run(settings, g.inline_request(precision="bfloat16", resume_checkpoint=basename))
+    assert second.status == "succeeded" and second.loss_history == whole.loss_history
+    assert g.final_files(settings, "reward-bot") == g.final_files(whole_settings, "reward-bot")
+    exact, _ = g.run(g.make_settings(tmp_path / "exact"), g.inline_request())
+    assert exact.loss_history != whole.loss_history  # another arithmetic
+
+
+@needs_bf16
+def test_opd_bf16_student_cancel_then_resume_is_byte_identical(bases, tmp_path):  # noqa: F811 (the fixture)
+    """OPD's student computes in bfloat16 (its native teacher stays float32); cancel-then-resume gives the bytes
+    of an uninterrupted run."""
+    import test_opd as o
+
+    teacher = o.native_teacher(bases)
+    whole_settings = o.make_settings(tmp_path / "whole", bases)
+    whole, _ = o.run(whole_settings, o.request(teacher, precision="bfloat16"))
+    assert whole.status == "succeeded"
+    settings = o.make_settings(tmp_path / "parts", bases)
+    first, _ = o.run(settings, o.request(teacher, precision="bfloat16"), stop=3)
+    basename = first.latest_checkpoint["resume_checkpoint"]
+    second, _ = o.run(settings, o.request(teacher, precision="bfloat16", resume_checkpoint=basename))
+    assert second.status == "succeeded" and second.loss_history == whole.loss_history
+    assert o.final_files(settings) == o.final_files(whole_settings)
