@@ -14,7 +14,7 @@ import math
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from kiln_web.adapters.models import Adapter, CheckpointRecord
@@ -382,10 +382,27 @@ def _unrecorded_checkpoint(job: TrainingJob) -> tuple[dict, str] | None:
     return None
 
 
+def database_started_at():
+    """When the database server last started (PostgreSQL's pg_postmaster_start_time), or None (SQLite, which
+    runs inside the process and has no restarts a worker could outlive)."""
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_postmaster_start_time()")
+        return cursor.fetchone()[0]
+
+
 def do_mark_lost(now=None) -> list:
-    """Mark running jobs whose worker sent no heartbeat for KILN_LOST_AFTER_SECONDS as lost; returns their ids."""
+    """Mark running jobs whose worker sent no heartbeat for KILN_LOST_AFTER_SECONDS as lost; returns their ids.
+
+    No heartbeat can be written while the database is down, so silence is counted from the database server's
+    last start too: for KILN_LOST_AFTER_SECONDS after a restart no job is lost for its silence before it, and a
+    worker that rode the restart out beats again in that time."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS)
+    started = database_started_at()
+    if started is not None and started >= cutoff:
+        return []
     stale = list(TrainingJob.objects.filter(status__in=RUNNING_STATUSES, heartbeat_at__lt=cutoff)
                  .values_list("pk", flat=True))
     stale += list(TrainingJob.objects.filter(status__in=RUNNING_STATUSES, heartbeat_at__isnull=True)
