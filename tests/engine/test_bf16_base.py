@@ -266,3 +266,17 @@ def test_kiln_doctor_reports_the_bf16_route(capsys, monkeypatch):
     main(["doctor"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("onednn")]
     assert len(lines) == 1 and "precision bfloat16 unavailable: this CPU has no BF16" in lines[0]
+
+
+@needs_bf16
+def test_computing_holds_numpys_blas_at_one_thread_and_routes_its_products():
+    from threadpoolctl import threadpool_info
+
+    def numpys_threads():
+        return next(i["num_threads"] for i in threadpool_info() if i["filepath"] == str(blas.LIBRARY_PATH))
+
+    before = numpys_threads()
+    with onednn.computing():
+        assert numpys_threads() == 1  # its idle worker would spin beside oneDNN's threads
+        assert blas._routed is onednn.sgemm
+    assert numpys_threads() == before and blas._routed is None
