@@ -3,8 +3,6 @@ recorded in the effective configuration and the execution identity, and refused 
 the library cannot run it (tests/runs/test_precision.py runs it; tests/engine/test_bf16_base.py checks its
 numbers)."""
 
-import re
-
 import pytest
 
 from kiln_web.jobs.models import TrainingJob
@@ -74,7 +72,7 @@ def test_the_cli_sends_precision_and_shows_the_refusal(cli, tmp_path, adapter_na
 def test_the_dashboard_form_offers_precision_and_shows_its_refusal_there(real_sft, ada, adapter_name, no_bf16):
     from django.test import Client
 
-    from dashboard.conftest import csrf_post, upload
+    from dashboard.conftest import csrf_post, field_errors, upload
 
     client = Client()
     client.force_login(ada)
@@ -83,9 +81,6 @@ def test_the_dashboard_form_offers_precision_and_shows_its_refusal_there(real_sf
     response = csrf_post(client, "/jobs/new/sft/", {"output_name": adapter_name, "data": upload(),
                                                     "precision": "bfloat16"})
     assert response.status_code == 400
-    page = response.content.decode()
-    block = re.search(r'data-field="precision">(.*?)</div>', page, re.S)
-    assert block, page[:2000]
-    errors = re.findall(r'class="field-error"[^>]*>(.*?)</p>', block.group(1), re.S)
+    errors = field_errors(response.content.decode(), "precision")
     assert errors and NO_FLAGS in " ".join(errors), errors
     assert not TrainingJob.objects.exists()

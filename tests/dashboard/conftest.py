@@ -1,6 +1,7 @@
 """Dashboard fixtures: signed-in browsers (Django test clients) and jobs run by the fake SFT runner."""
 
 import json
+import re
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -41,6 +42,13 @@ def csrf_post(client: Client, path: str, data: dict | None = None, **extra):
     client.get("/")
     token = client.cookies["csrftoken"].value
     return client.post(path, {**(data or {}), "csrfmiddlewaretoken": token}, **extra)
+
+
+def field_errors(page: str, field: str) -> list[str]:
+    """The error texts a new-job form page shows under FIELD (AssertionError, with the page, when it has none)."""
+    block = re.search(rf'data-field="{field}">(.*?)</div>', page, re.S)
+    assert block, page[:2000]
+    return re.findall(r'class="field-error"[^>]*>(.*?)</p>', block.group(1), re.S)
 
 
 def cancel_at(monkeypatch, step):
