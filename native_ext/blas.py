@@ -12,6 +12,7 @@ numpy (a temporary product, scaled and added), which gives the same values up to
 """
 
 import contextlib
+import contextvars
 import ctypes
 from pathlib import Path
 
@@ -46,24 +47,31 @@ def _load():
 
 
 _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only afterwards
-_routed = None  # a gemm with this module's contract that takes every product inside routed(), else None
+# a gemm with this module's contract that takes every product inside routed(), else None; per thread (a context
+# variable), so a serving thread's float32 products never go where a training thread's bfloat16 scope sends its own
+_ROUTE = contextvars.ContextVar("kiln_blas_route", default=None)
 
 
 @contextlib.contextmanager
 def routed(gemm_function):
-    """gemm() and matmul() call GEMM_FUNCTION inside (native_ext.onednn.computing); nested use restores."""
-    global _routed
-    previous, _routed = _routed, gemm_function
+    """gemm() and matmul() called from this thread go to GEMM_FUNCTION inside (native_ext.onednn.computing)."""
+    token = _ROUTE.set(gemm_function)
     try:
         yield
     finally:
-        _routed = previous
+        _ROUTE.reset(token)
+
+
+def route():
+    """The gemm this thread's products are routed to, or None (numpy's OpenBLAS)."""
+    return _ROUTE.get()
 
 
 def matmul(a, b, out=None):
     """np.matmul of float32 2-d matrices or equal stacks of them ([G,M,K] @ [G,K,N]); exactly np.matmul
     unless routed(), where each matrix product goes to the routed gemm (operands may be transposed views)."""
-    if _routed is None:
+    routed_gemm = _ROUTE.get()
+    if routed_gemm is None:
         return np.matmul(a, b, out=out)
     if a.ndim == 2:
         return matmul(a[None], b[None], None if out is None else out[None])[0]
@@ -72,7 +80,7 @@ def matmul(a, b, out=None):
         out = np.empty((G, M, b.shape[2]), np.float32)
     for g in range(G):
         (ag, trans_a), (bg, trans_b) = _row_major(a[g]), _row_major(b[g])
-        _routed(out[g], ag, bg, trans_a, trans_b)
+        routed_gemm(out[g], ag, bg, trans_a, trans_b)
     return out
 
 
@@ -108,8 +116,9 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
     if M == 0 or N == 0:
         return
-    if _routed is not None and K:
-        _routed(c, a, b, trans_a, trans_b, alpha, beta)
+    routed_gemm = _ROUTE.get()
+    if routed_gemm is not None and K:
+        routed_gemm(c, a, b, trans_a, trans_b, alpha, beta)
         return
     if _SGEMM is None or K == 0:
         product = (a.T if trans_a else a) @ (b.T if trans_b else b)

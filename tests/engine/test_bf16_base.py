@@ -9,6 +9,7 @@ BF16 dot-product instructions and the oneDNN library, and skip with the loader's
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -278,5 +279,10 @@ def test_computing_holds_numpys_blas_at_one_thread_and_routes_its_products():
     before = numpys_threads()
     with onednn.computing():
         assert numpys_threads() == 1  # its idle worker would spin beside oneDNN's threads
-        assert blas._routed is onednn.sgemm
-    assert numpys_threads() == before and blas._routed is None
+        assert blas.route() is onednn.sgemm
+        other = []
+        thread = threading.Thread(target=lambda: other.append(blas.route()))
+        thread.start()
+        thread.join()
+        assert other == [None]  # another thread's products (a serving thread's) stay on OpenBLAS
+    assert numpys_threads() == before and blas.route() is None
