@@ -14,13 +14,14 @@ Dimension letters as in native_ext.reference.
 
 import ctypes
 import functools
-import hashlib
 import os
 import struct
 from ctypes import POINTER, c_char_p, c_double, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
 import numpy as np
+
+from native_ext.validate import file_sha256
 
 LIBRARY_NAME = "libkiln_cuda.so"
 ENVIRONMENT_VARIABLE = "KILN_CUDA_LIBRARY"
@@ -289,14 +290,6 @@ def _too_old(devices, min_capability):
     return f"every GPU is below compute capability {min_capability[0]}.{min_capability[1]}: {seen}"
 
 
-def _sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def elf_dynamic_symbols(path) -> set:
     """The defined global function names in the ELF dynamic symbol table of PATH (no dlopen, so it works
     on a machine where the library's dependencies cannot load)."""
@@ -337,7 +330,7 @@ def probe(min_capability=(8, 0), isolated=False) -> dict:
               "min_capability": f"{min_capability[0]}.{min_capability[1]}"}
     try:
         if path is not None and path.is_file():
-            result["library_sha256"] = _sha256(path)
+            result["library_sha256"] = file_sha256(path)
             try:
                 exported = elf_dynamic_symbols(path)
                 missing = [name for name in SYMBOLS if name not in exported]

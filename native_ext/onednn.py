@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from native_ext.validate import file_sha256
 
 LIBRARY_ENV = "KILN_ONEDNN_LIBRARY"
 LIBRARY_NAME = "libdnnl.so.3"
@@ -100,22 +101,24 @@ def require():
 
 
 def threads() -> int:
-    """The OpenMP threads oneDNN computes with (OMP_NUM_THREADS, else every core)."""
-    library = _load()[0]
-    if library is None:
+    """The OpenMP threads oneDNN computes with (OMP_NUM_THREADS, else every core); 0 without the library."""
+    if _load()[0] is None:
         return 0
-    gomp = ctypes.CDLL("libgomp.so.1")
-    return int(gomp.omp_get_max_threads())
+    return int(ctypes.CDLL("libgomp.so.1").omp_get_max_threads())  # the loaded one: oneDNN's dependency
 
 
 def identity() -> dict:
     """What a bfloat16 result depends on beyond the CPU: the library's version, file and thread count."""
-    library = _load()[0]
-    if library is None:
+    if _load()[0] is None:
         return {"version": None, "library_sha256": None, "threads": None}
-    v = library.dnnl_version().contents
-    return {"version": f"{v.major}.{v.minor}.{v.patch}", "library_sha256": hashlib.sha256(library_path().read_bytes()).hexdigest(),
-            "threads": threads()}
+    return {**_library_identity(), "threads": threads()}
+
+
+@functools.cache
+def _library_identity() -> dict:
+    """The loaded library's version and SHA-256, read once (admission and every dequeue ask)."""
+    v = _load()[0].dnnl_version().contents
+    return {"version": f"{v.major}.{v.minor}.{v.patch}", "library_sha256": file_sha256(library_path())}
 
 
 def _rows(name, array):

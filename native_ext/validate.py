@@ -1,6 +1,8 @@
 """What every validating wrapper in native_ext shares: the import of a built kernel module and the
-dtype, shape and contiguity check of an array before it is handed to a Cython kernel."""
+dtype, shape and contiguity check of an array before it is handed to a Cython kernel; and the SHA-256 of a
+file (a loaded library's, in the execution identity)."""
 
+import hashlib
 import importlib
 
 import numpy as np
@@ -29,3 +31,12 @@ def check_array(name, array, dtype, ndim, writable=False):
         raise ValueError(f"{name} must be C-contiguous")
     if writable and not array.flags.writeable:
         raise ValueError(f"{name} must be writable")
+
+
+def file_sha256(path) -> str:
+    """SHA-256 hex of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

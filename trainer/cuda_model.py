@@ -105,7 +105,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
     @staticmethod
     def _check_supported(config):
         if config.base_precision != "float32":
-            raise NotImplementedError(f"base_precision {config.base_precision!r} is a CPU route (oneDNN); the "
+            raise ValueError(f"base_precision {config.base_precision!r} is a CPU route (oneDNN); the "
                                       "cuda backend computes in float32")
         D = config.head_dimension
         if D > ATTENTION_MAX_HEAD:

@@ -16,6 +16,8 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+from native_ext.validate import file_sha256  # noqa: F401  (one copy; trainer's modules read it here)
+
 IO_CHUNK = 64 << 20  # one write() call; large enough that syscall overhead vanishes
 READ_CHUNK = 4 << 20  # reads land in chunks this size (cache-sized), each hashed while the next is read
 PIPELINE_MIN = 4 << 20  # below this a file is read, then hashed, in one thread
@@ -25,15 +27,6 @@ _AT_FDCWD = -100
 
 
 # -- durability ---------------------------------------------------------------------------------
-
-
-def file_sha256(path) -> str:
-    """SHA-256 hex of a file's bytes, read in 1 MiB pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fsync_dir(directory) -> None:

@@ -28,6 +28,14 @@ def randomise_adapters(model, seed=1):
     return values
 
 
+def batch_with_ignored_prefix(seed, vocabulary=64):
+    """Inputs and targets [2, 12] whose first row ignores its first three targets (-100)."""
+    rng = np.random.default_rng(seed)
+    inputs, targets = rng.integers(0, vocabulary, (2, 12)), rng.integers(0, vocabulary, (2, 12))
+    targets[0, :3] = -100
+    return inputs, targets
+
+
 def peft_twin(model, lora):
     cfg = model.config
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -58,9 +66,7 @@ def test_logits_and_adapter_gradients_match_peft(lora, tied):
     model.attach_lora(lora)
     randomise_adapters(model)
     twin = peft_twin(model, lora)
-    rng = np.random.default_rng(2)
-    inputs, targets = rng.integers(0, 64, (2, 12)), rng.integers(0, 64, (2, 12))
-    targets[0, :3] = -100
+    inputs, targets = batch_with_ignored_prefix(seed=2)
     ours = model.logits(inputs)
     theirs = twin(input_ids=torch.from_numpy(inputs)).logits.detach().numpy()
     assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
