@@ -20,7 +20,10 @@ from setuptools.command.build_ext import build_ext
 # OpenBLAS's own made every kernel many times slower on a 2-core machine.
 # -O3 without -march=native: the build must give the same float results on every
 # machine of one architecture, and no -ffast-math, which would reorder reductions.
-COMPILE_ARGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd"]
+# -fno-trapping-math changes no value; without it GCC leaves every loop with a float
+# comparison (the branch-free exp's clamps) scalar in the AVX2 and default clones
+# (tests/engine/test_kernels_build.py).
+COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd"]
 
 # module, the C header its row kernels live in
 KERNELS = [("_kernels", "kiln_kernels.h"), ("_nf4", "nf4.h")]
