@@ -88,12 +88,11 @@ def run_kiln(quantized, steps, real=False, context=CONTEXT, precision="float32")
 
     tokens, targets = _batch(context)
     extra = {}
-    from trainer.runs.admission import loss_options
+    from trainer.runs.admission import attention_options, loss_options
 
-    # the fused loss with the chunk a run uses; the tiled attention beyond 256 positions (the dense
-    # scores [H, T, T] grow with the square)
-    options = {**loss_options("kt_tape_flce", SHAPE["vocabulary_size"]),
-               "attention_algorithm": "tiled" if context > 256 else "dense", "attention_block_size": 128,
+    # what an SFT run of this context computes: the fused loss with a run's chunk, and the attention a run picks
+    # (dense up to 512 positions, tiled in 128-position blocks beyond)
+    options = {**loss_options("kt_tape_flce", SHAPE["vocabulary_size"]), **attention_options(context),
                "base_precision": precision}
     if real:
         from trainer.bases import load_base

@@ -410,3 +410,37 @@ def test_a_non_finite_loss_fails_the_run_before_its_checkpoint(tmp_path, monkeyp
     assert info.value.code == "non_finite" and info.value.message.startswith("step 3:")
     latest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
     assert checkpoint_dir.parse_basename(latest.name)[1] == 2
+
+
+def test_sequences_beyond_512_positions_train_tiled_and_resume_byte_identical(reference, tmp_path, monkeypatch):
+    """A run whose max_sequence_length exceeds 512 computes the tiled attention (admission.attention_options: at
+    1024 positions it is faster and never keeps [heads, T, T] probabilities); up to 512 the engine's dense one.
+    Cancelled and resumed, the tiled run ends byte-identical to its uninterrupted twin."""
+    import trainer.bases
+
+    loaded = []
+    load_base = trainer.bases.load_base
+
+    def recording(*args, **options):
+        model, tokenizer = load_base(*args, **options)
+        loaded.append((model.config.attention_algorithm, model.config.attention_block_size))
+        return model, tokenizer
+
+    monkeypatch.setattr(trainer.bases, "load_base", recording)  # run_sft imports it when it starts
+    whole_settings, whole = uninterrupted(tmp_path / "whole", max_sequence_length=600)
+    assert loaded == [("tiled", 128)]
+
+    settings = make_settings(tmp_path / "parts")
+    req = request(write_dataset(tmp_path / "parts"), max_sequence_length=600)
+    first = run_sft(admit_sft(req, settings), settings, StopAt(3))
+    assert first.status == "cancelled"
+    resumed = request(req["dataset_path"], max_sequence_length=600,
+                      resume_checkpoint=first.latest_checkpoint["resume_checkpoint"])
+    second = run_sft(admit_sft(resumed, settings), settings, StopAt(None))
+    assert second.status == "succeeded" and loaded == [("tiled", 128)] * 3
+    assert second.loss_history == whole.loss_history
+    assert final_files(settings) == final_files(whole_settings)
+
+    loaded.clear()
+    uninterrupted(tmp_path / "short", max_sequence_length=512)
+    assert [algorithm for algorithm, _ in loaded] == ["dense"]

@@ -387,6 +387,22 @@ def loss_options(route: str, vocabulary_size: int) -> dict:
     return {"loss_route": route, "loss_chunk_tokens": max(64, LOSS_CHUNK_BYTES // (4 * int(vocabulary_size)))}
 
 
+# a run whose sequences may be longer than this computes the tiled attention (online softmax over 128-position
+# blocks): measured on the SmolLM2 shape, dense and tiled take the same time up to 512 positions, while at 1024
+# tiled took 0.80x the time and dense kept [heads, T, T] probabilities for every block (37.7 MB each at 1024)
+DENSE_ATTENTION_POSITIONS = 512
+TILED_ATTENTION_BLOCK = 128
+
+
+def attention_options(max_positions: int) -> dict:
+    """load_base's attention execution options for a run whose sequences hold at most MAX_POSITIONS tokens: the
+    engine's dense default up to DENSE_ATTENTION_POSITIONS, the tiled algorithm beyond. They follow from the
+    request's config alone, so a resume computes with the same ones (its checkpoint's policies record them)."""
+    if int(max_positions) <= DENSE_ATTENTION_POSITIONS:
+        return {}
+    return {"attention_algorithm": "tiled", "attention_block_size": TILED_ATTENTION_BLOCK}
+
+
 def require_loss_route(route: str, backend: str) -> None:
     """AdmissionError unless this process can run the admitted loss route of a run on the run's BACKEND
     (rechecked before allocation: a cuda run needs the device now)."""

@@ -25,7 +25,7 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import admit_backend, loss_options, precision_options, run_backend
+from trainer.runs.admission import admit_backend, attention_options, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -301,6 +301,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
         raise AdmissionError("base_changed", "the base model changed after admission")
     model, tokenizer = load_base(config["base_model"], settings.bases_root, verify=True,
                                  **loss_options(loss_route, base.config["vocabulary_size"]),
+                                 **attention_options(config["max_sequence_length"]),
                                  activation_checkpointing=config["activation_checkpointing"],
                                  **precision_options(config))
     try:
