@@ -380,9 +380,6 @@ class JobForm(forms.Form):
         where = error.get("field")
         if where:
             self._add_at(tuple(where.split(".")), error["message"])
-        elif error.get("code") == "backend_unavailable" and error["message"].startswith("precision bfloat16") \
-                and "precision" in self.fields:
-            self.add_error("precision", error["message"])  # the precision, not the backend, cannot run here
         elif error.get("code") == "backend_unavailable" and "backend" in self.fields:
             self.add_error("backend", error["message"])
         elif error.get("code") in CHECKPOINT_CODES and "resume_checkpoint" in self.fields:

@@ -252,7 +252,7 @@ def refusal_for(exc: BaseException, kind: str | None = None) -> Refusal | None:
         code = getattr(exc, "code", None) or "admission_refused"
         differences = list(getattr(exc, "differences", None) or [])
         status = 409 if code in CONFLICT_CODES or differences else 400
-        return Refusal(status, code, _text(exc), differences=differences or None)
+        return Refusal(status, code, _text(exc), field=getattr(exc, "field", None), differences=differences or None)
     try:
         checkpoint_error = checkpoint_module().CheckpointError
     except RunnerUnavailable:

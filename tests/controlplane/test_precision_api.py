@@ -47,6 +47,7 @@ def test_the_api_refuses_bf16_where_it_cannot_run(real_sft, api, adapter_name, n
     assert response.status_code == 400, response.content
     error = response.json()["error"]
     assert error["code"] == "backend_unavailable" and NO_FLAGS in error["message"]
+    assert error["field"] == "config.precision"  # the precision, not the backend, cannot run here
     bad = api.post("/v1/train/sft", sft_body(adapter_name, records=2, precision="float16"))
     assert bad.status_code in (400, 422) and "precision" in bad.content.decode()
     assert not TrainingJob.objects.exists()

@@ -48,11 +48,12 @@ class RequestError(ValueError):
 class AdmissionError(Exception):
     """The request is well formed but cannot run (drift, an invalid checkpoint, ...)."""
 
-    def __init__(self, code: str, message: str, differences=None):
+    def __init__(self, code: str, message: str, differences=None, field=None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.differences = list(differences or [])
+        self.field = field  # the request field the refusal is about ("config.precision"), when it is one
 
 
 class RunFailed(Exception):
@@ -333,12 +334,12 @@ def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoi
         if (requested or settings.backend) == "cuda":
             raise AdmissionError("backend_unavailable", "precision bfloat16 is a CPU route (oneDNN) and the cuda "
                                                         "backend computes in float32; ask for backend cpu or auto, "
-                                                        "or precision float32")
+                                                        "or precision float32", field="config.precision")
         requested = "cpu"  # auto: the route exists on the CPU only
         reason = onednn.unavailable_reason()
         if reason is not None:
             raise AdmissionError("backend_unavailable", f"precision bfloat16 is unavailable here: {reason}; ask "
-                                                        "for precision float32")
+                                                        "for precision float32", field="config.precision")
     try:
         choice = choose_backend(requested, settings.backend, settings.home, need_bytes)
     except BackendUnavailable as error:
