@@ -64,6 +64,11 @@ def test_a_skip_in_the_postgresql_pass_fails_the_run_and_says_why():
     mixed = fake_pass("postgresql", skipped=4, skips={no_gpu: 3, "KILN_TEST_REDIS_URL is unset": 1})
     assert run_suite.judge([fake_pass("sqlite"), mixed], []) == [
         "the PostgreSQL pass skipped 1 tests it must run (reasons above)"]
+    no_bf16 = "no bfloat16 route here: this CPU has no BF16 dot-product instructions (avx512_bf16 or amx_bf16)"
+    missing = "no bfloat16 route here: the oneDNN library libdnnl.so.3 is not installed"  # an install fault
+    cpu = fake_pass("postgresql", skipped=3, skips={no_bf16: 1, missing: 2})
+    assert run_suite.judge([fake_pass("sqlite"), cpu], []) == [
+        "the PostgreSQL pass skipped 2 tests it must run (reasons above)"]
     assert run_suite.judge([fake_pass("sqlite", exitstatus=1, failed=1)], []) == [
         "the sqlite pass failed (pytest exit 1)"]
 
