@@ -24,7 +24,7 @@ from trainer.parameters import Parameter, ParameterList
 # dequantize_rows is re-exported: tests patch it here (and in trainer.quantization, which
 # trainer.blocks calls through) to prove no whole NF4 weight is ever dequantized
 from trainer.quantization import NF4Tensor, dequantize_nf4, dequantize_rows  # noqa: F401
-from trainer.runtime import tune_allocator
+from trainer.runtime import release_memory, tune_allocator
 
 
 def check_tokens(config, tokens, name="tokens") -> np.ndarray:
@@ -134,6 +134,7 @@ class DecoderOnlyTransformer(Closeable):
         self._blocks = []
         self._base = []
         self._by_name = {}
+        release_memory()  # the heap is never trimmed while training (trainer.runtime): return what is free now
 
     # -- parameters -----------------------------------------------------------------
 
