@@ -43,6 +43,32 @@ def test_freed_heap_stays_for_reuse_until_released():
     assert r["after"] < r["freed"] - 1000
 
 
+# a block above glibc's largest mmap threshold (the fused loss's logits chunk is about 64 MiB): freed and asked for
+# again, it comes back from the heap with its pages mapped, not from a fresh mmap whose every page faults in
+LARGE_CHILD = textwrap.dedent("""
+    import json, resource
+    import numpy as np
+    from trainer import runtime
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    runtime.tune_allocator()
+    first = np.ones(16 << 20, np.float32)  # 64 MiB
+    del first
+    before = faults()
+    second = np.ones(16 << 20, np.float32)
+    print(json.dumps({"faults": faults() - before}))
+""")
+
+
+def test_a_large_block_freed_and_asked_for_again_faults_no_pages_in():
+    out = subprocess.run([sys.executable, "-c", LARGE_CHILD], capture_output=True, text=True, check=True)
+    import json
+    faults = json.loads(out.stdout)["faults"]
+    assert faults < 16, f"{faults} page faults: the block was unmapped on free and mapped afresh"
+
+
 def test_closing_a_model_releases_the_free_heap(monkeypatch):
     calls = []
     monkeypatch.setattr(model_module, "release_memory", lambda: calls.append(True) or True)
