@@ -145,11 +145,13 @@ def isolated_seconds(context, repeats=5):
     total = {"base forward": 0.0, "base input grad": 0.0, "loss": 0.0}
     from trainer.runs.admission import loss_options
     chunk = min(context, loss_options("kt_tape_flce", V)["loss_chunk_tokens"])
-    shapes = [(("base forward", "base input grad"), L, C, out) for out in ((H + 2 * KV) * D, C, 2 * F)]
-    shapes.append((("base forward", "base input grad"), L, F, C))
-    shapes.append((("loss", "loss"), -(-context // chunk), C, V))
-    for (forward_part, backward_part), count, n_in, n_out in shapes:
-        rows = chunk if forward_part == "loss" else context
+    base = ("base forward", "base input grad")
+    shapes = [(base, L, context, C, out) for out in ((H + 2 * KV) * D, C, 2 * F)]
+    shapes.append((base, L, context, F, C))
+    shapes.append((("loss", "loss"), context // chunk, chunk, C, V))  # full chunks, then the rest
+    if context % chunk:
+        shapes.append((("loss", "loss"), 1, context % chunk, C, V))
+    for (forward_part, backward_part), count, rows, n_in, n_out in shapes:
         x = rng.standard_normal((rows, n_in), dtype=np.float32)
         weight = rng.standard_normal((n_out, n_in), dtype=np.float32)
         y = np.empty((rows, n_out), np.float32)
