@@ -244,6 +244,61 @@ def test_dequantize_kernel_matches_twin(double):
         assert_same(out_k, out_t, f"elements {start}..{start + count}")
 
 
+# each x86 version of the dequantizer's inner loop, asked for by name in a fresh process (it is chosen once)
+DEQUANTIZE_CHILD = """
+import hashlib, sys, zlib
+import numpy as np
+from native_ext import nf4
+from trainer.quantization import quantize_nf4
+
+digest = hashlib.sha256()
+for double in (False, True):
+    x = np.random.default_rng(zlib.crc32(b"pairs")).standard_normal(9001).astype(np.float32)
+    q = quantize_nf4(x, 64, double_quantization=double)
+    for start, count in [(0, 9001), (1, 8999), (63, 130), (64, 64), (3, 31), (5, 33), (8999, 2), (17, 0)]:
+        out = np.full(count, np.nan, np.float32)
+        if double:
+            nf4.dequantize_double(q.packed, 64, start, out, q.absmax_codes, q.absmax_scales, q.offset)
+        else:
+            nf4.dequantize(q.packed, 64, start, out, q.absmax)
+        digest.update(out.tobytes())
+print(digest.hexdigest())
+"""
+
+
+def _cpu_flags():
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+@pytest.mark.parametrize("version,flag", [("portable", None), ("avx2", "avx2"), ("avx512", "avx512f")])
+def test_every_dequantizer_version_gives_the_twins_bytes(version, flag):
+    """The register-table versions (AVX2, AVX-512) and the portable loop: the same bytes as the numpy twin."""
+    import os
+    import subprocess
+    import sys
+
+    if flag is not None and flag not in _cpu_flags():
+        pytest.skip(f"this CPU has no {flag}: the {version} version cannot run here")
+    expected = __import__("hashlib").sha256()
+    for double in (False, True):
+        x = np.random.default_rng(zlib.crc32(b"pairs")).standard_normal(9001).astype(F32)
+        q = quantize_nf4(x, 64, double_quantization=double)
+        for start, count in [(0, 9001), (1, 8999), (63, 130), (64, 64), (3, 31), (5, 33), (8999, 2), (17, 0)]:
+            out = np.full(count, np.nan, F32)
+            if double:
+                nf4.reference_dequantize_double(q.packed, 64, start, out, q.absmax_codes, q.absmax_scales, q.offset)
+            else:
+                nf4.reference_dequantize(q.packed, 64, start, out, q.absmax)
+            expected.update(out.tobytes())
+    env = {**os.environ, "KILN_NF4_PAIRS": version}
+    out = subprocess.run([sys.executable, "-c", DEQUANTIZE_CHILD], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == expected.hexdigest()
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 31, 32, 33, 257, 4099, 70001])
 def test_absmax_mean_kernel_matches_twin(n):
     absmax = np.abs(rng_for("mean twin", n).standard_normal(n)).astype(F32) * F32(1e3)
