@@ -43,14 +43,6 @@ def child(rows, cols, repeats):
     print(json.dumps(result))
 
 
-def cpu_flags():
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3072)
@@ -62,12 +54,12 @@ def main():
         child(args.rows, args.cols, args.repeats)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from machine import describe
+    from machine import cpu, describe
 
     print(describe())
     print(f"NF4 block 64, a [{args.rows}, {args.cols}] weight dequantized whole, best of {args.repeats}")
     print(f"{'version':10s} {'ns/element':>11s} {'double quant.':>14s}")
-    flags = cpu_flags()
+    flags = cpu()[1]
     for version, flag in VERSIONS.items():
         if flag is not None and flag not in flags:
             print(f"{version:10s} skipped: this CPU has no {flag}")

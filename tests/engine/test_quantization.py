@@ -266,14 +266,6 @@ print(digest.hexdigest())
 """
 
 
-def _cpu_flags():
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
 @pytest.mark.parametrize("version,flag", [("portable", None), ("avx2", "avx2"), ("avx512", "avx512f")])
 def test_every_dequantizer_version_gives_the_twins_bytes(version, flag):
     """The register-table versions (AVX2, AVX-512) and the portable loop: the same bytes as the numpy twin."""
@@ -281,7 +273,9 @@ def test_every_dequantizer_version_gives_the_twins_bytes(version, flag):
     import subprocess
     import sys
 
-    if flag is not None and flag not in _cpu_flags():
+    from trainer.runs.execution import device_identity
+
+    if flag is not None and flag not in (device_identity()["cpu_flags"] or ()):
         pytest.skip(f"this CPU has no {flag}: the {version} version cannot run here")
     expected = __import__("hashlib").sha256()
     for double in (False, True):
