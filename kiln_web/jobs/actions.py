@@ -318,6 +318,8 @@ def do_finish_job(job_id, worker_id: str, status: str, *, result: dict | None = 
         if error_code:
             job.error_code, job.error_message, job.error_details = error_code, error_message, error_details
             fields += ["error_code", "error_message", "error_details"]
+        if status == JobStatus.FAILED:  # e.g. the database went away after a publication, before its record
+            fields += _adopt_unrecorded_checkpoint(job, "before the run failed")
         job.save(update_fields=fields)
         if status == JobStatus.FAILED:
             _event(job, EventLevel.ERROR, f"failed: {error_code}: {error_message}")
@@ -382,6 +384,22 @@ def _unrecorded_checkpoint(job: TrainingJob) -> tuple[dict, str] | None:
     return None
 
 
+def _adopt_unrecorded_checkpoint(job: TrainingJob, when: str) -> list:
+    """Record the adapter's newest checkpoint as JOB's latest when the run published it but never recorded it
+    (_unrecorded_checkpoint); returns the fields changed. Called inside the transaction that ends the job."""
+    unrecorded = _unrecorded_checkpoint(job)
+    if unrecorded is None:
+        return []
+    summary, digest = unrecorded
+    CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
+        "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
+        "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": digest, "summary": summary})
+    job.latest_checkpoint = summary
+    _event(job, EventLevel.WARNING, f"{summary['resume_checkpoint']} was published but not recorded {when}; "
+                                    "it is the latest checkpoint")
+    return ["latest_checkpoint"]
+
+
 def database_started_at():
     """When the database server last started (PostgreSQL's pg_postmaster_start_time), or None (SQLite, which
     runs inside the process and has no restarts a worker could outlive)."""
@@ -415,17 +433,7 @@ def do_mark_lost(now=None) -> list:
                 continue  # it moved on, or beat, since the first look
             job.check_transition(JobStatus.LOST)
             fields = ["status", "finished_at", "error_code", "error_message"]
-            unrecorded = _unrecorded_checkpoint(job)
-            if unrecorded is not None:  # published, and the worker died before it said so
-                summary, digest = unrecorded
-                CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
-                    "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
-                    "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": digest,
-                    "summary": summary})
-                job.latest_checkpoint = summary
-                fields.append("latest_checkpoint")
-                _event(job, EventLevel.WARNING, f"{summary['resume_checkpoint']} was published but not recorded "
-                                                "before the worker stopped; it is the latest checkpoint")
+            fields += _adopt_unrecorded_checkpoint(job, "before the worker stopped")
             checkpoint = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
             last_beat = job.heartbeat_at.isoformat(timespec="seconds") if job.heartbeat_at else "never"
             job.status, job.finished_at = JobStatus.LOST, now

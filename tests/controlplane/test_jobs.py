@@ -265,6 +265,40 @@ def test_a_job_without_heartbeats_is_marked_lost(fake_runner, api, adapter_name,
     assert TrainingJob.objects.get(pk=job_id).status == JobStatus.LOST
 
 
+def test_a_run_that_fails_after_publishing_a_checkpoint_it_could_not_record_names_it(fake_runner, api,
+                                                                                        adapter_name, settings):
+    """The database went away between a checkpoint's publication and its record, and the run failed with
+    database_unavailable (tests/faults/test_postgres_restart.py): the failed job names the checkpoint on disk
+    (the registry is the authority), so a resume starts from it and not from the older one."""
+    import json as _json
+
+    from trainer.runs import checkpoint_dir
+
+    job_id = submit(api, sft_body(adapter_name))
+    actions.do_claim_job(job_id, "worker-1")
+    job = TrainingJob.objects.get(pk=job_id)
+    manifest = {"training": {"kind": "sft"}, "config": job.effective_config, "seed": job.effective_seed,
+                "progress": {"data_source_kind": "inline", "committed_step": 4, "total_steps": 8,
+                             "next_cursor": {"epoch": 2, "example": 0}, "complete": False}}
+    other = {**manifest, "seed": job.effective_seed + 1}
+    path = checkpoint_dir.publish_checkpoint(settings.KILN_ADAPTERS_DIR, adapter_name, 4, checkpoint_type="sft",
+                                             files={"state.json": _json.dumps({"step": 4}).encode()},
+                                             manifest=manifest)
+    assert actions.do_finish_job(job_id, "worker-1", JobStatus.FAILED, error_code="database_unavailable",
+                                 error_message="the database could not be reached")
+    detail = api.get(f"/v1/train/jobs/{job_id}").json()
+    assert detail["status"] == "failed" and detail["latest_checkpoint"]["resume_checkpoint"] == path.name
+    assert CheckpointRecord.objects.filter(basename=path.name, job_id=job_id).exists()
+    # a checkpoint of another run (another seed) is never taken for the job's
+    second = submit(api, sft_body(adapter_name + "-b"))
+    actions.do_claim_job(second, "worker-2")
+    checkpoint_dir.publish_checkpoint(settings.KILN_ADAPTERS_DIR, adapter_name + "-b", 4, checkpoint_type="sft",
+                                      files={"state.json": b"{}"}, manifest={**other, "seed": other["seed"] + 99})
+    assert actions.do_finish_job(second, "worker-2", JobStatus.FAILED, error_code="database_unavailable",
+                                 error_message="the database could not be reached")
+    assert api.get(f"/v1/train/jobs/{second}").json()["latest_checkpoint"] is None
+
+
 def test_silence_is_counted_from_the_database_servers_start(fake_runner, api, adapter_name, settings):
     """A worker cannot beat while the database is down: for LOST_AFTER after PostgreSQL (re)started, no job is lost
     for a silence that began before (tests/faults/test_postgres_restart.py restarts a real server mid-run)."""
