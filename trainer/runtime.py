@@ -3,10 +3,10 @@
 glibc serves an allocation above 128 KiB with a fresh mmap and unmaps it on free, so each
 training step would fault in and zero its activations page by page again. Kiln keeps those
 blocks in the heap for reuse instead, which is what a caching allocator does for PyTorch:
-- the mmap threshold is raised to glibc's largest (32 MiB), and mmap for large blocks is
-  turned off altogether (M_MMAP_MAX 0), since the fused loss's logits chunks (about 64 MiB)
-  were unmapped and faulted back in every chunk: about 1,600 faults and up to 0.4 s of kernel
-  time per step at context 1024;
+- mmap for large blocks is turned off (M_MMAP_MAX 0), so every block comes from the heap:
+  raising the mmap threshold, as Kiln did before, stops at glibc's largest (32 MiB), and the
+  fused loss's logits chunks (about 64 MiB) above it were unmapped and faulted back in every
+  chunk: about 1,600 faults and up to 0.4 s of kernel time per step at context 1024;
 - glibc's automatic trimming is off (M_TRIM_THRESHOLD -1): it gives the heap's free top back
   to the kernel once it exceeds the threshold, and a step whose activations outgrew the old
   1 GiB one (about 1.6 GB at context 1024 for the SmolLM2-135M shape) freed them all at the
@@ -23,9 +23,7 @@ import functools
 import sys
 
 M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit
 NEVER_TRIM = -1  # glibc stores the threshold as size_t: -1 is its largest value, so the heap top is never trimmed
 
 
@@ -47,12 +45,11 @@ def _libc():
 
 
 def tune_allocator() -> bool:
-    """Apply the thresholds on glibc (idempotent); returns whether they were applied."""
+    """Apply both settings on glibc (idempotent); returns whether they were applied."""
     libc = _libc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
-        bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
 
 
 def release_memory() -> bool:

@@ -10,7 +10,7 @@ from trainer import DecoderOnlyTransformer, TransformerConfig, model as model_mo
 
 pytestmark = pytest.mark.skipif(runtime._libc() is None, reason="not glibc: its allocator keeps its own defaults")
 
-# 80 blocks of 16 MiB: each below the 32 MiB mmap threshold, so they come from the heap; together 1.25 GiB, above
+# 80 blocks of 16 MiB from the heap (glibc would map each afresh by default); together 1.25 GiB, above
 # the 1 GiB trim threshold Kiln used before, where glibc gave the freed top back and the next step faulted it in
 CHILD = textwrap.dedent("""
     import json, os
@@ -43,8 +43,9 @@ def test_freed_heap_stays_for_reuse_until_released():
     assert r["after"] < r["freed"] - 1000
 
 
-# a block above glibc's largest mmap threshold (the fused loss's logits chunk is about 64 MiB): freed and asked for
-# again, it comes back from the heap with its pages mapped, not from a fresh mmap whose every page faults in
+# a block above glibc's largest possible mmap threshold, 32 MiB (the fused loss's logits chunk is about 64 MiB):
+# freed and asked for again, it comes back from the heap with its pages mapped, not from a fresh mmap whose every
+# page faults in
 LARGE_CHILD = textwrap.dedent("""
     import json, resource
     import numpy as np
