@@ -7,8 +7,9 @@ exclusively (a part called inside another counts only in itself) over the steps 
     base forward, base input grad   the frozen base's products (trainer.blocks.Block.base_forward, base_input_grad;
                                     with --qlora they include dequantizing the NF4 tiles)
     adapters                        the rank-r products and their accumulation (lora_forward, lora_backward)
-    attention products              trainer.attention's algorithms less the kernels they call
-    attention kernels               the softmax kernels of attention (dense or tiled)
+    attention products              trainer.attention's algorithms less the kernels they call (tiled: the
+                                    whole fused C kernel, its softmax included)
+    attention kernels               the softmax kernels of the dense algorithm
     loss                            the fused loss's two products (trainer.crossentropy) less its kernel
     loss kernel                     cross-entropy rows
     row kernels                     RMSNorm, rotary, SwiGLU and the Adam update (native_ext.kernels)
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adapter_step import ALPHA, RANK, SHAPE, TARGETS, _batch, lora_step_flops  # noqa: E402
 from machine import describe, gemm_peak  # noqa: E402
 
-ATTENTION_KERNELS = {"softmax_causal_forward", "softmax_backward", "flash_block_forward", "flash_block_backward"}
+ATTENTION_KERNELS = {"softmax_causal_forward", "softmax_backward"}
 LOSS_KERNELS = {"cross_entropy_forward_backward"}
 ORDER = ("base forward", "base input grad", "adapters", "attention products", "attention kernels", "loss",
          "loss kernel", "row kernels", "optimizer", "other")

@@ -14,6 +14,7 @@ numpy (a temporary product, scaled and added), which gives the same values up to
 import contextlib
 import contextvars
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,14 @@ ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 # scipy-openblas with prefixed and suffixed names; older ones a plain LP64 OpenBLAS
 _CANDIDATES = (("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctypes.c_int64),
                ("cblas_sgemm", ctypes.c_int))
+
+
+# the thread-count query and the threads-callback setter beside each sgemm symbol, same prefix and suffix
+_THREAD_QUERIES = {"scipy_cblas_sgemm64_": "scipy_openblas_get_num_threads64_",
+                   "cblas_sgemm64_": "openblas_get_num_threads64_", "cblas_sgemm": "openblas_get_num_threads"}
+_CALLBACK_SETTERS = {"scipy_cblas_sgemm64_": "scipy_openblas_set_threads_callback_function64_",
+                     "cblas_sgemm64_": "openblas_set_threads_callback_function64_",
+                     "cblas_sgemm": "openblas_set_threads_callback_function"}
 
 
 def _load():
@@ -47,6 +56,36 @@ def _load():
 
 
 _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only afterwards
+_THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_QUERIES[SYMBOL], None) if SYMBOL else None
+if _THREADS is not None:
+    _THREADS.argtypes, _THREADS.restype = [], ctypes.c_int
+
+
+def _share_threads():
+    """Hand OpenBLAS's threaded jobs to native_ext/pool.h's pool, which Kiln's own parallel kernels use too
+    (KILN_OPENBLAS_THREADS=own keeps OpenBLAS's pool). OpenBLAS's idle workers busy-wait for about 2^28
+    cycles after every threaded call, so a kernel thread started beside them shares a core with one; the
+    pool's threads spin for 0.2 ms and then sleep. The split of every product is OpenBLAS's either way, so
+    its results are the same bytes. Returns where the jobs run: "kiln", "openblas" or why not."""
+    if os.environ.get("KILN_OPENBLAS_THREADS", "kiln") == "own":
+        return "openblas (KILN_OPENBLAS_THREADS=own)"
+    setter = _CALLBACK_SETTERS.get(SYMBOL)
+    function = getattr(ctypes.CDLL(str(LIBRARY_PATH)), setter, None) if setter else None
+    if function is None:
+        return "openblas (this OpenBLAS has no threads callback)"
+    from native_ext import _attention
+    function.argtypes, function.restype = [ctypes.c_void_p], None
+    function(ctypes.c_void_p(_attention.openblas_callback()))
+    return "kiln"
+
+
+THREAD_POOL = _share_threads() if _SGEMM is not None else "numpy (no OpenBLAS found)"
+
+
+def threads() -> int:
+    """How many threads numpy's OpenBLAS computes on now (a threadpool_limits scope included); 1 where
+    it cannot be asked. native_ext.attention runs its kernel on as many."""
+    return max(1, _THREADS()) if _THREADS is not None else 1
 # a gemm with this module's contract that takes every product inside routed(), else None; per thread (a context
 # variable), so a serving thread's float32 products never go where a training thread's bfloat16 scope sends its own
 _ROUTE = contextvars.ContextVar("kiln_blas_route", default=None)

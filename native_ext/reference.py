@@ -101,6 +101,77 @@ def flash_block_backward(scores, logsumexp, dprobs, delta, scale, group_size, pa
     dprobs[:] = p * (dprobs - delta[..., None]) * np.float32(scale)
 
 
+def hide_outside_window(scores, group_size, first_query, key_start, window):
+    """scores [G,R,Sk] in place: -inf where key key_start+j lies W or more before query row r's position."""
+    if window is None:
+        return
+    R, S = scores.shape[1:]
+    positions = first_query + np.arange(R) // group_size  # [R]
+    outside = key_start + np.arange(S)[None, :] <= positions[:, None] - window  # [R,Sk]
+    if outside.any():
+        scores[:, outside] = -np.inf
+
+
+def _first_key(first_query, window, block):
+    """The first key block any query from first_query on can see (0 without a window)."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // block * block
+
+
+def attention_forward(q, k, v, scale, group_size, block, past=0, window=None):
+    """Twin of native_ext.attention.forward: (out [G,R,D], logsumexp [G,R]) by the online softmax over
+    key blocks of `block` keys, one query block of `block` positions at a time."""
+    G, R, D = q.shape
+    S = k.shape[1]
+    T = R // group_size
+    out = np.empty_like(q)
+    logsumexp = np.empty((G, R), dtype=np.float32)
+    for qs in range(0, T, block):
+        qe = min(qs + block, T)
+        rows = slice(qs * group_size, qe * group_size)
+        q_block = q[:, rows]  # [G,Rq,D]
+        Rq = q_block.shape[1]
+        running_max = np.full((G, Rq), -np.inf, dtype=np.float32)
+        running_sum = np.zeros((G, Rq), dtype=np.float32)
+        alpha = np.empty((G, Rq), dtype=np.float32)
+        acc = np.zeros((G, Rq, D), dtype=np.float32)
+        for ks in range(_first_key(past + qs, window, block), min(S, past + qe), block):
+            ke = min(ks + block, S)
+            scores = np.matmul(q_block, k[:, ks:ke].transpose(0, 2, 1))  # [G,Rq,Bk]
+            hide_outside_window(scores, group_size, past + qs, ks, window)
+            flash_block_forward(scores, running_max, running_sum, alpha, scale, group_size, past + qs, ks)
+            acc = acc * alpha[..., None] + np.matmul(scores, v[:, ks:ke])
+        out[:, rows] = acc / running_sum[..., None]
+        logsumexp[:, rows] = running_max + np.log(running_sum)
+    return out, logsumexp
+
+
+def attention_backward(dout, q, k, v, out, logsumexp, scale, group_size, block, past=0, window=None):
+    """Twin of native_ext.attention.backward: (dq, dk, dv), each tile's probabilities recomputed from
+    logsumexp."""
+    G, R, D = q.shape
+    S = k.shape[1]
+    T = R // group_size
+    delta = np.einsum("grd,grd->gr", dout, out, dtype=np.float32)  # [G,R]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for qs in range(0, T, block):
+        qe = min(qs + block, T)
+        rows = slice(qs * group_size, qe * group_size)
+        q_block, dout_block = q[:, rows], dout[:, rows]
+        for ks in range(_first_key(past + qs, window, block), min(S, past + qe), block):
+            ke = min(ks + block, S)
+            scores = np.matmul(q_block, k[:, ks:ke].transpose(0, 2, 1))  # [G,Rq,Bk]
+            hide_outside_window(scores, group_size, past + qs, ks, window)
+            dscores = np.matmul(dout_block, v[:, ks:ke].transpose(0, 2, 1))  # [G,Rq,Bk]
+            flash_block_backward(scores, logsumexp[:, rows], dscores, delta[:, rows], scale, group_size,
+                                 past + qs, ks)
+            dv[:, ks:ke] += np.matmul(scores.transpose(0, 2, 1), dout_block)
+            dq[:, rows] += np.matmul(dscores, k[:, ks:ke])
+            dk[:, ks:ke] += np.matmul(dscores.transpose(0, 2, 1), q_block)
+    return dq, dk, dv
+
+
 def swiglu_forward(gate_up, out):
     # gate_up [N,2F] (gate then up), out [N,F] = silu(gate) * up
     F = out.shape[1]

@@ -1,0 +1,58 @@
+# cython: language_level=3
+"""Cython wrappers of the fused tiled attention in attention.h (forward and backward).
+
+Private module: the validating entry points are in native_ext.attention and the numpy twins in
+native_ext.reference. Each wrapper takes C-contiguous float32 memoryviews, releases the GIL and runs
+the kernel on that many threads of pool.h's pool (which OpenBLAS also computes on); the bytes do not depend on their number.
+"""
+
+from libc.stdint cimport int64_t
+
+ctypedef float f32
+
+
+cdef extern from "pool.h" nogil:
+    void kiln_pool_openblas_callback(int sync, void *dojob, int numjobs, size_t size, void *jobs, int data)
+
+
+cdef extern from "attention.h" nogil:
+    int kiln_attention_forward(const float *q, const float *k, const float *v, int64_t kv_stride,
+                               float *out, float *lse,
+                               float scale, int64_t G, int64_t R, int64_t S, int64_t D, int64_t g,
+                               int64_t past, int64_t window, int64_t block, int threads)
+    int kiln_attention_backward(const float *dout, const float *q, const float *k, const float *v,
+                                int64_t kv_stride, const float *out, const float *lse, float *delta, float *dq, float *dk,
+                                float *dv, float scale, int64_t G, int64_t R, int64_t S, int64_t D,
+                                int64_t g, int64_t past, int64_t window, int64_t block, int threads)
+
+
+def openblas_callback():
+    """The address of pool.h's OpenBLAS threads callback (native_ext.blas registers it)."""
+    return <size_t><void *>kiln_pool_openblas_callback
+
+
+def forward(const f32[:, :, ::1] q, const f32[:, :, :] k, const f32[:, :, :] v, f32[:, :, ::1] out,
+            f32[:, ::1] lse, double scale, Py_ssize_t group_size, Py_ssize_t past, Py_ssize_t window,
+            Py_ssize_t block, int threads):
+    cdef int status
+    with nogil:
+        status = kiln_attention_forward(&q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], k.strides[0] // 4, &out[0, 0, 0], &lse[0, 0],
+                                        <float>scale, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                        group_size, past, window, block, threads)
+    if status != 0:
+        raise MemoryError("the attention kernel could not allocate its scratch memory")
+
+
+def backward(const f32[:, :, ::1] dout, const f32[:, :, ::1] q, const f32[:, :, :] k,
+             const f32[:, :, :] v, const f32[:, :, ::1] out, const f32[:, ::1] lse, f32[:, ::1] delta,
+             f32[:, :, ::1] dq, f32[:, :, ::1] dk, f32[:, :, ::1] dv, double scale, Py_ssize_t group_size,
+             Py_ssize_t past, Py_ssize_t window, Py_ssize_t block, int threads):
+    cdef int status
+    with nogil:
+        status = kiln_attention_backward(&dout[0, 0, 0], &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], k.strides[0] // 4,
+                                         &out[0, 0, 0],
+                                         &lse[0, 0], &delta[0, 0], &dq[0, 0, 0], &dk[0, 0, 0], &dv[0, 0, 0],
+                                         <float>scale, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                         group_size, past, window, block, threads)
+    if status != 0:
+        raise MemoryError("the attention kernel could not allocate its scratch memory")

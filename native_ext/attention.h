@@ -1,0 +1,460 @@
+/* The tiled (flash-style) causal grouped-query attention in one C kernel per direction, called from
+ * native_ext/_attention.pyx; its numpy twin is native_ext.reference.attention_forward/backward.
+ *
+ * Layout as in trainer/attention.py: queries q [G,R,D] with R = T*g rows per head group (row r is the
+ * query at position past + r/g), keys and values k, v [G,S,D]. The forward walks key blocks of
+ * `block` keys (multiples of block from the first one a query can see) with the online softmax of
+ * kiln_flash_block_forward; the backward recomputes each tile's probabilities from the forward's
+ * logsumexp. Both run on `threads` threads over independent work items (a head group and a run of query
+ * rows, or a head group and a key block): each item writes only its own rows, and every output element is
+ * one fixed sequence of operations, so the bytes are the same for every thread count and item order.
+ *
+ * The products are tile GEMMs (kiln_tile_gemm): every element of C is advanced as
+ * c = fma(A(i,0), B(0,j), c), c = fma(A(i,1), B(1,j), c), ... in k order, one rounding per step. That
+ * sequence does not depend on how the tile is cut into registers, so the AVX-512, AVX2 and portable
+ * versions give the same bytes (KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one: tests).
+ * The threads are native_ext/pool.h's, which OpenBLAS computes on too: the pool's threads spin briefly
+ * between tasks, then sleep, and nothing else spins beside them.
+ */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function" /* the row kernels this unit does not call */
+#include "kiln_kernels.h"
+#pragma GCC diagnostic pop
+#include "pool.h"
+
+#include <stdlib.h>
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>
+#define KILN_ATTENTION_X86 1
+#endif
+
+/* C[M,N] += A @ B: A(i,k) = A[i*a_row + k*a_col], B row-major (ldb), C row-major (ldc). */
+typedef void (*kiln_tile_gemm_fn)(int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row,
+                                  int64_t a_col, const float *B, int64_t ldb, float *C, int64_t ldc);
+
+static void kiln_tile_gemm_portable(int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row,
+                                    int64_t a_col, const float *B, int64_t ldb, float *C, int64_t ldc) {
+    for (int64_t i = 0; i < M; i++) {
+        float *c = C + i * ldc;
+        for (int64_t k = 0; k < K; k++) {
+            const float a = A[i * a_row + k * a_col];
+            const float *b = B + k * ldb;
+            for (int64_t j = 0; j < N; j++) c[j] = fmaf(a, b[j], c[j]);
+        }
+    }
+}
+
+#ifdef KILN_ATTENTION_X86
+/* MR rows x 64 columns in 4 zmm registers per row (masked at the right edge of C). */
+#define KILN_TILE_512(MR)                                                                              \
+    __attribute__((target("avx512f"))) static void kiln_tile_512_##MR(                                 \
+        int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,            \
+        int64_t ldb, float *C, int64_t ldc) {                                                          \
+        for (int64_t j0 = 0; j0 < N; j0 += 64) {                                                       \
+            __mmask16 m[4];                                                                            \
+            for (int v = 0; v < 4; v++) {                                                              \
+                int64_t left = N - j0 - 16 * v;                                                        \
+                m[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0                       \
+                                                                  : (__mmask16)((1u << left) - 1u);    \
+            }                                                                                          \
+            __m512 c[MR][4];                                                                           \
+            for (int r = 0; r < MR; r++)                                                               \
+                for (int v = 0; v < 4; v++)                                                            \
+                    c[r][v] = _mm512_maskz_loadu_ps(m[v], C + r * ldc + j0 + 16 * v);                  \
+            for (int64_t k = 0; k < K; k++) {                                                          \
+                const float *b = B + k * ldb + j0;                                                     \
+                __m512 b0 = _mm512_maskz_loadu_ps(m[0], b), b1 = _mm512_maskz_loadu_ps(m[1], b + 16); \
+                __m512 b2 = _mm512_maskz_loadu_ps(m[2], b + 32);                                       \
+                __m512 b3 = _mm512_maskz_loadu_ps(m[3], b + 48);                                       \
+                const float *a = A + k * a_col;                                                        \
+                for (int r = 0; r < MR; r++) {                                                         \
+                    __m512 x = _mm512_set1_ps(a[r * a_row]);                                           \
+                    c[r][0] = _mm512_fmadd_ps(x, b0, c[r][0]);                                         \
+                    c[r][1] = _mm512_fmadd_ps(x, b1, c[r][1]);                                         \
+                    c[r][2] = _mm512_fmadd_ps(x, b2, c[r][2]);                                         \
+                    c[r][3] = _mm512_fmadd_ps(x, b3, c[r][3]);                                         \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < MR; r++)                                                               \
+                for (int v = 0; v < 4; v++)                                                            \
+                    _mm512_mask_storeu_ps(C + r * ldc + j0 + 16 * v, m[v], c[r][v]);                   \
+        }                                                                                              \
+    }
+KILN_TILE_512(6)
+KILN_TILE_512(5)
+KILN_TILE_512(4)
+KILN_TILE_512(3)
+KILN_TILE_512(2)
+KILN_TILE_512(1)
+
+__attribute__((target("avx512f"))) static void kiln_tile_gemm_avx512(
+    int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,
+    int64_t ldb, float *C, int64_t ldc) {
+    int64_t i = 0;
+    for (; i + 6 <= M; i += 6) kiln_tile_512_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc);
+    const float *a = A + i * a_row;
+    float *c = C + i * ldc;
+    switch (M - i) {
+    case 5: kiln_tile_512_5(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 4: kiln_tile_512_4(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 3: kiln_tile_512_3(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 2: kiln_tile_512_2(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 1: kiln_tile_512_1(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    default: break;
+    }
+}
+
+/* MR rows x 16 columns in 2 ymm registers per row (masked at the right edge). */
+#define KILN_TILE_256(MR)                                                                              \
+    __attribute__((target("avx2,fma"))) static void kiln_tile_256_##MR(                                \
+        int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,            \
+        int64_t ldb, float *C, int64_t ldc) {                                                          \
+        for (int64_t j0 = 0; j0 < N; j0 += 16) {                                                       \
+            __m256i m[2];                                                                              \
+            for (int v = 0; v < 2; v++) {                                                              \
+                int64_t left = N - j0 - 8 * v;                                                         \
+                int32_t lanes[8];                                                                      \
+                for (int l = 0; l < 8; l++) lanes[l] = l < left ? -1 : 0;                              \
+                m[v] = _mm256_loadu_si256((const __m256i *)lanes);                                     \
+            }                                                                                          \
+            __m256 c[MR][2];                                                                           \
+            for (int r = 0; r < MR; r++)                                                               \
+                for (int v = 0; v < 2; v++)                                                            \
+                    c[r][v] = _mm256_maskload_ps(C + r * ldc + j0 + 8 * v, m[v]);                      \
+            for (int64_t k = 0; k < K; k++) {                                                          \
+                const float *b = B + k * ldb + j0;                                                     \
+                __m256 b0 = _mm256_maskload_ps(b, m[0]), b1 = _mm256_maskload_ps(b + 8, m[1]);         \
+                const float *a = A + k * a_col;                                                        \
+                for (int r = 0; r < MR; r++) {                                                         \
+                    __m256 x = _mm256_broadcast_ss(a + r * a_row);                                     \
+                    c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);                                         \
+                    c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);                                         \
+                }                                                                                      \
+            }                                                                                          \
+            for (int r = 0; r < MR; r++)                                                               \
+                for (int v = 0; v < 2; v++)                                                            \
+                    _mm256_maskstore_ps(C + r * ldc + j0 + 8 * v, m[v], c[r][v]);                      \
+        }                                                                                              \
+    }
+KILN_TILE_256(6)
+KILN_TILE_256(5)
+KILN_TILE_256(4)
+KILN_TILE_256(3)
+KILN_TILE_256(2)
+KILN_TILE_256(1)
+
+__attribute__((target("avx2,fma"))) static void kiln_tile_gemm_avx2(
+    int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,
+    int64_t ldb, float *C, int64_t ldc) {
+    int64_t i = 0;
+    for (; i + 6 <= M; i += 6) kiln_tile_256_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc);
+    const float *a = A + i * a_row;
+    float *c = C + i * ldc;
+    switch (M - i) {
+    case 5: kiln_tile_256_5(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 4: kiln_tile_256_4(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 3: kiln_tile_256_3(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 2: kiln_tile_256_2(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 1: kiln_tile_256_1(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    default: break;
+    }
+}
+#endif
+
+/* The version this CPU runs, chosen once: KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one. */
+static kiln_tile_gemm_fn kiln_tile_gemm_version(void) {
+    static kiln_tile_gemm_fn chosen = NULL;
+    if (chosen) return chosen;
+    kiln_tile_gemm_fn pick = kiln_tile_gemm_portable;
+#ifdef KILN_ATTENTION_X86
+    const char *asked = getenv("KILN_ATTENTION_GEMM");
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int avx512 = __builtin_cpu_supports("avx512f");
+    if (asked && strcmp(asked, "portable") == 0) {
+        pick = kiln_tile_gemm_portable;
+    } else if (asked && strcmp(asked, "avx2") == 0) {
+        pick = avx2 ? kiln_tile_gemm_avx2 : kiln_tile_gemm_portable;
+    } else if (asked && strcmp(asked, "avx512") == 0) {
+        pick = avx512 ? kiln_tile_gemm_avx512 : kiln_tile_gemm_portable;
+    } else if (avx512) {
+        pick = kiln_tile_gemm_avx512;
+    } else if (avx2) {
+        pick = kiln_tile_gemm_avx2;
+    }
+#endif
+    chosen = pick;
+    return chosen;
+}
+
+/* Query rows per work item: a few positions' rows of one head group, so an item's score tile
+ * [rows, block] and accumulator [rows, D] stay in the core's L2 and two threads always find work. */
+#define KILN_ATTENTION_POSITIONS 32
+/* The backward cuts each head group's keys into at most this many ranges of whole key blocks: an item
+ * is a group and a key range; it owns the range's dK and dV and writes the rows' dQ over the range to
+ * its own partial, and the partials are added in range order at the end (a function of S and block
+ * only, never of the thread count). */
+#define KILN_ATTENTION_KEY_RANGES 8
+
+enum { KILN_ATTENTION_FORWARD, KILN_ATTENTION_BACKWARD, KILN_ATTENTION_SUM };
+
+typedef struct {
+    const float *q, *k, *v, *dout, *lse, *delta;
+    float *result, *result_lse, *dq, *dk, *dv;
+    float *kt, *vt;   /* keys and values transposed per key block: [G][blocks][D][block] */
+    float *partials;  /* backward: dQ over key range j >= 1 of group gi, rows from first_row(j) on */
+    float scale;
+    int64_t G, R, S, D, g, past, window, block, key_blocks, step, query_items;
+    int64_t kv_stride; /* elements between two head groups' keys (values): S * D, or more for a cache's view */
+    int64_t range_blocks, ranges, partial_rows; /* partial_rows: rows of one group's partials */
+    int64_t items, next;
+    int phase, failed;
+} kiln_attention_job;
+
+static int64_t kiln_attention_first_key(int64_t first_query, int64_t window, int64_t block) {
+    if (window <= 0) return 0;
+    int64_t first = first_query - window + 1;
+    return (first > 0 ? first : 0) / block * block;
+}
+
+/* -inf where key key_start + j lies W or more before row r's position (trainer.attention.hide_outside_window). */
+static void kiln_attention_hide(float *tile, int64_t rows, int64_t width, int64_t g, int64_t first_query,
+                                int64_t key_start, int64_t window) {
+    if (window <= 0) return;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t last_hidden = first_query + r / g - window - key_start; /* keys j <= this are hidden */
+        for (int64_t j = 0; j <= last_hidden && j < width; j++) tile[r * width + j] = -INFINITY;
+    }
+}
+
+/* Transpose [width, D] rows into [D, block] (columns beyond width stay unwritten: never read). */
+static void kiln_attention_pack(const float *rows, int64_t width, int64_t D, int64_t block, float *out) {
+    for (int64_t j = 0; j < width; j++)
+        for (int64_t d = 0; d < D; d++) out[d * block + j] = rows[j * D + d];
+}
+
+/* The first row (a multiple of the item step) whose query can see key `key`. */
+static int64_t kiln_attention_first_row(const kiln_attention_job *job, int64_t key) {
+    int64_t row = (key - job->past) * job->g;
+    return row > 0 ? row / job->step * job->step : 0;
+}
+
+/* Where group gi's partial for key range j (>= 1) starts: ranges follow each other, each from its first row. */
+static float *kiln_attention_partial(const kiln_attention_job *job, int64_t gi, int64_t j) {
+    int64_t offset = gi * job->partial_rows;
+    for (int64_t i = 1; i < j; i++)
+        offset += job->R - kiln_attention_first_row(job, i * job->range_blocks * job->block);
+    return job->partials + offset * job->D;
+}
+
+typedef struct {
+    float *tile, *dtile, *acc, *running_max, *running_sum, *alpha;
+} kiln_attention_scratch;
+
+/* Rows [r0, r1) of head group gi: the rows' queries attend key blocks up to their last position. */
+static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_attention_scratch *s,
+                                        int64_t gi, int64_t r0, int64_t r1) {
+    const kiln_tile_gemm_fn gemm = kiln_tile_gemm_version();
+    const int64_t D = job->D, S = job->S, g = job->g, block = job->block, rows = r1 - r0;
+    const int64_t first_query = job->past + r0 / g, last_query = job->past + (r1 - 1) / g;
+    const float *q = job->q + (gi * job->R + r0) * D;
+    const int64_t last_key = last_query + 1 < S ? last_query + 1 : S;
+    for (int64_t r = 0; r < rows; r++) {
+        s->running_max[r] = -INFINITY;
+        s->running_sum[r] = 0.0f;
+    }
+    memset(s->acc, 0, sizeof(float) * rows * D);
+    for (int64_t ks = kiln_attention_first_key(first_query, job->window, block); ks < last_key; ks += block) {
+        const int64_t width = (ks + block < last_key ? ks + block : last_key) - ks;
+        const float *kt = job->kt + (gi * job->key_blocks + ks / block) * D * block;
+        memset(s->tile, 0, sizeof(float) * rows * width);
+        gemm(rows, width, D, q, D, 1, kt, block, s->tile, width); /* scores [rows, width] */
+        kiln_attention_hide(s->tile, rows, width, g, first_query, ks, job->window);
+        kiln_flash_block_forward(s->tile, s->running_max, s->running_sum, s->alpha, job->scale, 1, rows,
+                                 width, g, first_query, ks);
+        for (int64_t r = 0; r < rows; r++) {
+            const float a = s->alpha[r];
+            float *acc = s->acc + r * D;
+            for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * a;
+        }
+        gemm(rows, D, width, s->tile, width, 1, job->v + gi * job->kv_stride + ks * D, D, s->acc, D);
+    }
+    float *out = job->result + (gi * job->R + r0) * D;
+    float *lse = job->result_lse + gi * job->R + r0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float total = s->running_sum[r];
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = s->acc[r * D + d] / total;
+        lse[r] = s->running_max[r] + logf(total);
+    }
+}
+
+/* Key range j of head group gi: for every run of query rows that sees it, and each of its key blocks in
+ * order, the tile's probabilities P and softmax gradient dS (kiln_flash_block_backward), then
+ * dV += P.T @ dO and dK += dS.T @ Q for the block, and the rows' dQ over the range += dS @ K. */
+static void kiln_attention_backward_item(const kiln_attention_job *job, kiln_attention_scratch *s, int64_t gi,
+                                         int64_t j) {
+    const kiln_tile_gemm_fn gemm = kiln_tile_gemm_version();
+    const int64_t D = job->D, S = job->S, g = job->g, block = job->block, R = job->R;
+    const int64_t first_block = j * job->range_blocks;
+    const int64_t end_block = first_block + job->range_blocks < job->key_blocks ? first_block + job->range_blocks
+                                                                                 : job->key_blocks;
+    const int64_t first_row = kiln_attention_first_row(job, first_block * block);
+    float *dq_rows = j == 0 ? job->dq + gi * R * D : kiln_attention_partial(job, gi, j) - first_row * D;
+    for (int64_t r0 = first_row; r0 < R; r0 += job->step) {
+        const int64_t r1 = r0 + job->step < R ? r0 + job->step : R, rows = r1 - r0;
+        const int64_t first_query = job->past + r0 / g, last_query = job->past + (r1 - 1) / g;
+        const int64_t first_key = kiln_attention_first_key(first_query, job->window, block);
+        const int64_t last_key = last_query + 1 < S ? last_query + 1 : S;
+        if (first_key >= end_block * block) break; /* a window has moved past this range */
+        const float *q = job->q + (gi * R + r0) * D, *dout = job->dout + (gi * R + r0) * D;
+        for (int64_t kb = first_block; kb < end_block; kb++) {
+            const int64_t ks = kb * block;
+            if (ks >= last_key) break;
+            if (ks < first_key) continue;
+            const int64_t width = (ks + block < last_key ? ks + block : last_key) - ks;
+            const int64_t packed = (gi * job->key_blocks + kb) * D * block;
+            memset(s->tile, 0, sizeof(float) * rows * width);
+            memset(s->dtile, 0, sizeof(float) * rows * width);
+            gemm(rows, width, D, q, D, 1, job->kt + packed, block, s->tile, width);
+            kiln_attention_hide(s->tile, rows, width, g, first_query, ks, job->window);
+            gemm(rows, width, D, dout, D, 1, job->vt + packed, block, s->dtile, width);
+            kiln_flash_block_backward(s->tile, job->lse + gi * R + r0, s->dtile, job->delta + gi * R + r0,
+                                      job->scale, 1, rows, width, g, first_query, ks);
+            gemm(width, D, rows, s->tile, 1, width, dout, D, job->dv + (gi * S + ks) * D, D);  /* P.T @ dO */
+            gemm(width, D, rows, s->dtile, 1, width, q, D, job->dk + (gi * S + ks) * D, D);    /* dS.T @ Q */
+            gemm(rows, D, width, s->dtile, width, 1, job->k + gi * job->kv_stride + ks * D, D, dq_rows + r0 * D, D);
+        }
+    }
+}
+
+/* dQ rows [r0, r1) of head group gi += the partials of key ranges 1.. in order. */
+static void kiln_attention_sum_item(const kiln_attention_job *job, int64_t gi, int64_t r0, int64_t r1) {
+    const int64_t D = job->D;
+    float *dq = job->dq + (gi * job->R) * D;
+    for (int64_t j = 1; j < job->ranges; j++) {
+        const int64_t first_row = kiln_attention_first_row(job, j * job->range_blocks * job->block);
+        const float *partial = kiln_attention_partial(job, gi, j) - first_row * D;
+        for (int64_t r = r0 > first_row ? r0 : first_row; r < r1; r++)
+            for (int64_t d = 0; d < D; d++) dq[r * D + d] += partial[r * D + d];
+    }
+}
+
+static void kiln_attention_run_item(const kiln_attention_job *job, kiln_attention_scratch *s, int64_t item) {
+    if (job->phase == KILN_ATTENTION_BACKWARD) {
+        /* items from the first key range (the most query rows) to the last */
+        kiln_attention_backward_item(job, s, item % job->G, item / job->G);
+        return;
+    }
+    /* query items from the last rows (the most keys) to the first */
+    const int64_t gi = item % job->G, index = job->query_items - 1 - item / job->G;
+    const int64_t r0 = index * job->step, r1 = r0 + job->step < job->R ? r0 + job->step : job->R;
+    if (job->phase == KILN_ATTENTION_FORWARD)
+        kiln_attention_forward_item(job, s, gi, r0, r1);
+    else
+        kiln_attention_sum_item(job, gi, r0, r1);
+}
+
+static void kiln_attention_worker(void *arg, int thread) {
+    kiln_attention_job *job = (kiln_attention_job *)arg;
+    const int64_t rows = job->step, D = job->D, block = job->block;
+    kiln_attention_scratch s;
+    (void)thread;
+    float *memory = (float *)malloc(sizeof(float) * (2 * rows * block + rows * D + 3 * rows));
+    if (memory == NULL) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    s.tile = memory;
+    s.dtile = s.tile + rows * block;
+    s.acc = s.dtile + rows * block;
+    s.running_max = s.acc + rows * D;
+    s.running_sum = s.running_max + rows;
+    s.alpha = s.running_sum + rows;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (item >= job->items) break;
+        kiln_attention_run_item(job, &s, item);
+    }
+    free(memory);
+}
+
+/* Run the job's items of its phase on `threads` pool threads (this one included); 0, or -1 when out of memory
+ * (an item no thread could take is then left undone: the caller raises). */
+static int kiln_attention_phase(kiln_attention_job *job, int phase, int threads) {
+    job->phase = phase;
+    job->items = job->G * (phase == KILN_ATTENTION_BACKWARD ? job->ranges : job->query_items);
+    job->next = 0;
+    job->failed = 0;
+    if (threads > job->items) threads = (int)job->items;
+    if (threads < 1) threads = 1;
+    if (kiln_pool_run(threads, kiln_attention_worker, job) != 0) kiln_attention_worker(job, 0);
+    return job->failed && job->next < job->items ? -1 : 0;
+}
+
+/* The job's derived sizes and its keys (and for the backward values) packed per key block. */
+static int kiln_attention_prepare(kiln_attention_job *job, int backward) {
+    job->key_blocks = (job->S + job->block - 1) / job->block;
+    job->step = KILN_ATTENTION_POSITIONS * job->g;
+    job->query_items = (job->R + job->step - 1) / job->step;
+    job->range_blocks = (job->key_blocks + KILN_ATTENTION_KEY_RANGES - 1) / KILN_ATTENTION_KEY_RANGES;
+    job->ranges = (job->key_blocks + job->range_blocks - 1) / job->range_blocks;
+    job->partial_rows = 0;
+    for (int64_t j = 1; backward && j < job->ranges; j++)
+        job->partial_rows += job->R - kiln_attention_first_row(job, j * job->range_blocks * job->block);
+    const int64_t packed = job->G * job->key_blocks * job->D * job->block;
+    const int64_t partials = backward ? job->G * job->partial_rows * job->D : 0;
+    job->kt = (float *)malloc(sizeof(float) * (packed * (backward ? 2 : 1) + partials));
+    if (job->kt == NULL) return -1;
+    job->vt = backward ? job->kt + packed : NULL;
+    job->partials = backward ? job->kt + 2 * packed : NULL;
+    if (partials) memset(job->partials, 0, sizeof(float) * partials);
+    for (int64_t gi = 0; gi < job->G; gi++)
+        for (int64_t kb = 0; kb < job->key_blocks; kb++) {
+            const int64_t ks = kb * job->block, width = (ks + job->block < job->S ? ks + job->block : job->S) - ks;
+            const int64_t at = (gi * job->key_blocks + kb) * job->D * job->block;
+            kiln_attention_pack(job->k + gi * job->kv_stride + ks * job->D, width, job->D, job->block, job->kt + at);
+            if (backward)
+                kiln_attention_pack(job->v + gi * job->kv_stride + ks * job->D, width, job->D, job->block, job->vt + at);
+        }
+    return 0;
+}
+
+/* out [G,R,D] and logsumexp [G,R] of causal attention over k, v [G,S,D] (group g's rows at g * kv_stride:
+ * a view of a longer cache); 0, or -1 when out of memory. */
+static int kiln_attention_forward(const float *q, const float *k, const float *v, int64_t kv_stride, float *out,
+                                  float *lse, float scale, int64_t G, int64_t R, int64_t S, int64_t D, int64_t g,
+                                  int64_t past, int64_t window, int64_t block, int threads) {
+    kiln_attention_job job;
+    memset(&job, 0, sizeof(job));
+    job.q = q; job.k = k; job.v = v; job.kv_stride = kv_stride; job.result = out; job.result_lse = lse;
+    job.scale = scale; job.G = G; job.R = R; job.S = S; job.D = D; job.g = g; job.past = past;
+    job.window = window; job.block = block;
+    if (kiln_attention_prepare(&job, 0) != 0) return -1;
+    int status = kiln_attention_phase(&job, KILN_ATTENTION_FORWARD, threads);
+    free(job.kt);
+    return status;
+}
+
+/* dq [G,R,D], dk, dv [G,S,D] (written) from dout and the forward's out and logsumexp; delta [G,R] is
+ * scratch (the rows' dout . out). 0, or -1 when out of memory. */
+static int kiln_attention_backward(const float *dout, const float *q, const float *k, const float *v,
+                                   int64_t kv_stride, const float *out, const float *lse, float *delta, float *dq, float *dk,
+                                   float *dv, float scale, int64_t G, int64_t R, int64_t S, int64_t D,
+                                   int64_t g, int64_t past, int64_t window, int64_t block, int threads) {
+    for (int64_t row = 0; row < G * R; row++)
+        delta[row] = (float)kiln_row_dot(dout + row * D, out + row * D, D);
+    memset(dq, 0, sizeof(float) * G * R * D);
+    memset(dk, 0, sizeof(float) * G * S * D);
+    memset(dv, 0, sizeof(float) * G * S * D);
+    kiln_attention_job job;
+    memset(&job, 0, sizeof(job));
+    job.q = q; job.k = k; job.v = v; job.kv_stride = kv_stride; job.dout = dout; job.lse = lse; job.delta = delta;
+    job.dq = dq; job.dk = dk; job.dv = dv;
+    job.scale = scale; job.G = G; job.R = R; job.S = S; job.D = D; job.g = g; job.past = past;
+    job.window = window; job.block = block;
+    if (kiln_attention_prepare(&job, 1) != 0) return -1;
+    int status = kiln_attention_phase(&job, KILN_ATTENTION_BACKWARD, threads);
+    if (status == 0 && job.ranges > 1) status = kiln_attention_phase(&job, KILN_ATTENTION_SUM, threads);
+    free(job.kt);
+    return status;
+}

@@ -1,0 +1,188 @@
+/* One thread pool per process for Kiln's parallel C kernels and for numpy's OpenBLAS.
+ *
+ * Why: OpenBLAS's own worker threads busy-wait (a loop of nops, no yield) for about 2^28 cycles after
+ * every threaded call, so on a small machine any other thread started between two BLAS calls shares a
+ * core with a spinning OpenBLAS worker and runs at about half speed. Kiln registers this pool with
+ * OpenBLAS (openblas_set_threads_callback_function, native_ext.blas) so that OpenBLAS's threaded jobs
+ * and Kiln's own kernels (native_ext/attention.h) run on the same threads, which spin only briefly
+ * between tasks and then sleep.
+ *
+ * kiln_pool_run(n, task, arg) calls task(arg, i) for i = 0..n-1, all at once on n threads (the caller
+ * is thread 0), and returns when every call has returned; OpenBLAS's jobs wait on each other, so they
+ * must run together, never one after another. Calls from several threads take turns (a mutex): OpenBLAS
+ * gives every job of a call the same per-thread buffers. A forked child starts with no pool threads and
+ * makes them again on its first call. What a task computes never depends on this pool: work is split
+ * by the caller, so the bytes are the same for any thread count.
+ */
+#ifndef KILN_POOL_H
+#define KILN_POOL_H
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define KILN_POOL_MAX 64
+/* how long an idle pool thread (or the caller waiting for one) spins before it sleeps */
+#define KILN_POOL_SPIN_NS 200000
+
+typedef void (*kiln_pool_task)(void *arg, int thread);
+
+static struct {
+    pthread_mutex_t turn;   /* one kiln_pool_run at a time */
+    pthread_mutex_t lock;   /* guards sleeping on wake / done */
+    pthread_cond_t wake, done;
+    int started;            /* pool threads alive (thread i + 1 runs task(arg, i + 1)) */
+    int sleeping, waiting;  /* pool threads asleep on wake; the caller asleep on done */
+    uint64_t generation;    /* bumped by every run */
+    int n;                  /* threads the current run uses */
+    int pending;            /* pool threads of the current run still computing */
+    kiln_pool_task task;
+    void *arg;
+    uint64_t first_generation[KILN_POOL_MAX]; /* the generation before a thread's first run */
+} kiln_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+               PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, NULL, NULL, {0}};
+
+static int64_t kiln_pool_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void kiln_pool_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *kiln_pool_thread(void *arg) {
+    const int thread = (int)(intptr_t)arg;
+    uint64_t seen = kiln_pool.first_generation[thread];
+    for (;;) {
+        const int64_t until = kiln_pool_now() + KILN_POOL_SPIN_NS;
+        int spins = 0;
+        while (__atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE) == seen) {
+            kiln_pool_pause();
+            if (++spins % 256 || kiln_pool_now() < until) continue;
+            pthread_mutex_lock(&kiln_pool.lock);
+            __atomic_add_fetch(&kiln_pool.sleeping, 1, __ATOMIC_SEQ_CST);
+            while (__atomic_load_n(&kiln_pool.generation, __ATOMIC_SEQ_CST) == seen)
+                pthread_cond_wait(&kiln_pool.wake, &kiln_pool.lock);
+            __atomic_sub_fetch(&kiln_pool.sleeping, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_unlock(&kiln_pool.lock);
+        }
+        seen = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE);
+        if (thread >= kiln_pool.n) continue;
+        kiln_pool.task(kiln_pool.arg, thread);
+        if (__atomic_sub_fetch(&kiln_pool.pending, 1, __ATOMIC_SEQ_CST) == 0 &&
+            __atomic_load_n(&kiln_pool.waiting, __ATOMIC_SEQ_CST)) {
+            pthread_mutex_lock(&kiln_pool.lock);
+            pthread_cond_signal(&kiln_pool.done);
+            pthread_mutex_unlock(&kiln_pool.lock);
+        }
+    }
+    return NULL;
+}
+
+/* In a forked child the pool threads are gone and the locks are in the state fork found them (held:
+ * kiln_pool_prepare took them): start from nothing. */
+static void kiln_pool_prepare(void) {
+    pthread_mutex_lock(&kiln_pool.turn);
+    pthread_mutex_lock(&kiln_pool.lock);
+}
+static void kiln_pool_parent(void) {
+    pthread_mutex_unlock(&kiln_pool.lock);
+    pthread_mutex_unlock(&kiln_pool.turn);
+}
+static void kiln_pool_child(void) {
+    pthread_mutex_init(&kiln_pool.turn, NULL);
+    pthread_mutex_init(&kiln_pool.lock, NULL);
+    pthread_cond_init(&kiln_pool.wake, NULL);
+    pthread_cond_init(&kiln_pool.done, NULL);
+    kiln_pool.started = kiln_pool.sleeping = kiln_pool.waiting = kiln_pool.pending = 0;
+}
+
+/* task(arg, i) for i = 0..n-1 at once; 0, or -1 when the threads it needs could not be started (nothing
+ * was run then). */
+static void kiln_pool_register(void) {
+    pthread_atfork(kiln_pool_prepare, kiln_pool_parent, kiln_pool_child);
+}
+
+static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    if (n <= 1) {
+        task(arg, 0);
+        return 0;
+    }
+    if (n > KILN_POOL_MAX) n = KILN_POOL_MAX;
+    pthread_once(&registered, kiln_pool_register);
+    pthread_mutex_lock(&kiln_pool.turn);
+    while (kiln_pool.started < n - 1) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        kiln_pool.first_generation[kiln_pool.started + 1] = kiln_pool.generation;
+        int failed = pthread_create(&thread, &attributes, kiln_pool_thread, (void *)(intptr_t)(kiln_pool.started + 1));
+        pthread_attr_destroy(&attributes);
+        if (failed) {
+            pthread_mutex_unlock(&kiln_pool.turn);
+            return -1;
+        }
+        kiln_pool.started++;
+    }
+    kiln_pool.task = task;
+    kiln_pool.arg = arg;
+    kiln_pool.n = n;
+    __atomic_store_n(&kiln_pool.pending, n - 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&kiln_pool.generation, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&kiln_pool.sleeping, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&kiln_pool.lock);
+        pthread_cond_broadcast(&kiln_pool.wake);
+        pthread_mutex_unlock(&kiln_pool.lock);
+    }
+    task(arg, 0);
+    const int64_t until = kiln_pool_now() + KILN_POOL_SPIN_NS;
+    int spins = 0;
+    while (__atomic_load_n(&kiln_pool.pending, __ATOMIC_SEQ_CST)) {
+        kiln_pool_pause();
+        if (++spins % 256 || kiln_pool_now() < until) continue;
+        pthread_mutex_lock(&kiln_pool.lock);
+        __atomic_store_n(&kiln_pool.waiting, 1, __ATOMIC_SEQ_CST);
+        while (__atomic_load_n(&kiln_pool.pending, __ATOMIC_SEQ_CST))
+            pthread_cond_wait(&kiln_pool.done, &kiln_pool.lock);
+        __atomic_store_n(&kiln_pool.waiting, 0, __ATOMIC_SEQ_CST);
+        pthread_mutex_unlock(&kiln_pool.lock);
+    }
+    pthread_mutex_unlock(&kiln_pool.turn);
+    return 0;
+}
+
+/* OpenBLAS's threads callback: dojob(i, job i, dojob_data) for its numjobs jobs, all at once. */
+typedef void (*kiln_openblas_dojob)(int thread, void *job, int data);
+typedef struct {
+    kiln_openblas_dojob dojob;
+    char *jobs;
+    size_t size;
+    int data;
+} kiln_openblas_call;
+
+static void kiln_pool_openblas_task(void *arg, int thread) {
+    kiln_openblas_call *call = (kiln_openblas_call *)arg;
+    call->dojob(thread, call->jobs + (size_t)thread * call->size, call->data);
+}
+
+static void kiln_pool_openblas_callback(int sync, kiln_openblas_dojob dojob, int numjobs, size_t size, void *jobs,
+                                        int data) {
+    (void)sync; /* OpenBLAS always waits (sync = 1); so does kiln_pool_run */
+    kiln_openblas_call call = {dojob, (char *)jobs, size, data};
+    if (kiln_pool_run(numjobs, kiln_pool_openblas_task, &call) != 0) {
+        fprintf(stderr, "kiln: could not start %d threads for OpenBLAS\n", numjobs);
+        abort();
+    }
+}
+
+#endif
