@@ -91,7 +91,7 @@ def run_kiln(quantized, steps, real=False, context=CONTEXT, precision="float32")
     from trainer.runs.admission import attention_options, loss_options
 
     # what an SFT run of this context computes: the fused loss with a run's chunk, and the attention a run picks
-    # (dense up to 512 positions, tiled in 128-position blocks beyond)
+    # (dense up to 64 positions, tiled in 128-position blocks beyond)
     options = {**loss_options("kt_tape_flce", SHAPE["vocabulary_size"]), **attention_options(context),
                "base_precision": precision}
     if real:

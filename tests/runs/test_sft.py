@@ -412,9 +412,9 @@ def test_a_non_finite_loss_fails_the_run_before_its_checkpoint(tmp_path, monkeyp
     assert checkpoint_dir.parse_basename(latest.name)[1] == 2
 
 
-def test_sequences_beyond_512_positions_train_tiled_and_resume_byte_identical(reference, tmp_path, monkeypatch):
-    """A run whose max_sequence_length exceeds 512 computes the tiled attention (admission.attention_options: at
-    1024 positions it is faster and never keeps [heads, T, T] probabilities); up to 512 the engine's dense one.
+def test_sequences_beyond_64_positions_train_tiled_and_resume_byte_identical(reference, tmp_path, monkeypatch):
+    """A run whose max_sequence_length exceeds 64 computes the tiled attention (admission.attention_options: from
+    128 positions on it is faster and never keeps [heads, T, T] probabilities); up to 64 the engine's dense one.
     Cancelled and resumed, the tiled run ends byte-identical to its uninterrupted twin."""
     import trainer.bases
 
@@ -442,5 +442,5 @@ def test_sequences_beyond_512_positions_train_tiled_and_resume_byte_identical(re
     assert final_files(settings) == final_files(whole_settings)
 
     loaded.clear()
-    uninterrupted(tmp_path / "short", max_sequence_length=512)
+    uninterrupted(tmp_path / "short", max_sequence_length=64)
     assert [algorithm for algorithm, _ in loaded] == ["dense"]

@@ -389,9 +389,10 @@ def loss_options(route: str, vocabulary_size: int) -> dict:
 
 
 # a run whose sequences may be longer than this computes the tiled attention (online softmax over 128-position
-# blocks): measured on the SmolLM2 shape, dense and tiled take the same time up to 512 positions, while at 1024
-# tiled took 0.80x the time and dense kept [heads, T, T] probabilities for every block (37.7 MB each at 1024)
-DENSE_ATTENTION_POSITIONS = 512
+# blocks, one C kernel per direction: native_ext/attention.h). Measured on the SmolLM2 shape (2-core AMX Xeon,
+# forward and backward of one layer): dense 0.28, 1.02, 3.20, 11.7 and 58 ms at 64, 128, 256, 512 and 1024
+# positions, tiled 0.29, 0.75, 1.97, 6.65 and 23.8 ms; and dense keeps [heads, T, T] probabilities per block
+DENSE_ATTENTION_POSITIONS = 64
 TILED_ATTENTION_BLOCK = 128
 
 
