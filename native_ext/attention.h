@@ -28,14 +28,15 @@
 #define KILN_ATTENTION_X86 1
 #endif
 
-/* C[M,N] += A @ B: A(i,k) = A[i*a_row + k*a_col], B row-major (ldb), C row-major (ldc). */
+/* C[M,N] = (zero ? 0 : C) + A @ B: A(i,k) = A[i*a_row + k*a_col], B row-major (ldb), C row-major (ldc). */
 typedef void (*kiln_tile_gemm_fn)(int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row,
-                                  int64_t a_col, const float *B, int64_t ldb, float *C, int64_t ldc);
+                                  int64_t a_col, const float *B, int64_t ldb, float *C, int64_t ldc, int zero);
 
 static void kiln_tile_gemm_portable(int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row,
-                                    int64_t a_col, const float *B, int64_t ldb, float *C, int64_t ldc) {
+                                    int64_t a_col, const float *B, int64_t ldb, float *C, int64_t ldc, int zero) {
     for (int64_t i = 0; i < M; i++) {
         float *c = C + i * ldc;
+        if (zero) memset(c, 0, sizeof(float) * N);
         for (int64_t k = 0; k < K; k++) {
             const float a = A[i * a_row + k * a_col];
             const float *b = B + k * ldb;
@@ -49,7 +50,7 @@ static void kiln_tile_gemm_portable(int64_t M, int64_t N, int64_t K, const float
 #define KILN_TILE_512(MR)                                                                              \
     __attribute__((target("avx512f"))) static void kiln_tile_512_##MR(                                 \
         int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,            \
-        int64_t ldb, float *C, int64_t ldc) {                                                          \
+        int64_t ldb, float *C, int64_t ldc, int zero) {                                                \
         for (int64_t j0 = 0; j0 < N; j0 += 64) {                                                       \
             __mmask16 m[4];                                                                            \
             for (int v = 0; v < 4; v++) {                                                              \
@@ -60,7 +61,8 @@ static void kiln_tile_gemm_portable(int64_t M, int64_t N, int64_t K, const float
             __m512 c[MR][4];                                                                           \
             for (int r = 0; r < MR; r++)                                                               \
                 for (int v = 0; v < 4; v++)                                                            \
-                    c[r][v] = _mm512_maskz_loadu_ps(m[v], C + r * ldc + j0 + 16 * v);                  \
+                    c[r][v] = zero ? _mm512_setzero_ps()                                               \
+                                   : _mm512_maskz_loadu_ps(m[v], C + r * ldc + j0 + 16 * v);           \
             for (int64_t k = 0; k < K; k++) {                                                          \
                 const float *b = B + k * ldb + j0;                                                     \
                 __m512 b0 = _mm512_maskz_loadu_ps(m[0], b), b1 = _mm512_maskz_loadu_ps(m[1], b + 16); \
@@ -89,17 +91,17 @@ KILN_TILE_512(1)
 
 __attribute__((target("avx512f"))) static void kiln_tile_gemm_avx512(
     int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,
-    int64_t ldb, float *C, int64_t ldc) {
+    int64_t ldb, float *C, int64_t ldc, int zero) {
     int64_t i = 0;
-    for (; i + 6 <= M; i += 6) kiln_tile_512_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc);
+    for (; i + 6 <= M; i += 6) kiln_tile_512_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, zero);
     const float *a = A + i * a_row;
     float *c = C + i * ldc;
     switch (M - i) {
-    case 5: kiln_tile_512_5(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 4: kiln_tile_512_4(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 3: kiln_tile_512_3(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 2: kiln_tile_512_2(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 1: kiln_tile_512_1(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 5: kiln_tile_512_5(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 4: kiln_tile_512_4(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 3: kiln_tile_512_3(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 2: kiln_tile_512_2(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 1: kiln_tile_512_1(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
     default: break;
     }
 }
@@ -108,7 +110,7 @@ __attribute__((target("avx512f"))) static void kiln_tile_gemm_avx512(
 #define KILN_TILE_256(MR)                                                                              \
     __attribute__((target("avx2,fma"))) static void kiln_tile_256_##MR(                                \
         int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,            \
-        int64_t ldb, float *C, int64_t ldc) {                                                          \
+        int64_t ldb, float *C, int64_t ldc, int zero) {                                                \
         for (int64_t j0 = 0; j0 < N; j0 += 16) {                                                       \
             __m256i m[2];                                                                              \
             for (int v = 0; v < 2; v++) {                                                              \
@@ -120,7 +122,8 @@ __attribute__((target("avx512f"))) static void kiln_tile_gemm_avx512(
             __m256 c[MR][2];                                                                           \
             for (int r = 0; r < MR; r++)                                                               \
                 for (int v = 0; v < 2; v++)                                                            \
-                    c[r][v] = _mm256_maskload_ps(C + r * ldc + j0 + 8 * v, m[v]);                      \
+                    c[r][v] = zero ? _mm256_setzero_ps()                                               \
+                                   : _mm256_maskload_ps(C + r * ldc + j0 + 8 * v, m[v]);               \
             for (int64_t k = 0; k < K; k++) {                                                          \
                 const float *b = B + k * ldb + j0;                                                     \
                 __m256 b0 = _mm256_maskload_ps(b, m[0]), b1 = _mm256_maskload_ps(b + 8, m[1]);         \
@@ -145,17 +148,17 @@ KILN_TILE_256(1)
 
 __attribute__((target("avx2,fma"))) static void kiln_tile_gemm_avx2(
     int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,
-    int64_t ldb, float *C, int64_t ldc) {
+    int64_t ldb, float *C, int64_t ldc, int zero) {
     int64_t i = 0;
-    for (; i + 6 <= M; i += 6) kiln_tile_256_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc);
+    for (; i + 6 <= M; i += 6) kiln_tile_256_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, zero);
     const float *a = A + i * a_row;
     float *c = C + i * ldc;
     switch (M - i) {
-    case 5: kiln_tile_256_5(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 4: kiln_tile_256_4(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 3: kiln_tile_256_3(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 2: kiln_tile_256_2(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
-    case 1: kiln_tile_256_1(N, K, a, a_row, a_col, B, ldb, c, ldc); break;
+    case 5: kiln_tile_256_5(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 4: kiln_tile_256_4(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 3: kiln_tile_256_3(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 2: kiln_tile_256_2(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
+    case 1: kiln_tile_256_1(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
     default: break;
     }
 }
@@ -267,8 +270,7 @@ static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_atte
     for (int64_t ks = kiln_attention_first_key(first_query, job->window, block); ks < last_key; ks += block) {
         const int64_t width = (ks + block < last_key ? ks + block : last_key) - ks;
         const float *kt = job->kt + (gi * job->key_blocks + ks / block) * D * block;
-        memset(s->tile, 0, sizeof(float) * rows * width);
-        gemm(rows, width, D, q, D, 1, kt, block, s->tile, width); /* scores [rows, width] */
+        gemm(rows, width, D, q, D, 1, kt, block, s->tile, width, 1); /* scores [rows, width] */
         kiln_attention_hide(s->tile, rows, width, g, first_query, ks, job->window);
         kiln_flash_block_forward(s->tile, s->running_max, s->running_sum, s->alpha, job->scale, 1, rows,
                                  width, g, first_query, ks);
@@ -277,7 +279,7 @@ static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_atte
             float *acc = s->acc + r * D;
             for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * a;
         }
-        gemm(rows, D, width, s->tile, width, 1, job->v + gi * job->kv_stride + ks * D, D, s->acc, D);
+        gemm(rows, D, width, s->tile, width, 1, job->v + gi * job->kv_stride + ks * D, D, s->acc, D, 0);
     }
     float *out = job->result + (gi * job->R + r0) * D;
     float *lse = job->result_lse + gi * job->R + r0;
@@ -313,16 +315,14 @@ static void kiln_attention_backward_item(const kiln_attention_job *job, kiln_att
             if (ks < first_key) continue;
             const int64_t width = (ks + block < last_key ? ks + block : last_key) - ks;
             const int64_t packed = (gi * job->key_blocks + kb) * D * block;
-            memset(s->tile, 0, sizeof(float) * rows * width);
-            memset(s->dtile, 0, sizeof(float) * rows * width);
-            gemm(rows, width, D, q, D, 1, job->kt + packed, block, s->tile, width);
+            gemm(rows, width, D, q, D, 1, job->kt + packed, block, s->tile, width, 1);
             kiln_attention_hide(s->tile, rows, width, g, first_query, ks, job->window);
-            gemm(rows, width, D, dout, D, 1, job->vt + packed, block, s->dtile, width);
+            gemm(rows, width, D, dout, D, 1, job->vt + packed, block, s->dtile, width, 1);
             kiln_flash_block_backward(s->tile, job->lse + gi * R + r0, s->dtile, job->delta + gi * R + r0,
                                       job->scale, 1, rows, width, g, first_query, ks);
-            gemm(width, D, rows, s->tile, 1, width, dout, D, job->dv + (gi * S + ks) * D, D);  /* P.T @ dO */
-            gemm(width, D, rows, s->dtile, 1, width, q, D, job->dk + (gi * S + ks) * D, D);    /* dS.T @ Q */
-            gemm(rows, D, width, s->dtile, width, 1, job->k + gi * job->kv_stride + ks * D, D, dq_rows + r0 * D, D);
+            gemm(width, D, rows, s->tile, 1, width, dout, D, job->dv + (gi * S + ks) * D, D, 0);  /* P.T @ dO */
+            gemm(width, D, rows, s->dtile, 1, width, q, D, job->dk + (gi * S + ks) * D, D, 0);    /* dS.T @ Q */
+            gemm(rows, D, width, s->dtile, width, 1, job->k + gi * job->kv_stride + ks * D, D, dq_rows + r0 * D, D, 0);
         }
     }
 }
