@@ -16,8 +16,9 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# Kernels are single-threaded: BLAS owns the cores, and OpenMP threads spinning beside
-# OpenBLAS's own made every kernel many times slower on a 2-core machine.
+# No OpenMP: its threads spinning beside OpenBLAS's made every kernel many times slower on a
+# 2-core machine. The parallel kernels run on native_ext/pool.h's pthreads, which OpenBLAS's jobs
+# also run on (native_ext/blas.py registers it).
 # -O3 without -march=native: the build must give the same float results on every
 # machine of one architecture, and no -ffast-math, which would reorder reductions.
 # -fno-trapping-math changes no value; without it GCC leaves every loop with a float
@@ -26,14 +27,14 @@ from setuptools.command.build_ext import build_ext
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd"]
 
 # module, the C header its row kernels live in
-KERNELS = [("_kernels", "kiln_kernels.h"), ("_nf4", "nf4.h"), ("_attention", "attention.h")]
+KERNELS = [("_kernels", "rows.h"), ("_nf4", "nf4.h"), ("_attention", "attention.h")]
 
 extensions = [
     Extension(
         f"native_ext.{module}",
         [f"native_ext/{module}.pyx"],
         include_dirs=[numpy.get_include(), "native_ext"],
-        depends=[f"native_ext/{header}", "native_ext/kiln_kernels.h"],
+        depends=[f"native_ext/{header}", "native_ext/kiln_kernels.h", "native_ext/rows.h", "native_ext/pool.h"],
         extra_compile_args=COMPILE_ARGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

@@ -13,6 +13,7 @@ ctypedef float f32
 
 cdef extern from "pool.h" nogil:
     void kiln_pool_openblas_callback(int sync, void *dojob, int numjobs, size_t size, void *jobs, int data)
+    int kiln_pool_run(int n, void *task, void *arg)
 
 
 cdef extern from "attention.h" nogil:
@@ -29,6 +30,11 @@ cdef extern from "attention.h" nogil:
 def openblas_callback():
     """The address of pool.h's OpenBLAS threads callback (native_ext.blas registers it)."""
     return <size_t><void *>kiln_pool_openblas_callback
+
+
+def pool_run():
+    """The address of pool.h's kiln_pool_run (native_ext.kernels hands it to the row kernels)."""
+    return <size_t><void *>kiln_pool_run
 
 
 def forward(const f32[:, :, ::1] q, const f32[:, :, :] k, const f32[:, :, :] v, f32[:, :, ::1] out,

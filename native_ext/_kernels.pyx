@@ -3,8 +3,9 @@
 
 Private module: the public, validating entry points are in native_ext.kernels, and each
 kernel has a plain numpy twin in native_ext.reference. Kernels take C-contiguous float32
-memoryviews, release the GIL and run on one thread (BLAS owns the cores), so their
-results never depend on a thread count.
+memoryviews and release the GIL; RMSNorm, SwiGLU and the cross-entropy rows run on the
+threads they are given (rows.h, on native_ext._attention's pool), the rest on one, and
+no result depends on a thread count.
 Dimension letters as in native_ext.reference.
 The row kernels themselves are C in kiln_kernels.h (vectorised, cloned per instruction
 set); this module hands them raw pointers.
@@ -19,14 +20,6 @@ ctypedef float f32
 
 
 cdef extern from "kiln_kernels.h" nogil:
-    void kiln_rmsnorm_forward(const float *x, const float *w, double eps, float *out,
-                              float *rstd, int64_t N, int64_t C)
-    void kiln_rmsnorm_backward(const float *dout, const float *x, const float *w,
-                               const float *rstd, float *dx, float *dw, double *scratch,
-                               int64_t N, int64_t C)
-    void kiln_swiglu_forward(const float *gate_up, float *out, int64_t N, int64_t F)
-    void kiln_swiglu_backward(const float *dout, const float *gate_up, float *dgate_up,
-                              int64_t N, int64_t F)
     void kiln_softmax_causal_forward(float *scores, float scale, int64_t G, int64_t R,
                                      int64_t S, int64_t group_size, int64_t past)
     void kiln_softmax_backward(const float *probs, float *dprobs, float scale, int64_t rows,
@@ -37,9 +30,6 @@ cdef extern from "kiln_kernels.h" nogil:
     void kiln_flash_block_backward(float *scores, const float *logsumexp, float *dprobs,
                                    const float *delta, float scale, int64_t G, int64_t R,
                                    int64_t S, int64_t group_size, int64_t past, int64_t key_start)
-    void kiln_cross_entropy(float *logits, const int64_t *targets, float *losses,
-                            float grad_scale, const float *row_scales, int64_t ignore_index,
-                            int64_t N, int64_t V)
     void kiln_log_softmax_gather(const float *logits, const int64_t *targets, float *out,
                                  float *scratch, int64_t N, int64_t V)
     void kiln_to_bf16(const float *x, uint16_t *out, int64_t n)
@@ -48,25 +38,44 @@ cdef extern from "kiln_kernels.h" nogil:
                           float step_size, float bc2_sqrt, float eps)
 
 
+cdef extern from "rows.h" nogil:
+    void kiln_rows_use_pool(void *run)
+    void kiln_rmsnorm_forward_rows(const float *x, const float *w, double eps, float *out, float *rstd,
+                                   int64_t N, int64_t C, int threads)
+    int kiln_rmsnorm_backward_rows(const float *dout, const float *x, const float *w, const float *rstd,
+                                   float *dx, float *dw, int64_t N, int64_t C, int threads)
+    void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int threads)
+    void kiln_swiglu_backward_rows(const float *dout, const float *gate_up, float *dgate_up, int64_t N,
+                                   int64_t F, int threads)
+    void kiln_cross_entropy_rows(float *logits, const int64_t *targets, float *losses, float grad_scale,
+                                 const float *row_scales, int64_t ignore_index, int64_t N, int64_t V,
+                                 int threads)
+
+
+def use_pool(size_t run):
+    """Run the row kernels on native_ext._attention's thread pool (the address of its kiln_pool_run)."""
+    kiln_rows_use_pool(<void *>run)
+
+
 def rmsnorm_forward(const f32[:, ::1] x, const f32[::1] weight, double eps,
-                    f32[:, ::1] out, f32[::1] rstd):
+                    f32[:, ::1] out, f32[::1] rstd, int threads=1):
     if x.shape[0] == 0:
         return
     with nogil:
-        kiln_rmsnorm_forward(&x[0, 0], &weight[0], eps, &out[0, 0], &rstd[0], x.shape[0], x.shape[1])
+        kiln_rmsnorm_forward_rows(&x[0, 0], &weight[0], eps, &out[0, 0], &rstd[0], x.shape[0], x.shape[1],
+                                  threads)
 
 
 def rmsnorm_backward(const f32[:, ::1] dout, const f32[:, ::1] x, const f32[::1] weight,
-                     const f32[::1] rstd, f32[:, ::1] dx, f32[::1] dweight):
+                     const f32[::1] rstd, f32[:, ::1] dx, f32[::1] dweight, int threads=1):
     if x.shape[0] == 0:
         return
-    cdef double *scratch = <double *>malloc(x.shape[1] * sizeof(double))
-    if scratch == NULL:
-        raise MemoryError("rmsnorm_backward scratch")
+    cdef int status
     with nogil:
-        kiln_rmsnorm_backward(&dout[0, 0], &x[0, 0], &weight[0], &rstd[0], &dx[0, 0],
-                              &dweight[0], scratch, x.shape[0], x.shape[1])
-    free(scratch)
+        status = kiln_rmsnorm_backward_rows(&dout[0, 0], &x[0, 0], &weight[0], &rstd[0], &dx[0, 0],
+                                            &dweight[0], x.shape[0], x.shape[1], threads)
+    if status != 0:
+        raise MemoryError("rmsnorm_backward scratch")
 
 
 def rope_forward(const f32[:, :, :, :] x, const f32[:, ::1] cos, const f32[:, ::1] sin,
@@ -154,37 +163,38 @@ def flash_block_backward(f32[:, :, ::1] scores, const f32[:, ::1] logsumexp, f32
                                   scores.shape[2], group_size, past, key_start)
 
 
-def swiglu_forward(const f32[:, ::1] gate_up, f32[:, ::1] out):
+def swiglu_forward(const f32[:, ::1] gate_up, f32[:, ::1] out, int threads=1):
     if out.shape[0] * out.shape[1] == 0:
         return
     with nogil:
-        kiln_swiglu_forward(&gate_up[0, 0], &out[0, 0], out.shape[0], out.shape[1])
+        kiln_swiglu_forward_rows(&gate_up[0, 0], &out[0, 0], out.shape[0], out.shape[1], threads)
 
 
-def swiglu_backward(const f32[:, ::1] dout, const f32[:, ::1] gate_up, f32[:, ::1] dgate_up):
+def swiglu_backward(const f32[:, ::1] dout, const f32[:, ::1] gate_up, f32[:, ::1] dgate_up,
+                    int threads=1):
     if dout.shape[0] * dout.shape[1] == 0:
         return
     with nogil:
-        kiln_swiglu_backward(&dout[0, 0], &gate_up[0, 0], &dgate_up[0, 0], dout.shape[0],
-                             dout.shape[1])
+        kiln_swiglu_backward_rows(&dout[0, 0], &gate_up[0, 0], &dgate_up[0, 0], dout.shape[0],
+                                  dout.shape[1], threads)
 
 
 def cross_entropy_forward_backward(f32[:, ::1] logits, const int64_t[::1] targets,
-                                   f32[::1] losses, double grad_scale, int64_t ignore_index):
+                                   f32[::1] losses, double grad_scale, int64_t ignore_index, int threads=1):
     if logits.shape[0] * logits.shape[1] == 0:
         return
     with nogil:
-        kiln_cross_entropy(&logits[0, 0], &targets[0], &losses[0], <float>grad_scale, NULL,
-                           ignore_index, logits.shape[0], logits.shape[1])
+        kiln_cross_entropy_rows(&logits[0, 0], &targets[0], &losses[0], <float>grad_scale, NULL,
+                                ignore_index, logits.shape[0], logits.shape[1], threads)
 
 
 def weighted_cross_entropy(f32[:, ::1] logits, const int64_t[::1] targets, f32[::1] losses,
-                           const f32[::1] row_scales):
+                           const f32[::1] row_scales, int threads=1):
     if logits.shape[0] * logits.shape[1] == 0:
         return
     with nogil:
-        kiln_cross_entropy(&logits[0, 0], &targets[0], &losses[0], 1.0, &row_scales[0], -1,
-                           logits.shape[0], logits.shape[1])
+        kiln_cross_entropy_rows(&logits[0, 0], &targets[0], &losses[0], 1.0, &row_scales[0], -1,
+                                logits.shape[0], logits.shape[1], threads)
 
 
 def log_softmax_gather(const f32[:, ::1] logits, const int64_t[::1] targets, f32[::1] out):

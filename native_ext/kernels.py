@@ -6,10 +6,14 @@ releases the GIL. The numpy twins with the same signatures live in native_ext.re
 
 import numpy as np
 
+from native_ext import blas
 from native_ext.validate import built
 from native_ext.validate import check_array as _check
 
 _kernels = built("_kernels", "the Cython kernels")
+# RMSNorm, SwiGLU and the cross-entropy rows run on the process's one thread pool (native_ext/pool.h, shared
+# with OpenBLAS), on as many threads as OpenBLAS computes on at the call; their bytes do not depend on it
+_kernels.use_pool(built("_attention", "the fused attention kernel").pool_run())
 
 F32 = np.float32
 I64 = np.int64
@@ -29,7 +33,7 @@ def rmsnorm_forward(x, weight, eps, out, rstd):
     _same("weight", weight.shape, (C,))
     _same("out", out.shape, (N, C))
     _same("rstd", rstd.shape, (N,))
-    _kernels.rmsnorm_forward(x, weight, float(eps), out, rstd)
+    _kernels.rmsnorm_forward(x, weight, float(eps), out, rstd, blas.threads())
 
 
 def rmsnorm_backward(dout, x, weight, rstd, dx, dweight):
@@ -45,7 +49,7 @@ def rmsnorm_backward(dout, x, weight, rstd, dx, dweight):
     _same("weight", weight.shape, (C,))
     _same("dweight", dweight.shape, (C,))
     _same("rstd", rstd.shape, (N,))
-    _kernels.rmsnorm_backward(dout, x, weight, rstd, dx, dweight)
+    _kernels.rmsnorm_backward(dout, x, weight, rstd, dx, dweight, blas.threads())
 
 
 def _rope_checks(table_cos, table_sin, T, D, position_offset):
@@ -147,7 +151,7 @@ def swiglu_forward(gate_up, out):
     _check("out", out, F32, 2, True)
     N, F = out.shape
     _same("gate_up", gate_up.shape, (N, 2 * F))
-    _kernels.swiglu_forward(gate_up, out)
+    _kernels.swiglu_forward(gate_up, out, blas.threads())
 
 
 def swiglu_backward(dout, gate_up, dgate_up):
@@ -157,7 +161,7 @@ def swiglu_backward(dout, gate_up, dgate_up):
     N, F = dout.shape
     _same("gate_up", gate_up.shape, (N, 2 * F))
     _same("dgate_up", dgate_up.shape, (N, 2 * F))
-    _kernels.swiglu_backward(dout, gate_up, dgate_up)
+    _kernels.swiglu_backward(dout, gate_up, dgate_up, blas.threads())
 
 
 def _check_targets(targets, N, V, ignore_index=None):
@@ -174,7 +178,8 @@ def cross_entropy_forward_backward(logits, targets, losses, grad_scale, ignore_i
     N, V = logits.shape
     _same("losses", losses.shape, (N,))
     _check_targets(targets, N, V, ignore_index)
-    _kernels.cross_entropy_forward_backward(logits, targets, losses, float(grad_scale), int(ignore_index))
+    _kernels.cross_entropy_forward_backward(logits, targets, losses, float(grad_scale), int(ignore_index),
+                                            blas.threads())
 
 
 def weighted_cross_entropy(logits, targets, losses, row_scales):
@@ -186,7 +191,7 @@ def weighted_cross_entropy(logits, targets, losses, row_scales):
     _same("losses", losses.shape, (N,))
     _same("row_scales", row_scales.shape, (N,))
     _check_targets(targets, N, V)
-    _kernels.weighted_cross_entropy(logits, targets, losses, row_scales)
+    _kernels.weighted_cross_entropy(logits, targets, losses, row_scales, blas.threads())
 
 
 def log_softmax_gather(logits, targets, out):

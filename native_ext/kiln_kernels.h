@@ -6,6 +6,8 @@
  * the function is cloned for (target_clones) and for every thread count.
  * Dimension letters as in native_ext/reference.py.
  */
+#ifndef KILN_KERNELS_H
+#define KILN_KERNELS_H
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -100,11 +102,11 @@ static void kiln_rmsnorm_forward(const float *x, const float *w, double eps, flo
     }
 }
 
-/* dx += ...; dw += sum over rows (accumulated in double, rows in order). */
+/* dx += ...; partial[C] = the rows' weight gradient, summed in double in row order (written, not added). */
 KILN_CLONES
-static void kiln_rmsnorm_backward(const float *dout, const float *x, const float *w,
-                                  const float *rstd, float *dx, float *dw, double *scratch,
-                                  int64_t N, int64_t C) {
+static void kiln_rmsnorm_backward_part(const float *dout, const float *x, const float *w,
+                                       const float *rstd, float *dx, double *scratch,
+                                       int64_t N, int64_t C) {
     memset(scratch, 0, (size_t)C * sizeof(double));
     for (int64_t n = 0; n < N; n++) {
         const float *g = dout + n * C, *row = x + n * C;
@@ -129,7 +131,6 @@ static void kiln_rmsnorm_backward(const float *dout, const float *x, const float
         float *d = dx + n * C;
         for (c = 0; c < C; c++) d[c] = d[c] + (r * (g[c] * w[c]) - row[c] * r3dot);
     }
-    for (int64_t c = 0; c < C; c++) dw[c] = dw[c] + (float)scratch[c];
 }
 
 KILN_CLONES
@@ -297,3 +298,5 @@ static void kiln_to_bf16(const float *x, uint16_t *out, int64_t n) {
         out[i] = (uint16_t)((b & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
     }
 }
+
+#endif

@@ -496,3 +496,40 @@ def test_wrapper_rejects_positions_that_would_crash_the_kernel(case):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"the child died with {result.returncode}: {result.stderr[-300:]}"
     assert result.stdout.startswith("ValueError") and fragment in result.stdout, result.stdout
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+
+def test_row_kernels_give_the_same_bytes_on_any_thread_count():
+    """RMSNorm, SwiGLU and the cross-entropy rows on 1, 2, 3 and 5 threads of the pool (rows.h): the rows
+    are cut into fixed chunks, and RMSNorm's weight gradient adds the chunks' partial sums in chunk order."""
+    from native_ext import _kernels
+
+    rng = rng_for("row kernel threads")
+    N, C, F, V = 333, 72, 40, 517  # several chunks of every kernel, with a short last one
+    x, dout, gate_up = randn(rng, N, C, scale=2.0), randn(rng, N, C), randn(rng, N, 2 * F, scale=2.0)
+    weight, dswiglu = randn(rng, C), randn(rng, N, F)
+    logits, targets = randn(rng, N, V, scale=3.0), rng.integers(0, V, N).astype(np.int64)
+    targets[::7] = -100
+
+    def run(threads):
+        out, rstd = np.empty((N, C), np.float32), np.empty(N, np.float32)
+        _kernels.rmsnorm_forward(x, weight, 1e-5, out, rstd, threads)
+        dx, dweight = np.ones((N, C), np.float32), np.ones(C, np.float32)
+        _kernels.rmsnorm_backward(dout, x, weight, rstd, dx, dweight, threads)
+        swiglu, dgate_up = np.empty((N, F), np.float32), np.empty((N, 2 * F), np.float32)
+        _kernels.swiglu_forward(gate_up, swiglu, threads)
+        _kernels.swiglu_backward(dswiglu, gate_up, dgate_up, threads)
+        grads, losses = logits.copy(), np.empty(N, np.float32)
+        _kernels.cross_entropy_forward_backward(grads, targets, losses, 0.5, -100, threads)
+        return [a.tobytes() for a in (out, rstd, dx, dweight, swiglu, dgate_up, grads, losses)]
+
+    one = run(1)
+    for threads in (2, 3, 5):
+        assert run(threads) == one, f"{threads} threads"
+    # and the weight gradient is still the twin's
+    dx_r, dweight_r = np.ones((N, C), np.float32), np.ones(C, np.float32)
+    rstd = np.frombuffer(one[1], np.float32)
+    reference.rmsnorm_backward(dout, x, weight, rstd, dx_r, dweight_r)
+    assert np.max(np.abs(np.frombuffer(one[3], np.float32) - dweight_r)) <= REDUCTION * np.max(np.abs(dweight_r))

@@ -1,0 +1,147 @@
+/* The row kernels of kiln_kernels.h on several threads: rows cut into fixed chunks, taken by the
+ * threads of native_ext/pool.h's pool in any order. A chunk writes only its own rows, and where rows are
+ * reduced (RMSNorm's weight gradient) each chunk keeps its own partial sum and the partials are added in
+ * chunk order: chunk sizes are constants, so the bytes are the same for every thread count.
+ *
+ * The pool lives in native_ext._attention (one pool per process, shared with OpenBLAS): native_ext.kernels
+ * hands its kiln_pool_run here at import (kiln_rows_use_pool); without it every kernel runs on one thread.
+ */
+#include "kiln_kernels.h"
+
+#include <stdlib.h>
+
+typedef void (*kiln_rows_task)(void *arg, int thread);
+typedef int (*kiln_rows_pool_run)(int n, kiln_rows_task task, void *arg);
+static kiln_rows_pool_run kiln_rows_pool = NULL;
+
+static void kiln_rows_use_pool(void *run) { kiln_rows_pool = (kiln_rows_pool_run)run; }
+
+/* rows per chunk: RMSNorm's chunk also fixes where its weight gradient's partial sums are cut */
+#define KILN_ROWS_CHUNK 16
+#define KILN_RMSNORM_CHUNK 64
+#define KILN_LOSS_CHUNK 2
+
+typedef void (*kiln_rows_body)(const void *ctx, int64_t r0, int64_t r1, int64_t chunk);
+
+typedef struct {
+    kiln_rows_body body;
+    const void *ctx;
+    int64_t rows, chunk, next;
+} kiln_rows_job;
+
+static void kiln_rows_run_task(void *arg, int thread) {
+    kiln_rows_job *job = (kiln_rows_job *)arg;
+    (void)thread;
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        const int64_t r0 = i * job->chunk;
+        if (r0 >= job->rows) break;
+        job->body(job->ctx, r0, r0 + job->chunk < job->rows ? r0 + job->chunk : job->rows, i);
+    }
+}
+
+/* body(ctx, r0, r1, chunk index) over every chunk of `rows`, on up to `threads` threads. */
+static void kiln_rows(int threads, int64_t rows, int64_t chunk, kiln_rows_body body, const void *ctx) {
+    const int64_t chunks = (rows + chunk - 1) / chunk;
+    if (threads > chunks) threads = (int)chunks;
+    kiln_rows_job job = {body, ctx, rows, chunk, 0};
+    if (threads > 1 && kiln_rows_pool != NULL && kiln_rows_pool(threads, kiln_rows_run_task, &job) == 0) return;
+    job.next = 0;
+    kiln_rows_run_task(&job, 0);
+}
+
+typedef struct {
+    const float *x, *w, *dout, *rstd_in;
+    float *out, *rstd, *dx;
+    double *partials;
+    double eps;
+    int64_t C;
+} kiln_rmsnorm_ctx;
+
+static void kiln_rmsnorm_forward_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
+    const kiln_rmsnorm_ctx *c = (const kiln_rmsnorm_ctx *)arg;
+    (void)chunk;
+    kiln_rmsnorm_forward(c->x + r0 * c->C, c->w, c->eps, c->out + r0 * c->C, c->rstd + r0, r1 - r0, c->C);
+}
+
+static void kiln_rmsnorm_forward_rows(const float *x, const float *w, double eps, float *out, float *rstd,
+                                      int64_t N, int64_t C, int threads) {
+    kiln_rmsnorm_ctx c = {x, w, NULL, NULL, out, rstd, NULL, NULL, eps, C};
+    kiln_rows(threads, N, KILN_ROWS_CHUNK, kiln_rmsnorm_forward_body, &c);
+}
+
+static void kiln_rmsnorm_backward_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
+    const kiln_rmsnorm_ctx *c = (const kiln_rmsnorm_ctx *)arg;
+    kiln_rmsnorm_backward_part(c->dout + r0 * c->C, c->x + r0 * c->C, c->w, c->rstd_in + r0, c->dx + r0 * c->C,
+                               c->partials + chunk * c->C, r1 - r0, c->C);
+}
+
+/* dx += ..., dw += the chunks' partial sums added in chunk order; -1 when out of memory (nothing done). */
+static int kiln_rmsnorm_backward_rows(const float *dout, const float *x, const float *w, const float *rstd,
+                                      float *dx, float *dw, int64_t N, int64_t C, int threads) {
+    const int64_t chunks = (N + KILN_RMSNORM_CHUNK - 1) / KILN_RMSNORM_CHUNK;
+    double *partials = (double *)malloc(sizeof(double) * chunks * C);
+    if (partials == NULL) return -1;
+    kiln_rmsnorm_ctx c = {x, w, dout, rstd, NULL, NULL, dx, partials, 0.0, C};
+    kiln_rows(threads, N, KILN_RMSNORM_CHUNK, kiln_rmsnorm_backward_body, &c);
+    for (int64_t j = 0; j < C; j++) {
+        double total = partials[j];
+        for (int64_t i = 1; i < chunks; i++) total += partials[i * C + j];
+        dw[j] = dw[j] + (float)total;
+    }
+    free(partials);
+    return 0;
+}
+
+typedef struct {
+    const float *gate_up, *dout;
+    float *out, *dgate_up;
+    int64_t F;
+} kiln_swiglu_ctx;
+
+static void kiln_swiglu_forward_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
+    const kiln_swiglu_ctx *c = (const kiln_swiglu_ctx *)arg;
+    (void)chunk;
+    kiln_swiglu_forward(c->gate_up + r0 * 2 * c->F, c->out + r0 * c->F, r1 - r0, c->F);
+}
+
+static void kiln_swiglu_backward_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
+    const kiln_swiglu_ctx *c = (const kiln_swiglu_ctx *)arg;
+    (void)chunk;
+    kiln_swiglu_backward(c->dout + r0 * c->F, c->gate_up + r0 * 2 * c->F, c->dgate_up + r0 * 2 * c->F, r1 - r0,
+                         c->F);
+}
+
+static void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int threads) {
+    kiln_swiglu_ctx c = {gate_up, NULL, out, NULL, F};
+    kiln_rows(threads, N, KILN_ROWS_CHUNK, kiln_swiglu_forward_body, &c);
+}
+
+static void kiln_swiglu_backward_rows(const float *dout, const float *gate_up, float *dgate_up, int64_t N,
+                                      int64_t F, int threads) {
+    kiln_swiglu_ctx c = {gate_up, dout, NULL, dgate_up, F};
+    kiln_rows(threads, N, KILN_ROWS_CHUNK, kiln_swiglu_backward_body, &c);
+}
+
+typedef struct {
+    float *logits;
+    const int64_t *targets;
+    float *losses;
+    float grad_scale;
+    const float *row_scales;
+    int64_t ignore_index, V;
+} kiln_loss_ctx;
+
+static void kiln_cross_entropy_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
+    const kiln_loss_ctx *c = (const kiln_loss_ctx *)arg;
+    (void)chunk;
+    kiln_cross_entropy(c->logits + r0 * c->V, c->targets + r0, c->losses + r0, c->grad_scale,
+                       c->row_scales ? c->row_scales + r0 : NULL, c->ignore_index, r1 - r0, c->V);
+}
+
+static void kiln_cross_entropy_rows(float *logits, const int64_t *targets, float *losses, float grad_scale,
+                                    const float *row_scales, int64_t ignore_index, int64_t N, int64_t V,
+                                    int threads) {
+    kiln_loss_ctx c = {logits, targets, losses, grad_scale, row_scales, ignore_index, V};
+    kiln_rows(threads, N, KILN_LOSS_CHUNK, kiln_cross_entropy_body, &c);
+}
