@@ -3,8 +3,8 @@
 
 Private module: the public, validating entry points are in native_ext.kernels, and each
 kernel has a plain numpy twin in native_ext.reference. Kernels take C-contiguous float32
-memoryviews and release the GIL; RMSNorm, SwiGLU and the cross-entropy rows run on the
-threads they are given (rows.h, on native_ext._attention's pool), the rest on one, and
+memoryviews and release the GIL; RMSNorm, rotary positions, SwiGLU and the cross-entropy rows run
+on the threads they are given (rows.h, on native_ext._attention's pool), the rest on one, and
 no result depends on a thread count.
 Dimension letters as in native_ext.reference.
 The row kernels themselves are C in kiln_kernels.h (vectorised, cloned per instruction
@@ -47,6 +47,12 @@ cdef extern from "rows.h" nogil:
     void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int threads)
     void kiln_swiglu_backward_rows(const float *dout, const float *gate_up, float *dgate_up, int64_t N,
                                    int64_t F, int threads)
+    void kiln_rope_forward_rows(const float *x, int64_t sb, int64_t st, int64_t sh, const float *cos,
+                                const float *sin, int64_t past, float *out, int64_t B, int64_t T, int64_t NH,
+                                int64_t g, int64_t D, int threads)
+    void kiln_rope_backward_rows(const float *dout, const float *cos, const float *sin, int64_t past, float *dx,
+                                 int64_t sb, int64_t st, int64_t sh, int64_t B, int64_t T, int64_t NH,
+                                 int64_t g, int64_t D, int threads)
     void kiln_cross_entropy_rows(float *logits, const int64_t *targets, float *losses, float grad_scale,
                                  const float *row_scales, int64_t ignore_index, int64_t N, int64_t V,
                                  int threads)
@@ -79,49 +85,25 @@ def rmsnorm_backward(const f32[:, ::1] dout, const f32[:, ::1] x, const f32[::1]
 
 
 def rope_forward(const f32[:, :, :, :] x, const f32[:, ::1] cos, const f32[:, ::1] sin,
-                 Py_ssize_t position_offset, f32[:, :, :, :, ::1] out):
+                 Py_ssize_t position_offset, f32[:, :, :, :, ::1] out, int threads=1):
     cdef Py_ssize_t B = x.shape[0], T = x.shape[1], NH = x.shape[2], D = x.shape[3]
-    cdef Py_ssize_t g = out.shape[3]
-    cdef Py_ssize_t half = D // 2, bt, b, t, h, i, p, kv, j
-    cdef f32 c, s, x1, x2
+    if B * T * NH * D == 0:
+        return
     with nogil:
-        for bt in range(B * T):
-            b = bt // T
-            t = bt % T
-            p = t + position_offset
-            for h in range(NH):
-                for i in range(half):
-                    c = cos[p, i]
-                    s = sin[p, i]
-                    x1 = x[b, t, h, i]
-                    x2 = x[b, t, h, i + half]
-                    kv = h // g
-                    j = h % g
-                    out[b, kv, t, j, i] = x1 * c - x2 * s
-                    out[b, kv, t, j, i + half] = x2 * c + x1 * s
+        kiln_rope_forward_rows(&x[0, 0, 0, 0], x.strides[0] // 4, x.strides[1] // 4, x.strides[2] // 4,
+                               &cos[0, 0], &sin[0, 0], position_offset, &out[0, 0, 0, 0, 0], B, T, NH,
+                               out.shape[3], D, threads)
 
 
 def rope_backward(const f32[:, :, :, :, ::1] dout, const f32[:, ::1] cos, const f32[:, ::1] sin,
-                  Py_ssize_t position_offset, f32[:, :, :, :] dx):
-    cdef Py_ssize_t B = dout.shape[0], KV = dout.shape[1], T = dout.shape[2], g = dout.shape[3]
-    cdef Py_ssize_t D = dout.shape[4], NH = KV * g
-    cdef Py_ssize_t half = D // 2, bt, b, t, h, i, p, kv, j
-    cdef f32 c, s, g1, g2
+                  Py_ssize_t position_offset, f32[:, :, :, :] dx, int threads=1):
+    cdef Py_ssize_t B = dx.shape[0], T = dx.shape[1], NH = dx.shape[2], D = dx.shape[3]
+    if B * T * NH * D == 0:
+        return
     with nogil:
-        for bt in range(B * T):
-            b = bt // T
-            t = bt % T
-            p = t + position_offset
-            for h in range(NH):
-                for i in range(half):
-                    c = cos[p, i]
-                    s = sin[p, i]
-                    kv = h // g
-                    j = h % g
-                    g1 = dout[b, kv, t, j, i]
-                    g2 = dout[b, kv, t, j, i + half]
-                    dx[b, t, h, i] = g1 * c + g2 * s
-                    dx[b, t, h, i + half] = g2 * c - g1 * s
+        kiln_rope_backward_rows(&dout[0, 0, 0, 0, 0], &cos[0, 0], &sin[0, 0], position_offset, &dx[0, 0, 0, 0],
+                                dx.strides[0] // 4, dx.strides[1] // 4, dx.strides[2] // 4, B, T, NH,
+                                dout.shape[3], D, threads)
 
 
 def softmax_causal_forward(f32[:, :, ::1] scores, double scale, Py_ssize_t group_size,

@@ -11,8 +11,9 @@ from native_ext.validate import built
 from native_ext.validate import check_array as _check
 
 _kernels = built("_kernels", "the Cython kernels")
-# RMSNorm, SwiGLU and the cross-entropy rows run on the process's one thread pool (native_ext/pool.h, shared
-# with OpenBLAS), on as many threads as OpenBLAS computes on at the call; their bytes do not depend on it
+# RMSNorm, rotary positions, SwiGLU and the cross-entropy rows run on the process's one thread pool
+# (native_ext/pool.h, shared with OpenBLAS), on as many threads as OpenBLAS computes on at the call; their
+# bytes do not depend on it
 _kernels.use_pool(built("_attention", "the fused attention kernel").pool_run())
 
 F32 = np.float32
@@ -73,6 +74,8 @@ def _check_rows(name, array, ndim, writable=False):
         raise TypeError(f"{name} must be a {ndim}-d float32 numpy array")
     if array.strides[-1] != array.itemsize:
         raise ValueError(f"{name} must be contiguous along its last axis")
+    if any(stride % array.itemsize for stride in array.strides):
+        raise ValueError(f"{name} must have strides that are whole elements")
     if writable and not array.flags.writeable:
         raise ValueError(f"{name} must be writable")
 
@@ -87,7 +90,7 @@ def rope_forward(x, cos, sin, position_offset, out):
     if KV * g != NH:
         raise ValueError(f"out groups {KV}x{g} do not cover {NH} heads")
     _rope_checks(cos, sin, T, D, position_offset)
-    _kernels.rope_forward(x, cos, sin, int(position_offset), out)
+    _kernels.rope_forward(x, cos, sin, int(position_offset), out, blas.threads())
 
 
 def rope_backward(dout, cos, sin, position_offset, dx):
@@ -97,7 +100,7 @@ def rope_backward(dout, cos, sin, position_offset, dx):
     B, KV, T, g, D = dout.shape
     _same("dx", dx.shape, (B, T, KV * g, D))
     _rope_checks(cos, sin, T, D, position_offset)
-    _kernels.rope_backward(dout, cos, sin, int(position_offset), dx)
+    _kernels.rope_backward(dout, cos, sin, int(position_offset), dx, blas.threads())
 
 
 def _check_positions(scores, group_size, past, key_start=0):

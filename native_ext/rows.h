@@ -145,3 +145,38 @@ static void kiln_cross_entropy_rows(float *logits, const int64_t *targets, float
     kiln_loss_ctx c = {logits, targets, losses, grad_scale, row_scales, ignore_index, V};
     kiln_rows(threads, N, KILN_LOSS_CHUNK, kiln_cross_entropy_body, &c);
 }
+
+typedef struct {
+    const float *x, *cos, *sin;
+    float *out;
+    int64_t sb, st, sh, past, B, T, NH, g, D;
+} kiln_rope_ctx;
+
+static void kiln_rope_forward_body(const void *arg, int64_t t0, int64_t t1, int64_t chunk) {
+    const kiln_rope_ctx *c = (const kiln_rope_ctx *)arg;
+    (void)chunk;
+    kiln_rope_forward(c->x, c->sb, c->st, c->sh, c->cos, c->sin, c->past, c->out, c->B, c->T, t0, t1, c->NH,
+                      c->g, c->D);
+}
+
+static void kiln_rope_backward_body(const void *arg, int64_t t0, int64_t t1, int64_t chunk) {
+    const kiln_rope_ctx *c = (const kiln_rope_ctx *)arg;
+    (void)chunk;
+    kiln_rope_backward(c->x, c->cos, c->sin, c->past, c->out, c->sb, c->st, c->sh, c->B, c->T, t0, t1, c->NH,
+                       c->g, c->D);
+}
+
+/* Rotary positions over positions in chunks (every batch row of a chunk's positions together). */
+static void kiln_rope_forward_rows(const float *x, int64_t sb, int64_t st, int64_t sh, const float *cos,
+                                   const float *sin, int64_t past, float *out, int64_t B, int64_t T, int64_t NH,
+                                   int64_t g, int64_t D, int threads) {
+    kiln_rope_ctx c = {x, cos, sin, out, sb, st, sh, past, B, T, NH, g, D};
+    kiln_rows(threads, T, KILN_ROWS_CHUNK, kiln_rope_forward_body, &c);
+}
+
+static void kiln_rope_backward_rows(const float *dout, const float *cos, const float *sin, int64_t past, float *dx,
+                                    int64_t sb, int64_t st, int64_t sh, int64_t B, int64_t T, int64_t NH,
+                                    int64_t g, int64_t D, int threads) {
+    kiln_rope_ctx c = {dout, cos, sin, dx, sb, st, sh, past, B, T, NH, g, D};
+    kiln_rows(threads, T, KILN_ROWS_CHUNK, kiln_rope_backward_body, &c);
+}

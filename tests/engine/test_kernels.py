@@ -502,8 +502,9 @@ def test_wrapper_rejects_positions_that_would_crash_the_kernel(case):
 
 
 def test_row_kernels_give_the_same_bytes_on_any_thread_count():
-    """RMSNorm, SwiGLU and the cross-entropy rows on 1, 2, 3 and 5 threads of the pool (rows.h): the rows
-    are cut into fixed chunks, and RMSNorm's weight gradient adds the chunks' partial sums in chunk order."""
+    """RMSNorm, rotary positions, SwiGLU and the cross-entropy rows on 1, 2, 3 and 5 threads of the pool
+    (rows.h): the rows are cut into fixed chunks, and RMSNorm's weight gradient adds the chunks' partial sums
+    in chunk order."""
     from native_ext import _kernels
 
     rng = rng_for("row kernel threads")
@@ -512,6 +513,11 @@ def test_row_kernels_give_the_same_bytes_on_any_thread_count():
     weight, dswiglu = randn(rng, C), randn(rng, N, F)
     logits, targets = randn(rng, N, V, scale=3.0), rng.integers(0, V, N).astype(np.int64)
     targets[::7] = -100
+    B, T, KV, g, D = 2, 37, 2, 3, 8
+    fused = randn(rng, B, T, KV * g * D + 5)  # the heads are a strided view of a wider projection output
+    heads = fused[:, :, :KV * g * D].reshape(B, T, KV * g, D)
+    drotated = randn(rng, B, KV, T, g, D)
+    cos, sin = rope_tables(T + 4, D)
 
     def run(threads):
         out, rstd = np.empty((N, C), np.float32), np.empty(N, np.float32)
@@ -523,7 +529,10 @@ def test_row_kernels_give_the_same_bytes_on_any_thread_count():
         _kernels.swiglu_backward(dswiglu, gate_up, dgate_up, threads)
         grads, losses = logits.copy(), np.empty(N, np.float32)
         _kernels.cross_entropy_forward_backward(grads, targets, losses, 0.5, -100, threads)
-        return [a.tobytes() for a in (out, rstd, dx, dweight, swiglu, dgate_up, grads, losses)]
+        rotated, dheads = np.empty((B, KV, T, g, D), np.float32), np.full((B, T, KV * g, D + 3), 7.0, np.float32)
+        _kernels.rope_forward(heads, cos, sin, 3, rotated, threads)
+        _kernels.rope_backward(drotated, cos, sin, 3, dheads[..., :D], threads)
+        return [a.tobytes() for a in (out, rstd, dx, dweight, swiglu, dgate_up, grads, losses, rotated, dheads)]
 
     one = run(1)
     for threads in (2, 3, 5):
@@ -533,3 +542,8 @@ def test_row_kernels_give_the_same_bytes_on_any_thread_count():
     rstd = np.frombuffer(one[1], np.float32)
     reference.rmsnorm_backward(dout, x, weight, rstd, dx_r, dweight_r)
     assert np.max(np.abs(np.frombuffer(one[3], np.float32) - dweight_r)) <= REDUCTION * np.max(np.abs(dweight_r))
+    rotated_r = np.empty((B, KV, T, g, D), np.float32)
+    reference.rope_forward(heads, cos, sin, 3, rotated_r)
+    assert np.max(np.abs(np.frombuffer(one[8], np.float32).reshape(rotated_r.shape) - rotated_r)) <= 1e-6
+    dheads = np.frombuffer(one[9], np.float32).reshape(B, T, KV * g, D + 3)
+    assert (dheads[..., D:] == 7.0).all()  # nothing outside the view is written
