@@ -73,7 +73,8 @@ def _share_threads():
     function = getattr(ctypes.CDLL(str(LIBRARY_PATH)), setter, None) if setter else None
     if function is None:
         return "openblas (this OpenBLAS has no threads callback)"
-    from native_ext import _attention
+    from native_ext.validate import built
+    _attention = built("_attention", "the thread pool and the fused attention kernel")
     function.argtypes, function.restype = [ctypes.c_void_p], None
     function(ctypes.c_void_p(_attention.openblas_callback()))
     return "kiln"
