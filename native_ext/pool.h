@@ -5,7 +5,7 @@
  * core with a spinning OpenBLAS worker and runs at about half speed. Kiln registers this pool with
  * OpenBLAS (openblas_set_threads_callback_function, native_ext.blas) so that OpenBLAS's threaded jobs
  * and Kiln's own kernels (native_ext/attention.h) run on the same threads, which spin only briefly
- * between tasks and then sleep.
+ * between tasks (0.2 ms, KILN_POOL_SPIN_US) and then sleep.
  *
  * kiln_pool_run(n, task, arg) calls task(arg, i) for i = 0..n-1, all at once on n threads (the caller
  * is thread 0), and returns when every call has returned; OpenBLAS's jobs wait on each other, so they
@@ -26,8 +26,19 @@
 #include <time.h>
 
 #define KILN_POOL_MAX 64
-/* how long an idle pool thread (or the caller waiting for one) spins before it sleeps */
-#define KILN_POOL_SPIN_NS 200000
+/* how long an idle pool thread (or the caller waiting for one) spins before it sleeps, in microseconds:
+ * KILN_POOL_SPIN_US, read once, else this */
+#define KILN_POOL_SPIN_US 200
+
+static int64_t kiln_pool_spin_ns(void) {
+    static int64_t spin = -1;
+    if (spin < 0) {
+        const char *asked = getenv("KILN_POOL_SPIN_US");
+        long value = asked ? strtol(asked, NULL, 10) : KILN_POOL_SPIN_US;
+        spin = (value >= 0 && value <= 1000000 ? value : KILN_POOL_SPIN_US) * 1000;
+    }
+    return spin;
+}
 
 typedef void (*kiln_pool_task)(void *arg, int thread);
 
@@ -62,7 +73,7 @@ static void *kiln_pool_thread(void *arg) {
     const int thread = (int)(intptr_t)arg;
     uint64_t seen = kiln_pool.first_generation[thread];
     for (;;) {
-        const int64_t until = kiln_pool_now() + KILN_POOL_SPIN_NS;
+        const int64_t until = kiln_pool_now() + kiln_pool_spin_ns();
         int spins = 0;
         while (__atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE) == seen) {
             kiln_pool_pause();
@@ -119,6 +130,7 @@ static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
     }
     if (n > KILN_POOL_MAX) n = KILN_POOL_MAX;
     pthread_once(&registered, kiln_pool_register);
+    kiln_pool_spin_ns(); /* read before any pool thread does */
     pthread_mutex_lock(&kiln_pool.turn);
     while (kiln_pool.started < n - 1) {
         pthread_t thread;
@@ -145,7 +157,7 @@ static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
         pthread_mutex_unlock(&kiln_pool.lock);
     }
     task(arg, 0);
-    const int64_t until = kiln_pool_now() + KILN_POOL_SPIN_NS;
+    const int64_t until = kiln_pool_now() + kiln_pool_spin_ns();
     int spins = 0;
     while (__atomic_load_n(&kiln_pool.pending, __ATOMIC_SEQ_CST)) {
         kiln_pool_pause();
