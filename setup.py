@@ -27,14 +27,15 @@ from setuptools.command.build_ext import build_ext
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd"]
 
 # module, the C header its row kernels live in
-KERNELS = [("_kernels", "rows.h"), ("_nf4", "nf4.h"), ("_attention", "attention.h")]
+KERNELS = [("_kernels", "rows.h"), ("_nf4", "nf4_parallel.h"), ("_attention", "attention.h")]
 
 extensions = [
     Extension(
         f"native_ext.{module}",
         [f"native_ext/{module}.pyx"],
         include_dirs=[numpy.get_include(), "native_ext"],
-        depends=[f"native_ext/{header}", "native_ext/kiln_kernels.h", "native_ext/rows.h", "native_ext/pool.h"],
+        depends=[f"native_ext/{header}", "native_ext/kiln_kernels.h", "native_ext/nf4.h", "native_ext/parallel.h",
+                 "native_ext/pool.h"],
         extra_compile_args=COMPILE_ARGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

@@ -6,6 +6,8 @@
  * PyTorch's float32 mean. No -ffast-math, no FMA contraction (setup.py), so every clone
  * of a function gives the same bytes. Element positions run over the flattened tensor.
  */
+#ifndef KILN_NF4_H
+#define KILN_NF4_H
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -341,3 +343,5 @@ static void kiln_nf4_quantize_absmax(const float *absmax, int64_t n, float offse
             codes[start + i] = lut[kiln_nf4_lut_index((absmax[start + i] - offset) * inv)];
     }
 }
+
+#endif

@@ -9,9 +9,13 @@ tensor, so one block can span two rows.
 
 import numpy as np
 
+from native_ext import blas
 from native_ext.validate import built, check_array
 
 _nf4 = built("_nf4", "the NF4 kernels")
+# dequantizing runs on the process's one thread pool (native_ext/pool.h, shared with OpenBLAS), on as many
+# threads as OpenBLAS computes on at the call, in fixed element chunks: the bytes do not depend on it
+_nf4.use_pool(built("_attention", "the thread pool and the fused attention kernel").pool_run())
 
 F32 = np.float32
 U8 = np.uint8
@@ -108,7 +112,7 @@ def dequantize(packed, block_size, start, out, absmax):
     """out [M] = elements start .. start+M-1 of the tensor, scaled by absmax [blocks]."""
     _check("absmax", absmax, F32)
     _check_dequantize(packed, block_size, start, out, absmax.shape[0])
-    _nf4.dequantize(packed, int(block_size), int(start), out, absmax)
+    _nf4.dequantize(packed, int(block_size), int(start), out, absmax, blas.threads())
 
 
 def dequantize_double(packed, block_size, start, out, absmax_codes, absmax_scales, offset):
@@ -118,7 +122,7 @@ def dequantize_double(packed, block_size, start, out, absmax_codes, absmax_scale
     _length("absmax_scales", absmax_scales, _blocks(absmax_codes.shape[0], ABSMAX_BLOCK_SIZE))
     _check_dequantize(packed, block_size, start, out, absmax_codes.shape[0])
     _nf4.dequantize_double(packed, int(block_size), int(start), out, absmax_codes,
-                           absmax_scales, DYNAMIC_MAP, F32(offset))
+                           absmax_scales, DYNAMIC_MAP, F32(offset), blas.threads())
 
 
 def absmax_mean(absmax):

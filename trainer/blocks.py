@@ -19,7 +19,11 @@ from native_ext import blas, kernels, onednn
 from trainer import attention, quantization
 from trainer.parameters import Parameter
 
-NF4_SCRATCH_ELEMENTS = 1 << 17  # at most 512 KiB of dequantized rows at a time
+NF4_SCRATCH_ELEMENTS = 1 << 17  # the CUDA backend's tile: at most 512 KiB of dequantized rows at a time
+# the CPU's NF4 row tiles: at most 8 MiB, and never more than half a weight's rows. Measured on the SmolLM2 shape
+# (2-core AMX Xeon, QLoRA step): 512 KiB tiles took 1,001-1,013 ms at context 256 and 3,667-3,855 at 1024, 8 MiB
+# ones 918-949 and 3,597-3,735 (fewer, wider products: 288 rows of q instead of 227, 768 of gate instead of 227)
+NF4_TILE_ELEMENTS = 1 << 21
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
@@ -116,7 +120,7 @@ class Block:
             weight = self.projection(name).quantized
             rows, cols = weight.shape
             # bounded scratch, and never a whole weight's rows at once
-            tile = max(1, min(NF4_SCRATCH_ELEMENTS // cols, (rows + 1) // 2))
+            tile = max(1, min(NF4_TILE_ELEMENTS // cols, (rows + 1) // 2))
             yield self.layout[name][1].start, weight, tile
 
     def freeze_bf16(self):

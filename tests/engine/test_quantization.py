@@ -410,3 +410,29 @@ def test_refuses_bad_rows_and_state():
         NF4Tensor(q.packed, q.shape, 64, absmax=q.absmax, offset=0.0)
     with pytest.raises(ValueError, match="needs absmax"):
         NF4Tensor(q.packed, q.shape, 64)
+
+
+def test_dequantizing_gives_the_same_bytes_on_any_thread_count():
+    """A range longer than one chunk of nf4_parallel.h (65,536 elements), from an odd start, on 1, 2 and 3 threads
+    of the shared pool, plain and double-quantized: the bytes of one call on one thread."""
+    from native_ext import _nf4
+
+    x = np.random.default_rng(zlib.crc32(b"threads")).standard_normal(300_001).astype(F32)
+    for double in (False, True):
+        q = quantize_nf4(x, 64, double_quantization=double)
+        outputs = []
+        for threads in (1, 2, 3):
+            out = np.full(270_001, np.nan, F32)
+            if double:
+                _nf4.dequantize_double(q.packed, 64, 17, out, q.absmax_codes, q.absmax_scales, nf4.DYNAMIC_MAP,
+                                       F32(q.offset), threads)
+            else:
+                _nf4.dequantize(q.packed, 64, 17, out, q.absmax, threads)
+            outputs.append(out.tobytes())
+        assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+        expected = np.full(270_001, np.nan, F32)
+        if double:
+            nf4.reference_dequantize_double(q.packed, 64, 17, expected, q.absmax_codes, q.absmax_scales, q.offset)
+        else:
+            nf4.reference_dequantize(q.packed, 64, 17, expected, q.absmax)
+        assert outputs[0] == expected.tobytes()
