@@ -20,9 +20,10 @@ from trainer import attention, quantization
 from trainer.parameters import Parameter
 
 NF4_SCRATCH_ELEMENTS = 1 << 17  # the CUDA backend's tile: at most 512 KiB of dequantized rows at a time
-# the CPU's NF4 row tiles: at most 8 MiB, and never more than half a weight's rows. Measured on the SmolLM2 shape
-# (2-core AMX Xeon, QLoRA step): 512 KiB tiles took 1,001-1,013 ms at context 256 and 3,667-3,855 at 1024, 8 MiB
-# ones 918-949 and 3,597-3,735 (fewer, wider products: 288 rows of q instead of 227, 768 of gate instead of 227)
+# the CPU's NF4 tiles: at most 8 MiB of a projection group's dequantized rows at a time (Block._tiles), one
+# product per tile; the SmolLM2 shape's groups fit in one tile each, as its float32 products do. Measured there
+# (2-core AMX Xeon, QLoRA step): 512 KiB tiles per projection took 1,001-1,013 ms at context 256 and 3,667-3,855
+# at 1024; 8 MiB tiles of at most half a projection 918-949 and 3,597-3,735
 NF4_TILE_ELEMENTS = 1 << 21
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
@@ -115,13 +116,23 @@ class Block:
                 "down": self.down.value}[group]
 
     def _tiles(self, group):
-        """(projection offset in the group's output, NF4 weight, row tile) per projection."""
-        for name in GROUPS[group]:
-            weight = self.projection(name).quantized
-            rows, cols = weight.shape
-            # bounded scratch, and never a whole weight's rows at once
-            tile = max(1, min(NF4_TILE_ELEMENTS // cols, (rows + 1) // 2))
-            yield self.layout[name][1].start, weight, tile
+        """The group's rows in tiles of at most NF4_TILE_ELEMENTS: (first output column, rows, scratch [rows, in]
+        holding those rows dequantized). The projections' rows follow each other in the group's output columns
+        (q, k, v; gate, up), so a tile may span two projections: one product per tile, as wide as the scratch."""
+        names = GROUPS[group]
+        cols = self.projection(names[0]).quantized.shape[1]
+        total = sum(self.projection(name).quantized.shape[0] for name in names)
+        tile = max(1, min(NF4_TILE_ELEMENTS // cols, total))
+        scratch = np.empty((tile, cols), np.float32)
+        for first in range(0, total, tile):
+            last = min(first + tile, total)
+            for name in names:
+                nf4, columns = self.projection(name).quantized, self.layout[name][1]
+                start, end = max(first, columns.start), min(last, columns.stop)
+                if start < end:
+                    quantization.dequantize_rows(nf4, start - columns.start, end - columns.start,
+                                                 scratch[start - first:end - first])
+            yield first, last - first, scratch[:last - first]
 
     def freeze_bf16(self):
         """Keep the bfloat16 bits of each frozen group weight: base products read them from here on."""
@@ -140,14 +151,9 @@ class Block:
             return np.matmul(x, weight.T)
         total = sum(self.projection(name).shape[0] for name in GROUPS[group])
         y = np.empty((x.shape[0], total), np.float32)  # [N,out]
-        for offset, nf4, tile in self._tiles(group):
-            rows, cols = nf4.shape
-            scratch = np.empty((tile, cols), np.float32)
-            for start in range(0, rows, tile):
-                end = min(start + tile, rows)
-                quantization.dequantize_rows(nf4, start, end, scratch[:end - start])
-                # the product lands in y's columns directly (no temporary, no copy)
-                blas.gemm(y[:, offset + start:offset + end], x, scratch[:end - start], trans_b=True)
+        for first, rows, scratch in self._tiles(group):
+            # the product lands in y's columns directly (no temporary, no copy)
+            blas.gemm(y[:, first:first + rows], x, scratch, trans_b=True)
         return y
 
     def base_input_grad(self, group, dy):
@@ -161,17 +167,10 @@ class Block:
         if weight is not None:
             return np.matmul(dy, weight)
         dx = None
-        for offset, nf4, tile in self._tiles(group):
-            rows, cols = nf4.shape
+        for first, rows, scratch in self._tiles(group):
             if dx is None:
-                dx = np.empty((dy.shape[0], cols), np.float32)  # [N,in], written by the first tile (beta 0)
-                first = True
-            scratch = np.empty((tile, cols), np.float32)
-            for start in range(0, rows, tile):
-                end = min(start + tile, rows)
-                quantization.dequantize_rows(nf4, start, end, scratch[:end - start])
-                blas.gemm(dx, dy[:, offset + start:offset + end], scratch[:end - start], beta=0.0 if first else 1.0)
-                first = False
+                dx = np.empty((dy.shape[0], scratch.shape[1]), np.float32)  # [N,in], written by the first tile
+            blas.gemm(dx, dy[:, first:first + rows], scratch, beta=0.0 if first == 0 else 1.0)
         return dx
 
     def quantize(self, block_size, double_quantization):

@@ -149,16 +149,27 @@ def test_qlora_matches_dense_model_on_dequantized_weights(double):
             np.testing.assert_allclose(x.grad, y.grad, atol=1e-5)
 
 
-def test_qlora_never_materialises_a_whole_weight(monkeypatch):
-    model = DecoderOnlyTransformer(tiny(model_width=64, feed_forward_width=128, block_count=1))
-    model.quantize(block_size=64)
-    model.attach_lora(LoraConfig(rank=2, alpha=2))
-    largest = max(p.numel for p in model.packed_state().values())
+def test_qlora_dequantizes_bounded_tiles_and_never_the_model(monkeypatch):
+    """Forward and backward dequantize at most NF4_TILE_ELEMENTS at a time: with a tile of 5 rows every group is
+    cut into tiles that also span two projections (q|k, k|v, gate|up), and the step matches one with whole-group
+    tiles; no call ever dequantizes a whole model's weights (dequantize_nf4)."""
+    from trainer import blocks
+
+    def step(tile_rows):
+        monkeypatch.setattr(blocks, "NF4_TILE_ELEMENTS", tile_rows * 64)
+        model = DecoderOnlyTransformer(tiny(model_width=64, feed_forward_width=128, block_count=1))
+        model.quantize(block_size=64)
+        model.attach_lora(LoraConfig(rank=2, alpha=2))
+        tokens = np.random.default_rng(0).integers(0, 64, (1, 16))
+        loss = model.forward_backward(tokens, tokens)
+        with model.adapter_parameters() as adapters:
+            return loss, [p.grad.copy() for p in adapters]
+
     seen = []
     real = quantization.dequantize_rows
 
     def spy(nf4, start, end, out):
-        seen.append((end - start) * nf4.shape[1])
+        seen.append((start, end, nf4.shape))
         return real(nf4, start, end, out)
 
     def forbidden(*args, **kwargs):
@@ -167,9 +178,15 @@ def test_qlora_never_materialises_a_whole_weight(monkeypatch):
     monkeypatch.setattr(quantization, "dequantize_rows", spy)  # trainer.blocks calls through here
     for module in (quantization, model_module):
         monkeypatch.setattr(module, "dequantize_nf4", forbidden)
-    tokens = np.random.default_rng(0).integers(0, 64, (1, 16))
-    model.forward_backward(tokens, tokens)
-    assert seen and max(seen) <= largest // 2
+    whole_loss, whole_grads = step(1 << 20)
+    assert seen and all(end - start == shape[0] for start, end, shape in seen)  # one tile per group
+    seen.clear()
+    loss, grads = step(5)
+    assert seen and max(end - start for start, end, _ in seen) <= 5
+    assert any(end < shape[0] and end - start < 5 for start, end, shape in seen)  # a tile's first projection part
+    assert abs(loss - whole_loss) < 1e-6
+    for a, b in zip(grads, whole_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_qlora_resident_memory_and_refusals():
