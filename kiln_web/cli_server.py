@@ -260,6 +260,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         report["native_ext"] = {"imports": True, "path": _kernels.__file__}
         line("native_ext", f"_kernels imports ({_kernels.__file__})")
+        from native_ext import blas as kiln_blas
+        # where OpenBLAS's threaded jobs run: Kiln's pool (native_ext/pool.h), which its kernels share
+        report["thread_pool"] = {"openblas_jobs": kiln_blas.THREAD_POOL, "threads": kiln_blas.threads(),
+                                 "spin_us": os.environ.get("KILN_POOL_SPIN_US", "200")}
+        line("threads", f"{kiln_blas.threads()} for products and kernels; OpenBLAS's jobs run on "
+                        f"{kiln_blas.THREAD_POOL} (KILN_OPENBLAS_THREADS=own keeps OpenBLAS's pool)")
 
     from native_ext import cuda
 

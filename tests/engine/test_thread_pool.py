@@ -99,3 +99,14 @@ def test_threads_follows_threadpool_limits():
     with threadpool_limits(1, user_api="blas"):
         assert blas.threads() == 1
     assert blas.threads() == before
+
+
+def test_kiln_doctor_says_where_openblas_jobs_run(capsys):
+    from kiln_web.cli import main
+
+    main(["doctor", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["thread_pool"]["openblas_jobs"] == blas.THREAD_POOL
+    assert report["thread_pool"]["threads"] == blas.threads()
+    main(["doctor"])
+    assert f"OpenBLAS's jobs run on {blas.THREAD_POOL}" in capsys.readouterr().out
