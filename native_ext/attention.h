@@ -21,6 +21,7 @@
 #include "kiln_kernels.h"
 #pragma GCC diagnostic pop
 #include "pool.h"
+#include "isa.h"
 
 #include <stdlib.h>
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -89,22 +90,25 @@ KILN_TILE_512(3)
 KILN_TILE_512(2)
 KILN_TILE_512(1)
 
-__attribute__((target("avx512f"))) static void kiln_tile_gemm_avx512(
-    int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,
-    int64_t ldb, float *C, int64_t ldc, int zero) {
-    int64_t i = 0;
-    for (; i + 6 <= M; i += 6) kiln_tile_512_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, zero);
-    const float *a = A + i * a_row;
-    float *c = C + i * ldc;
-    switch (M - i) {
-    case 5: kiln_tile_512_5(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 4: kiln_tile_512_4(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 3: kiln_tile_512_3(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 2: kiln_tile_512_2(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 1: kiln_tile_512_1(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    default: break;
+/* C += A @ B over all M rows: 6-row register tiles, then one tile of the 1..5 rows left. */
+#define KILN_TILE_GEMM(NAME, TARGET, TILE)                                                             \
+    __attribute__((target(TARGET))) static void NAME(int64_t M, int64_t N, int64_t K, const float *A,    \
+                                                     int64_t a_row, int64_t a_col, const float *B,     \
+                                                     int64_t ldb, float *C, int64_t ldc, int zero) {   \
+        int64_t i = 0;                                                                                 \
+        for (; i + 6 <= M; i += 6) TILE##_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, zero); \
+        const float *a = A + i * a_row;                                                                \
+        float *c = C + i * ldc;                                                                        \
+        switch (M - i) {                                                                               \
+        case 5: TILE##_5(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;                          \
+        case 4: TILE##_4(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;                          \
+        case 3: TILE##_3(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;                          \
+        case 2: TILE##_2(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;                          \
+        case 1: TILE##_1(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;                          \
+        default: break;                                                                                \
+        }                                                                                              \
     }
-}
+KILN_TILE_GEMM(kiln_tile_gemm_avx512, "avx512f", kiln_tile_512)
 
 /* MR rows x 16 columns in 2 ymm registers per row (masked at the right edge). */
 #define KILN_TILE_256(MR)                                                                              \
@@ -146,47 +150,19 @@ KILN_TILE_256(3)
 KILN_TILE_256(2)
 KILN_TILE_256(1)
 
-__attribute__((target("avx2,fma"))) static void kiln_tile_gemm_avx2(
-    int64_t M, int64_t N, int64_t K, const float *A, int64_t a_row, int64_t a_col, const float *B,
-    int64_t ldb, float *C, int64_t ldc, int zero) {
-    int64_t i = 0;
-    for (; i + 6 <= M; i += 6) kiln_tile_256_6(N, K, A + i * a_row, a_row, a_col, B, ldb, C + i * ldc, ldc, zero);
-    const float *a = A + i * a_row;
-    float *c = C + i * ldc;
-    switch (M - i) {
-    case 5: kiln_tile_256_5(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 4: kiln_tile_256_4(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 3: kiln_tile_256_3(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 2: kiln_tile_256_2(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    case 1: kiln_tile_256_1(N, K, a, a_row, a_col, B, ldb, c, ldc, zero); break;
-    default: break;
-    }
-}
+KILN_TILE_GEMM(kiln_tile_gemm_avx2, "avx2,fma", kiln_tile_256)
 #endif
 
 /* The version this CPU runs, chosen once: KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one. */
 static kiln_tile_gemm_fn kiln_tile_gemm_version(void) {
     static kiln_tile_gemm_fn chosen = NULL;
     if (chosen) return chosen;
-    kiln_tile_gemm_fn pick = kiln_tile_gemm_portable;
 #ifdef KILN_ATTENTION_X86
-    const char *asked = getenv("KILN_ATTENTION_GEMM");
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    int avx512 = __builtin_cpu_supports("avx512f");
-    if (asked && strcmp(asked, "portable") == 0) {
-        pick = kiln_tile_gemm_portable;
-    } else if (asked && strcmp(asked, "avx2") == 0) {
-        pick = avx2 ? kiln_tile_gemm_avx2 : kiln_tile_gemm_portable;
-    } else if (asked && strcmp(asked, "avx512") == 0) {
-        pick = avx512 ? kiln_tile_gemm_avx512 : kiln_tile_gemm_portable;
-    } else if (avx512) {
-        pick = kiln_tile_gemm_avx512;
-    } else if (avx2) {
-        pick = kiln_tile_gemm_avx2;
-    }
+    static const kiln_tile_gemm_fn versions[] = {kiln_tile_gemm_portable, kiln_tile_gemm_avx2, kiln_tile_gemm_avx512};
+    chosen = versions[kiln_isa_pick("KILN_ATTENTION_GEMM", 1)];
+#else
+    chosen = kiln_tile_gemm_portable;
 #endif
-    chosen = pick;
     return chosen;
 }
 

@@ -133,46 +133,30 @@ static void kiln_rmsnorm_backward_part(const float *dout, const float *x, const 
     }
 }
 
-/* Rotary positions, rotate-half convention (pairs i and i + D/2), for rows t0..t1-1 of every batch row:
- * x [B,T,NH,D] with element strides sb, st, sh (last axis contiguous: a view of a fused projection's
- * output) -> out [B,KV,T,g,D] contiguous, head h to (h / g, h % g); cos, sin [positions, D/2]. */
+/* Rotary positions, rotate-half convention (pairs i and i + D/2), for positions t0..t1-1 of every batch row,
+ * between a [B,T,NH,D] view with element strides sb, st, sh (last axis contiguous: a fused projection's output)
+ * and a contiguous [B,KV,T,g,D] array (head h at (h / g, h % g)); cos, sin [positions, D/2].
+ * Forward (backward = 0) reads the view and writes the array; backward reads the array's gradient and writes
+ * the view's, rotating by -angle: a2 * (-s) and - a2 * (-s) are a2 * s negated exactly, so each element is
+ * the same rounding as written out separately. */
 KILN_CLONES
-static void kiln_rope_forward(const float *x, int64_t sb, int64_t st, int64_t sh, const float *cos,
-                              const float *sin, int64_t past, float *out, int64_t B, int64_t T,
-                              int64_t t0, int64_t t1, int64_t NH, int64_t g, int64_t D) {
-    const int64_t half = D / 2, KV = NH / g;
+static void kiln_rope(const float *in, float *out, int64_t sb, int64_t st, int64_t sh, const float *cos,
+                      const float *sin, int64_t past, int64_t B, int64_t T, int64_t t0, int64_t t1, int64_t NH,
+                      int64_t g, int64_t D, int backward) {
+    const int64_t half = D / 2, KV = NH / g, from_view = backward ? 0 : 1;
+    const float sign = backward ? -1.0f : 1.0f;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = t0; t < t1; t++) {
             const float *c = cos + (t + past) * half, *s = sin + (t + past) * half;
             for (int64_t h = 0; h < NH; h++) {
-                const float *row = x + b * sb + t * st + h * sh;
-                float *o = out + (((b * KV + h / g) * T + t) * g + h % g) * D;
+                const int64_t view = b * sb + t * st + h * sh, grouped = (((b * KV + h / g) * T + t) * g + h % g) * D;
+                /* no branch in the loop (tests/engine/test_kernels_build.py): offsets picked by arithmetic */
+                const float *a = in + from_view * view + (1 - from_view) * grouped;
+                float *o = out + (1 - from_view) * view + from_view * grouped;
                 for (int64_t i = 0; i < half; i++) {
-                    const float x1 = row[i], x2 = row[i + half];
-                    o[i] = x1 * c[i] - x2 * s[i];
-                    o[i + half] = x2 * c[i] + x1 * s[i];
-                }
-            }
-        }
-}
-
-/* The gradient of kiln_rope_forward: dout [B,KV,T,g,D] contiguous -> dx [B,T,NH,D] (strides sb, st, sh),
- * written, for rows t0..t1-1. */
-KILN_CLONES
-static void kiln_rope_backward(const float *dout, const float *cos, const float *sin, int64_t past,
-                               float *dx, int64_t sb, int64_t st, int64_t sh, int64_t B, int64_t T,
-                               int64_t t0, int64_t t1, int64_t NH, int64_t g, int64_t D) {
-    const int64_t half = D / 2, KV = NH / g;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = t0; t < t1; t++) {
-            const float *c = cos + (t + past) * half, *s = sin + (t + past) * half;
-            for (int64_t h = 0; h < NH; h++) {
-                const float *d = dout + (((b * KV + h / g) * T + t) * g + h % g) * D;
-                float *row = dx + b * sb + t * st + h * sh;
-                for (int64_t i = 0; i < half; i++) {
-                    const float g1 = d[i], g2 = d[i + half];
-                    row[i] = g1 * c[i] + g2 * s[i];
-                    row[i + half] = g2 * c[i] - g1 * s[i];
+                    const float a1 = a[i], a2 = a[i + half], si = sign * s[i];
+                    o[i] = a1 * c[i] - a2 * si;
+                    o[i + half] = a2 * c[i] + a1 * si;
                 }
             }
         }

@@ -8,6 +8,7 @@
  */
 #ifndef KILN_NF4_H
 #define KILN_NF4_H
+#include "isa.h"
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -164,23 +165,12 @@ typedef void (*kiln_nf4_pairs_fn)(const uint8_t *, int64_t, float, float *);
 static kiln_nf4_pairs_fn kiln_nf4_pairs_version(void) {
     static kiln_nf4_pairs_fn chosen = NULL;
     if (chosen) return chosen;
-    kiln_nf4_pairs_fn pick = kiln_nf4_pairs_portable;
 #ifdef KILN_NF4_X86
-    const char *asked = getenv("KILN_NF4_PAIRS");
-    __builtin_cpu_init();
-    if (asked && strcmp(asked, "portable") == 0) {
-        pick = kiln_nf4_pairs_portable;
-    } else if (asked && strcmp(asked, "avx2") == 0) {
-        pick = __builtin_cpu_supports("avx2") ? kiln_nf4_pairs_avx2 : kiln_nf4_pairs_portable;
-    } else if (asked && strcmp(asked, "avx512") == 0) {
-        pick = __builtin_cpu_supports("avx512f") ? kiln_nf4_pairs_avx512 : kiln_nf4_pairs_portable;
-    } else if (__builtin_cpu_supports("avx512f")) {
-        pick = kiln_nf4_pairs_avx512;
-    } else if (__builtin_cpu_supports("avx2")) {
-        pick = kiln_nf4_pairs_avx2;
-    }
+    static const kiln_nf4_pairs_fn versions[] = {kiln_nf4_pairs_portable, kiln_nf4_pairs_avx2, kiln_nf4_pairs_avx512};
+    chosen = versions[kiln_isa_pick("KILN_NF4_PAIRS", 0)];
+#else
+    chosen = kiln_nf4_pairs_portable;
 #endif
-    chosen = pick;
     return chosen;
 }
 

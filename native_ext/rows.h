@@ -121,15 +121,13 @@ typedef struct {
 static void kiln_rope_forward_body(const void *arg, int64_t t0, int64_t t1, int64_t chunk) {
     const kiln_rope_ctx *c = (const kiln_rope_ctx *)arg;
     (void)chunk;
-    kiln_rope_forward(c->x, c->sb, c->st, c->sh, c->cos, c->sin, c->past, c->out, c->B, c->T, t0, t1, c->NH,
-                      c->g, c->D);
+    kiln_rope(c->x, c->out, c->sb, c->st, c->sh, c->cos, c->sin, c->past, c->B, c->T, t0, t1, c->NH, c->g, c->D, 0);
 }
 
 static void kiln_rope_backward_body(const void *arg, int64_t t0, int64_t t1, int64_t chunk) {
     const kiln_rope_ctx *c = (const kiln_rope_ctx *)arg;
     (void)chunk;
-    kiln_rope_backward(c->x, c->cos, c->sin, c->past, c->out, c->sb, c->st, c->sh, c->B, c->T, t0, t1, c->NH,
-                       c->g, c->D);
+    kiln_rope(c->x, c->out, c->sb, c->st, c->sh, c->cos, c->sin, c->past, c->B, c->T, t0, t1, c->NH, c->g, c->D, 1);
 }
 
 /* Rotary positions over positions in chunks (every batch row of a chunk's positions together). */
