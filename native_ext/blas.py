@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from native_ext.validate import built
+
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 # (symbol, integer type) in the order they are tried: numpy >= 2 wheels bundle an ILP64
 # scipy-openblas with prefixed and suffixed names; older ones a plain LP64 OpenBLAS
@@ -73,13 +75,15 @@ def _share_threads():
     function = getattr(ctypes.CDLL(str(LIBRARY_PATH)), setter, None) if setter else None
     if function is None:
         return "openblas (this OpenBLAS has no threads callback)"
-    from native_ext.validate import built
-    _attention = built("_attention", "the thread pool and the fused attention kernel")
     function.argtypes, function.restype = [ctypes.c_void_p], None
-    function(ctypes.c_void_p(_attention.openblas_callback()))
+    function(ctypes.c_void_p(_POOL.openblas_callback()))
     return "kiln"
 
 
+# native_ext/pool.h lives in the _attention extension: one pool per process, loaded here once. POOL_RUN is the
+# address of its kiln_pool_run, which native_ext.kernels and native_ext.nf4 hand to their C kernels.
+_POOL = built("_attention", "the thread pool and the fused attention kernel")
+POOL_RUN = _POOL.pool_run()
 THREAD_POOL = _share_threads() if _SGEMM is not None else "numpy (no OpenBLAS found)"
 
 

@@ -14,7 +14,7 @@ _kernels = built("_kernels", "the Cython kernels")
 # RMSNorm, rotary positions, SwiGLU and the cross-entropy rows run on the process's one thread pool
 # (native_ext/pool.h, shared with OpenBLAS), on as many threads as OpenBLAS computes on at the call; their
 # bytes do not depend on it
-_kernels.use_pool(built("_attention", "the fused attention kernel").pool_run())
+_kernels.use_pool(blas.POOL_RUN)
 
 F32 = np.float32
 I64 = np.int64

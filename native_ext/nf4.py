@@ -15,7 +15,7 @@ from native_ext.validate import built, check_array
 _nf4 = built("_nf4", "the NF4 kernels")
 # dequantizing runs on the process's one thread pool (native_ext/pool.h, shared with OpenBLAS), on as many
 # threads as OpenBLAS computes on at the call, in fixed element chunks: the bytes do not depend on it
-_nf4.use_pool(built("_attention", "the thread pool and the fused attention kernel").pool_run())
+_nf4.use_pool(blas.POOL_RUN)
 
 F32 = np.float32
 U8 = np.uint8
