@@ -9,8 +9,13 @@ several GEMMs, so the last columns put like with like: the best step ("best tok/
 peaks measured in the variant's own process just before and just after its steps ("adjacent peak"); on a VM
 whose speed drifts by tens of percent over minutes the median's share moves with the drift:
 
-    python bench/adapter_step.py [--steps 5] [--contexts 256,1024] [--real]
+    python bench/adapter_step.py [--steps 5] [--contexts 256,1024] [--real] [--rounds 1]
         [--variants kiln-lora,kiln-lora-bf16,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora]
+
+--rounds R measures every variant R times, the order reversed in every other round, so that a drift of the
+machine's speed lands on both sides of a comparison: the table then shows each variant's median over the rounds
+(best step: the best of all; adjacent peak: that step's round), and each ratio is also given round by round
+(variants measured minutes apart) with the median of those.
 
 kiln-lora-bf16 is Kiln's base_precision "bfloat16": the frozen base's products from bfloat16 operands
 on oneDNN (float32 accumulation; the output projection too; attention and adapters in float32), where the CPU and the
@@ -215,7 +220,35 @@ def measure(variants, steps, real, context) -> dict:
     return results
 
 
-def report(results, context, real, peak):
+def measure_rounds(variants, steps, real, context, rounds) -> list:
+    """One measure() per round, in the given order and then reversed, alternately."""
+    return [measure(variants if r % 2 == 0 else variants[::-1], steps, real, context) for r in range(rounds)]
+
+
+def combine_rounds(per_round: list) -> dict:
+    """Each variant's median step over the rounds, its best step of all (with that round's adjacent peak) and
+    its largest resident memory; variants missing from a round (failed there) count from the rounds they have."""
+    combined = {}
+    names = [name for name in VARIANTS if any(name in results for results in per_round)]
+    for name in names:
+        runs = [results[name] for results in per_round if name in results]
+        best = min(runs, key=lambda run: run["best_seconds"])
+        combined[name] = {**best, "seconds": float(np.median([run["seconds"] for run in runs])),
+                          "peak_rss_mib": max(run["peak_rss_mib"] for run in runs), "rounds": len(runs)}
+    return combined
+
+
+def round_ratios(per_round: list, ours: str, theirs: str) -> list:
+    """theirs / ours median-step speed ratio of every round that measured both."""
+    return [results[theirs]["seconds"] / results[ours]["seconds"] for results in per_round
+            if ours in results and theirs in results]
+
+
+PAIRS = (("kiln-lora", "peft-lora"), ("kiln-lora", "peft-lora-bf16"), ("kiln-lora-bf16", "peft-lora-bf16"),
+         ("kiln-qlora", "peft-qlora"))
+
+
+def report(results, context, real, peak, per_round=None):
     tokens = BATCH * context
     flops = lora_step_flops(context)
     weights = "real SmolLM2-135M-Instruct weights (LoRA variants)" if real else "random weights"
@@ -228,11 +261,13 @@ def report(results, context, real, peak):
         print(f"{name:15s} {tokens / r['seconds']:8.1f} {rate / 1e9:8.1f} {rate / peak:8.1%} "
               f"{tokens / r['best_seconds']:11.1f} {r['adjacent_peak'] / 1e9:14.1f} {best / r['adjacent_peak']:11.1%} "
               f"{r['peak_rss_mib']:13.0f}")
-    for ours, theirs in (("kiln-lora", "peft-lora"), ("kiln-lora", "peft-lora-bf16"),
-                         ("kiln-lora-bf16", "peft-lora-bf16"), ("kiln-qlora", "peft-qlora")):
+    for ours, theirs in PAIRS:
         if ours in results and theirs in results:
             print(f"{ours} / {theirs} speed ratio: {results[theirs]['seconds'] / results[ours]['seconds']:.2f} "
                   f"(median steps), {results[theirs]['best_seconds'] / results[ours]['best_seconds']:.2f} (best steps)")
+            ratios = round_ratios(per_round or [], ours, theirs)
+            if len(ratios) > 1:
+                print(f"  by round: {', '.join(f'{ratio:.2f}' for ratio in ratios)}; median {np.median(ratios):.2f}")
     if "kiln-qlora" in results and "quantized_linear_ratio" in results["kiln-qlora"]:
         print(f"kiln QLoRA quantized Linear bases resident at "
               f"{results['kiln-qlora']['quantized_linear_ratio']:.3f}x their FP32 size")
@@ -244,6 +279,7 @@ def main():
     parser.add_argument("--contexts", default="256,1024", help="comma-separated contexts (default 256,1024)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--real", action="store_true", help="real SmolLM2 weights for the LoRA variants")
+    parser.add_argument("--rounds", type=int, default=1, help="measure every variant this many times (default 1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -253,10 +289,13 @@ def main():
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     peak = gemm_peak()
     print(describe(peak))
     for context in contexts:
-        report(measure(args.variants.split(","), args.steps, args.real, context), context, args.real, peak)
+        per_round = measure_rounds(args.variants.split(","), args.steps, args.real, context, args.rounds)
+        report(combine_rounds(per_round), context, args.real, peak, per_round)
 
 
 if __name__ == "__main__":
