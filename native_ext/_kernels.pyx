@@ -44,9 +44,10 @@ cdef extern from "rows.h" nogil:
                                    int64_t N, int64_t C, int threads)
     int kiln_rmsnorm_backward_rows(const float *dout, const float *x, const float *w, const float *rstd,
                                    float *dx, float *dw, int64_t N, int64_t C, int threads)
-    void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int threads)
+    void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int64_t ld,
+                                  int threads)
     void kiln_swiglu_backward_rows(const float *dout, const float *gate_up, float *dgate_up, int64_t N,
-                                   int64_t F, int threads)
+                                   int64_t F, int64_t ld, int64_t ld_grad, int threads)
     void kiln_rope_forward_rows(const float *x, int64_t sb, int64_t st, int64_t sh, const float *cos,
                                 const float *sin, int64_t past, float *out, int64_t B, int64_t T, int64_t NH,
                                 int64_t g, int64_t D, int threads)
@@ -145,20 +146,22 @@ def flash_block_backward(f32[:, :, ::1] scores, const f32[:, ::1] logsumexp, f32
                                   scores.shape[2], group_size, past, key_start)
 
 
-def swiglu_forward(const f32[:, ::1] gate_up, f32[:, ::1] out, int threads=1):
+def swiglu_forward(const f32[:, :] gate_up, f32[:, ::1] out, int threads=1):
+    """gate_up [N, 2F] with a contiguous last axis and any row stride (checked by native_ext.kernels)."""
     if out.shape[0] * out.shape[1] == 0:
         return
     with nogil:
-        kiln_swiglu_forward_rows(&gate_up[0, 0], &out[0, 0], out.shape[0], out.shape[1], threads)
+        kiln_swiglu_forward_rows(&gate_up[0, 0], &out[0, 0], out.shape[0], out.shape[1],
+                                 gate_up.strides[0] // 4, threads)
 
 
-def swiglu_backward(const f32[:, ::1] dout, const f32[:, ::1] gate_up, f32[:, ::1] dgate_up,
-                    int threads=1):
+def swiglu_backward(const f32[:, ::1] dout, const f32[:, :] gate_up, f32[:, :] dgate_up, int threads=1):
+    """gate_up and dgate_up [N, 2F] with contiguous last axes and any row strides (checked by native_ext.kernels)."""
     if dout.shape[0] * dout.shape[1] == 0:
         return
     with nogil:
         kiln_swiglu_backward_rows(&dout[0, 0], &gate_up[0, 0], &dgate_up[0, 0], dout.shape[0],
-                                  dout.shape[1], threads)
+                                  dout.shape[1], gate_up.strides[0] // 4, dgate_up.strides[0] // 4, threads)
 
 
 def cross_entropy_forward_backward(f32[:, ::1] logits, const int64_t[::1] targets,

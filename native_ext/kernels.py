@@ -150,7 +150,8 @@ def flash_block_backward(scores, logsumexp, dprobs, delta, scale, group_size, pa
 
 
 def swiglu_forward(gate_up, out):
-    _check("gate_up", gate_up, F32, 2)
+    """out [N,F] = silu(gate) * up from gate_up [N,2F] (rows of a wider array allowed)."""
+    _check_rows("gate_up", gate_up, 2)
     _check("out", out, F32, 2, True)
     N, F = out.shape
     _same("gate_up", gate_up.shape, (N, 2 * F))
@@ -158,9 +159,10 @@ def swiglu_forward(gate_up, out):
 
 
 def swiglu_backward(dout, gate_up, dgate_up):
+    """dgate_up [N,2F] (written) from dout [N,F] and gate_up [N,2F]; both [N,2F] may be rows of wider arrays."""
     _check("dout", dout, F32, 2)
-    _check("gate_up", gate_up, F32, 2)
-    _check("dgate_up", dgate_up, F32, 2, True)
+    _check_rows("gate_up", gate_up, 2)
+    _check_rows("dgate_up", dgate_up, 2, True)
     N, F = dout.shape
     _same("gate_up", gate_up.shape, (N, 2 * F))
     _same("dgate_up", dgate_up.shape, (N, 2 * F))

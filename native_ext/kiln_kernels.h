@@ -163,20 +163,22 @@ static void kiln_rope(const float *in, float *out, int64_t sb, int64_t st, int64
 }
 
 KILN_CLONES
-static void kiln_swiglu_forward(const float *gate_up, float *out, int64_t N, int64_t F) {
+/* gate_up's rows are ld >= 2F floats apart (a fused projection output may carry adapter columns after them) */
+static void kiln_swiglu_forward(const float *gate_up, float *out, int64_t N, int64_t F, int64_t ld) {
     for (int64_t n = 0; n < N; n++) {
-        const float *gate = gate_up + n * 2 * F, *up = gate + F;
+        const float *gate = gate_up + n * ld, *up = gate + F;
         float *o = out + n * F;
         for (int64_t i = 0; i < F; i++) o[i] = gate[i] / (1.0f + kiln_expf(-gate[i])) * up[i];
     }
 }
 
 KILN_CLONES
+/* gate_up's rows are ld floats apart and dgate_up's ld_grad (both >= 2F) */
 static void kiln_swiglu_backward(const float *dout, const float *gate_up, float *dgate_up,
-                                 int64_t N, int64_t F) {
+                                 int64_t N, int64_t F, int64_t ld, int64_t ld_grad) {
     for (int64_t n = 0; n < N; n++) {
-        const float *gate = gate_up + n * 2 * F, *up = gate + F, *d = dout + n * F;
-        float *dg = dgate_up + n * 2 * F, *du = dg + F;
+        const float *gate = gate_up + n * ld, *up = gate + F, *d = dout + n * F;
+        float *dg = dgate_up + n * ld_grad, *du = dg + F;
         for (int64_t i = 0; i < F; i++) {
             float g = gate[i];
             float sig = 1.0f / (1.0f + kiln_expf(-g));

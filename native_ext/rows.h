@@ -62,30 +62,31 @@ static int kiln_rmsnorm_backward_rows(const float *dout, const float *x, const f
 typedef struct {
     const float *gate_up, *dout;
     float *out, *dgate_up;
-    int64_t F;
+    int64_t F, ld, ld_grad; /* row strides of gate_up and dgate_up, in floats */
 } kiln_swiglu_ctx;
 
 static void kiln_swiglu_forward_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
     const kiln_swiglu_ctx *c = (const kiln_swiglu_ctx *)arg;
     (void)chunk;
-    kiln_swiglu_forward(c->gate_up + r0 * 2 * c->F, c->out + r0 * c->F, r1 - r0, c->F);
+    kiln_swiglu_forward(c->gate_up + r0 * c->ld, c->out + r0 * c->F, r1 - r0, c->F, c->ld);
 }
 
 static void kiln_swiglu_backward_body(const void *arg, int64_t r0, int64_t r1, int64_t chunk) {
     const kiln_swiglu_ctx *c = (const kiln_swiglu_ctx *)arg;
     (void)chunk;
-    kiln_swiglu_backward(c->dout + r0 * c->F, c->gate_up + r0 * 2 * c->F, c->dgate_up + r0 * 2 * c->F, r1 - r0,
-                         c->F);
+    kiln_swiglu_backward(c->dout + r0 * c->F, c->gate_up + r0 * c->ld, c->dgate_up + r0 * c->ld_grad, r1 - r0,
+                         c->F, c->ld, c->ld_grad);
 }
 
-static void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int threads) {
-    kiln_swiglu_ctx c = {gate_up, NULL, out, NULL, F};
+static void kiln_swiglu_forward_rows(const float *gate_up, float *out, int64_t N, int64_t F, int64_t ld,
+                                     int threads) {
+    kiln_swiglu_ctx c = {gate_up, NULL, out, NULL, F, ld, 0};
     kiln_rows(threads, N, KILN_ROWS_CHUNK, kiln_swiglu_forward_body, &c);
 }
 
 static void kiln_swiglu_backward_rows(const float *dout, const float *gate_up, float *dgate_up, int64_t N,
-                                      int64_t F, int threads) {
-    kiln_swiglu_ctx c = {gate_up, dout, NULL, dgate_up, F};
+                                      int64_t F, int64_t ld, int64_t ld_grad, int threads) {
+    kiln_swiglu_ctx c = {gate_up, dout, NULL, dgate_up, F, ld, ld_grad};
     kiln_rows(threads, N, KILN_ROWS_CHUNK, kiln_swiglu_backward_body, &c);
 }
 

@@ -105,6 +105,9 @@ class Block:
             "down_proj": ("down", slice(0, C)),
         }
         self.lora = {}  # projection name -> LoraAdapter
+        # group -> [out + n*r, in]: a dense float32 group's frozen weight and, below its rows, its adapters' A
+        # matrices; the named parameters are views into it (fuse_adapters)
+        self.fused = {}
 
     def projection(self, name):
         return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
@@ -133,6 +136,85 @@ class Block:
                     quantization.dequantize_rows(nf4, start - columns.start, end - columns.start,
                                                  scratch[start - first:end - first])
             yield first, last - first, scratch[:last - first]
+
+    def fuse_adapters(self):
+        """Keep each adapted group's frozen float32 weight and its adapters' A matrices in one matrix, the base's
+        rows first and then A_1; ..; A_n, the named parameters (base and A) becoming views into it. One product
+        x @ M.T then computes the projection and every adapter's x @ A_i.T in one pass over x, and one
+        [dy | du] @ M the input gradient through both (project, project_backward). For a dense float32 base
+        only: NF4 tiles and bfloat16 copies keep the separate products."""
+        for group in GROUPS:
+            adapters = self._group_adapters(group)
+            weight = self.dense_weight(group)
+            if not adapters or weight is None or group in self.fused:
+                continue
+            out = weight.shape[0]
+            fused = np.empty((out + sum(adapter.A.value.shape[0] for _, adapter, _ in adapters), weight.shape[1]),
+                             np.float32)
+            fused[:out] = weight
+            row = out
+            for _, adapter, _ in adapters:
+                rank = adapter.A.value.shape[0]
+                fused[row:row + rank] = adapter.A.value
+                adapter.A.value = fused[row:row + rank]
+                row += rank
+            for name in GROUPS[group]:
+                self.projection(name).value = fused[self.layout[name][1]]
+            if group in ("qkv", "gate_up"):
+                setattr(self, group, fused[:out])
+            self.fused[group] = fused
+
+    def _unfuse_adapters(self):
+        """Give the adapters' A matrices arrays of their own again (before the base weights are dropped)."""
+        for group in self.fused:
+            for _, adapter, _ in self._group_adapters(group):
+                adapter.A.value = adapter.A.value.copy()
+        self.fused = {}
+
+    def _fused(self, group):
+        """The group's fused matrix when its products go through it, else None."""
+        return self.fused.get(group) if self.bf16 is None else None
+
+    def output_grad(self, group, rows):
+        """An uninitialised [rows, out] array for the gradient at the group's output. For a fused group it is the
+        first columns of a [rows, out + n*r] array, where project_backward writes du with no copy of dy."""
+        out = sum(self.projection(name).shape[0] for name in GROUPS[group])
+        fused = self._fused(group)
+        if fused is None:
+            return np.empty((rows, out), np.float32)
+        return np.empty((rows, fused.shape[0]), np.float32)[:, :out]
+
+    def project(self, group, x, bias=None):
+        """(y [N,out], saved): x [N,in] @ W.T (+ bias) plus the group's adapters, and what project_backward needs.
+        For a fused group y is the first columns of the one product's [N, out + n*r] output (rows strided)."""
+        fused = self._fused(group)
+        if fused is None:
+            y = self.base_forward(group, x)
+            u = None
+        else:
+            out = fused.shape[0] - sum(adapter.A.value.shape[0] for _, adapter, _ in self._group_adapters(group))
+            wide = np.matmul(x, fused.T)  # [N, out + n*r]
+            y, u = wide[:, :out], np.ascontiguousarray(wide[:, out:])
+        if bias is not None:
+            y += bias
+        return y, self.lora_forward(group, x, y, u)
+
+    def project_backward(self, group, x, dy, saved):
+        """dx [N,in] from dy [N,out], the gradient at project(group, x)'s output, through the base and the
+        group's adapters, whose gradients accumulate. dy from output_grad(group) needs no copy when fused."""
+        fused = self._fused(group)
+        if fused is None or saved is None:
+            dx = self.base_input_grad(group, dy)
+            self.lora_backward(group, x, dy, dx, saved)
+            return dx
+        N, out = dy.shape
+        wide = dy.base
+        if not (wide is not None and wide.shape == (N, fused.shape[0]) and wide.flags.c_contiguous
+                and wide.__array_interface__["data"][0] == dy.__array_interface__["data"][0]):
+            wide = np.empty((N, fused.shape[0]), np.float32)
+            wide[:, :out] = dy
+        self.lora_backward(group, x, dy, None, saved, du=wide[:, out:])
+        return np.matmul(wide, fused)  # dy @ W + du @ [A_1; ..; A_n]
 
     def freeze_bf16(self):
         """Keep the bfloat16 bits of each frozen group weight: base products read them from here on."""
@@ -174,6 +256,7 @@ class Block:
         return dx
 
     def quantize(self, block_size, double_quantization):
+        self._unfuse_adapters()
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             p = self.projection(name)
             p.quantized = quantization.quantize_nf4(np.ascontiguousarray(p.value), block_size=block_size,
@@ -187,36 +270,44 @@ class Block:
         return [(name, adapter, self.layout[name][1]) for name, adapter in self.lora.items()
                 if self.layout[name][0] == group]
 
-    def lora_forward(self, group, x, y):
-        """Add the adapters of the projections writing `group` to y; returns (adapters, x @ A.T [N, n*r]).
+    def lora_forward(self, group, x, y, u=None):
+        """Add the adapters of the projections writing `group` to y; returns (adapters, [A_1; ..], u).
 
-        One product x @ [A_1; ..; A_n].T reads x once for every adapter of the group, and each
-        s * u_i @ B_i.T is accumulated by BLAS straight into its columns of y (alpha = s, beta = 1):
-        no [N, out] temporary and no element-wise pass over y.
+        u = x @ [A_1; ..; A_n].T [N, n*r], one product that reads x once for every adapter of the group,
+        unless the caller computed it (a fused group's product, project), and each s * u_i @ B_i.T is
+        accumulated by BLAS straight into its columns of y (alpha = s, beta = 1): no [N, out] temporary
+        and no element-wise pass over y.
         """
         adapters = self._group_adapters(group)
         if not adapters:
             return None
-        stacked = np.concatenate([adapter.A.value for _, adapter, _ in adapters])  # [n*r, in]
-        u = np.matmul(x, stacked.T)  # [N, n*r]
+        fused = self._fused(group)
+        if fused is not None:
+            stacked = fused[fused.shape[0] - sum(adapter.A.value.shape[0] for _, adapter, _ in adapters):]
+        else:
+            stacked = np.concatenate([adapter.A.value for _, adapter, _ in adapters])  # [n*r, in]
+        if u is None:
+            u = np.matmul(x, stacked.T)  # [N, n*r]
         r = adapters[0][1].A.value.shape[0]
         for j, (_, adapter, columns) in enumerate(adapters):
             blas.gemm(y[:, columns], u[:, j * r:(j + 1) * r], adapter.B.value, trans_b=True,
                       alpha=adapter.scaling, beta=1.0)
         return adapters, stacked, u
 
-    def lora_backward(self, group, x, dy, dx, saved):
+    def lora_backward(self, group, x, dy, dx, saved, du=None):
         """Adapter gradients of `group` from dy [N,out_total]; adds their input gradient to dx.
 
         Per adapter, BLAS reads dy's columns in place with alpha = s: dB (=|+=) s * dy_i.T @ u_i and
         du_i = s * dy_i @ B_i; then one product each for every adapter of the group:
-        [dA_1; ..] = du.T @ x and dx += du @ [A_1; ..].
+        [dA_1; ..] = du.T @ x and dx += du @ [A_1; ..]. du [N, n*r] may be given (columns beside a fused
+        group's dy, project_backward), and dx None: the caller's product adds du @ [A_1; ..] then.
         """
         if saved is None:
             return
         adapters, stacked, u = saved
         r = stacked.shape[0] // len(adapters)
-        du = np.empty((dy.shape[0], stacked.shape[0]), np.float32)  # [N, n*r]
+        if du is None:
+            du = np.empty((dy.shape[0], stacked.shape[0]), np.float32)  # [N, n*r]
         for j, (_, adapter, columns) in enumerate(adapters):
             rank = slice(j * r, (j + 1) * r)
             blas.gemm(adapter.B.grad, dy[:, columns], u[:, rank], trans_a=True, alpha=adapter.scaling,
@@ -230,7 +321,8 @@ class Block:
             else:
                 adapter.A.grad[...] = dA[j * r:(j + 1) * r]
             adapter.A.pending = True
-        blas.gemm(dx, du, stacked, beta=1.0)  # dx += du @ [A_1; ..]
+        if dx is not None:
+            blas.gemm(dx, du, stacked, beta=1.0)  # dx += du @ [A_1; ..]
 
     def parameters(self):
         # Hugging Face Llama order within a block (trainer.checkpoint_format.parameter_signature)
@@ -306,6 +398,15 @@ def _head_norm_backward(dnormed, saved, norm, trainable, out):
     out[...] = draw.reshape(out.shape)
 
 
+def _residual(y, x):
+    """y + x as a C-contiguous [N,C] array: y itself, in place, unless y is the first columns of a fused group's
+    wider product output; then a new array (the same sums: IEEE addition commutes)."""
+    if y.flags.c_contiguous:
+        y += x
+        return y
+    return np.add(y, x)
+
+
 def window_limits(config, past, T):
     """The sliding window when it hides any key from a query at positions past..past+T-1, else None."""
     window = config.sliding_window
@@ -326,10 +427,7 @@ def block_forward(block, x, config, rope, B, T, kv=None):
     h1 = np.empty_like(x)  # [N,C]
     rstd1 = np.empty(N, np.float32)
     kernels.rmsnorm_forward(x, block.ln1.value, config.norm_epsilon, h1, rstd1)
-    qkv = block.base_forward("qkv", h1)  # [N,(H+2KV)D]
-    if block.qkv_bias is not None:
-        qkv += block.qkv_bias
-    lora_qkv = block.lora_forward("qkv", h1, qkv)
+    qkv, lora_qkv = block.project("qkv", h1, block.qkv_bias)  # [N,(H+2KV)D]
     qkv4 = qkv.reshape(B, T, H + 2 * KV, D)
     q = np.empty((B, KV, T, g, D), np.float32)
     k = np.empty((B, KV, T, 1, D), np.float32)
@@ -353,19 +451,16 @@ def block_forward(block, x, config, rope, B, T, kv=None):
     else:
         att, saved = attention.tiled_forward(q3, k3, v3, scale, g, config.attention_block_size, past, window)
     attn = att.reshape(B, KV, T, g, D).transpose(0, 2, 1, 3, 4).reshape(N, H * D)  # [N,HD]
-    x_mid = block.base_forward("o", attn)  # [N,C]
-    lora_o = block.lora_forward("o", attn, x_mid)
-    x_mid += x
+    o_out, lora_o = block.project("o", attn)  # [N,C]
+    x_mid = _residual(o_out, x)
     h2 = np.empty_like(x)
     rstd2 = np.empty(N, np.float32)
     kernels.rmsnorm_forward(x_mid, block.ln2.value, config.norm_epsilon, h2, rstd2)
-    gate_up = block.base_forward("gate_up", h2)  # [N,2F]
-    lora_gate_up = block.lora_forward("gate_up", h2, gate_up)
+    gate_up, lora_gate_up = block.project("gate_up", h2)  # [N,2F]
     act = np.empty((N, config.feed_forward_width), np.float32)
     kernels.swiglu_forward(gate_up, act)
-    x_out = block.base_forward("down", act)  # [N,C]
-    lora_down = block.lora_forward("down", act, x_out)
-    x_out += x_mid
+    down_out, lora_down = block.project("down", act)  # [N,C]
+    x_out = _residual(down_out, x_mid)
     saved_activations = BlockActivations(
         batch=B, time=T, x=x, h1=h1, rstd1=rstd1, q=q3, k=k3, v=v3, att=att, saved=saved,
         attn=attn, x_mid=x_mid, h2=h2, rstd2=rstd2, gate_up=gate_up, act=act,
@@ -407,19 +502,16 @@ def block_backward(block, acts, d, config, rope, trainable):
     assert d.shape == acts.x.shape, f"output gradient {d.shape} does not match the block input {acts.x.shape}"
     cos, sin = rope
     # MLP
-    dact = block.base_input_grad("down", d)  # [N,F]
+    dact = block.project_backward("down", acts.act, d, acts.lora_down)  # [N,F]
     _weight_grad([block.down], block.down.grad, d, acts.act, trainable)
-    block.lora_backward("down", acts.act, d, dact, acts.lora_down)
-    dgate_up = np.empty_like(acts.gate_up)  # [N,2F]
+    dgate_up = block.output_grad("gate_up", N)  # [N,2F]
     kernels.swiglu_backward(dact, acts.gate_up, dgate_up)
     _weight_grad([block.gate, block.up], block.gate_up_grad, dgate_up, acts.h2, trainable)
-    dh2 = block.base_input_grad("gate_up", dgate_up)  # [N,C]
-    block.lora_backward("gate_up", acts.h2, dgate_up, dh2, acts.lora_gate_up)
+    dh2 = block.project_backward("gate_up", acts.h2, dgate_up, acts.lora_gate_up)  # [N,C]
     rmsnorm_backward(dh2, acts.x_mid, block.ln2, acts.rstd2, d, trainable)
     # attention
-    dattn = block.base_input_grad("o", d)  # [N,HD]
+    dattn = block.project_backward("o", acts.attn, d, acts.lora_o)  # [N,HD]
     _weight_grad([block.o], block.o.grad, d, acts.attn, trainable)
-    block.lora_backward("o", acts.attn, d, dattn, acts.lora_o)
     datt = np.ascontiguousarray(
         dattn.reshape(B, T, KV, g, D).transpose(0, 2, 1, 3, 4)).reshape(B * KV, T * g, D)  # [G,T*g,D]
     scale = 1.0 / np.sqrt(D)
@@ -429,7 +521,7 @@ def block_backward(block, acts, d, config, rope, trainable):
         dq, dk, dv = attention.tiled_backward(datt, acts.q, acts.k, acts.v, acts.att, acts.saved,
                                               scale, g, config.attention_block_size, 0,
                                               window_limits(config, 0, T))
-    dqkv = np.empty((N, (H + 2 * KV) * D), np.float32)  # [N,(H+2KV)D]
+    dqkv = block.output_grad("qkv", N)  # [N,(H+2KV)D]
     dqkv4 = dqkv.reshape(B, T, H + 2 * KV, D)
     if block.q_norm is None:
         kernels.rope_backward(dq.reshape(B, KV, T, g, D), cos, sin, 0, dqkv4[:, :, :H])
@@ -451,6 +543,5 @@ def block_backward(block, acts, d, config, rope, trainable):
             block.qkv_bias_grad[...] = bias_sum
         for p in (block.q_bias, block.k_bias, block.v_bias):
             p.pending = True
-    dh1 = block.base_input_grad("qkv", dqkv)  # [N,C]
-    block.lora_backward("qkv", acts.h1, dqkv, dh1, acts.lora_qkv)
+    dh1 = block.project_backward("qkv", acts.h1, dqkv, acts.lora_qkv)  # [N,C]
     rmsnorm_backward(dh1, acts.x, block.ln1, acts.rstd1, d, trainable)

@@ -205,6 +205,9 @@ class DecoderOnlyTransformer(Closeable):
         self._base_trainable = False
         self._release_base_grads()
         self._freeze_bf16()
+        if self.config.base_precision == "float32":
+            for block in self._blocks:
+                block.fuse_adapters()  # a no-op for an NF4 (quantized) base
 
     # -- base_precision "bfloat16" ---------------------------------------------------------
 

@@ -1,0 +1,122 @@
+"""A dense float32 base keeps each adapted group's weight and its adapters' A matrices in one matrix
+(Block.fuse_adapters): one product computes the projection and the adapters' down products, and one the
+input gradient through both. These tests hold that path to the separate products it replaces."""
+
+import numpy as np
+import pytest
+
+from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
+from trainer.blocks import GROUPS
+
+TARGET_SETS = {
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "some": ("q_proj", "v_proj", "down_proj"),  # qkv and down fused; o and gate_up have no adapters
+}
+
+
+def tiny(**overrides):
+    values = dict(vocabulary_size=64, maximum_context=32, model_width=32, head_count=4, kv_head_count=2,
+                  block_count=2, feed_forward_width=48)
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def lora_model(config, lora, fused):
+    model = DecoderOnlyTransformer(config)
+    rng = np.random.default_rng(11)  # away from the initialiser's small values, and biases (Qwen2) not zero
+    base = {k: v * 3 if "bias" not in k else rng.standard_normal(v.shape).astype(np.float32)
+            for k, v in model.state_dict().items()}
+    model.load_state_dict(base)
+    model.attach_lora(lora)
+    if not fused:
+        for block in model._blocks:
+            block._unfuse_adapters()
+    rng = np.random.default_rng(7)
+    model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.2
+                                   for k, v in model.adapter_state_dict().items()})
+    return model
+
+
+def batch(seed=3):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 64, (2, 12)), rng.integers(0, 64, (2, 12))
+
+
+def close(a, b, what, tolerance=2e-6):
+    scale = max(float(np.abs(b).max()), 1e-30)
+    assert float(np.abs(a - b).max()) <= tolerance * scale, f"{what}: {np.abs(a - b).max()} against {scale}"
+
+
+@pytest.mark.parametrize("targets", sorted(TARGET_SETS))
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_fused_groups_compute_what_the_separate_products_do(targets, bias):
+    lora = LoraConfig(rank=4, alpha=8, targets=TARGET_SETS[targets])
+    config = tiny(attention_bias=bias)
+    fused, separate = lora_model(config, lora, True), lora_model(config, lora, False)
+    adapted = {group for group, names in GROUPS.items() if set(names) & set(lora.targets)}
+    for block in fused._blocks:
+        assert set(block.fused) == adapted
+        for name, adapter in block.lora.items():
+            group = next(g for g, names in GROUPS.items() if name in names)
+            assert np.shares_memory(adapter.A.value, block.fused[group])
+            assert np.shares_memory(block.projection(name).value, block.fused[group])
+    assert all(not block.fused for block in separate._blocks)
+    assert fused.adapter_state_dict().keys() == separate.adapter_state_dict().keys()
+
+    inputs, targets_ = batch()
+    # the same sums in another order (du @ A inside the base's product): float32 rounding apart
+    close(fused.logits(inputs), separate.logits(inputs), "logits", 1e-5)
+    with fused.adapter_parameters() as a, separate.adapter_parameters() as b, \
+            Adam(a, learning_rate=1e-2) as opt_a, Adam(b, learning_rate=1e-2) as opt_b:
+        for step in range(3):
+            loss_a, loss_b = fused.forward_backward(inputs, targets_), separate.forward_backward(inputs, targets_)
+            assert abs(loss_a - loss_b) <= 2e-6 * abs(loss_b), step
+            for p, q in zip(a, b):  # Adam's normalised steps let rounding differences grow a little
+                assert p.name == q.name
+                close(p.grad, q.grad, f"step {step} {p.name} gradient", 5e-5 if step == 0 else 1e-3)
+            opt_a.step()
+            opt_b.step()
+        # the optimizer's in-place updates of A land in the fused matrix that the products read
+        for p, q in zip(a, b):
+            close(p.value, q.value, p.name, 1e-5)
+        before = fused.logits(inputs)
+        a[0].value[...] += 0.5  # lora_A of the first block's q_proj, a view into its qkv group
+        assert not np.array_equal(fused.logits(inputs), before)
+
+
+def test_a_step_of_the_fused_path_is_bit_identical_run_to_run():
+    lora = LoraConfig(rank=4, alpha=8)
+    inputs, targets = batch(5)
+    results = []
+    for _ in range(2):
+        model = lora_model(tiny(), lora, True)
+        loss = model.forward_backward(inputs, targets)
+        with model.adapter_parameters() as adapters:
+            results.append((loss, [p.grad.copy() for p in adapters]))
+    assert results[0][0] == results[1][0]
+    assert all(np.array_equal(x, y) for x, y in zip(results[0][1], results[1][1]))
+
+
+def test_quantizing_after_attach_gives_the_adapters_their_own_arrays():
+    lora = LoraConfig(rank=2, alpha=4)
+    model = lora_model(tiny(model_width=64, feed_forward_width=96), lora, True)
+    values = model.adapter_state_dict()
+    model.quantize(block_size=32)
+    assert all(not block.fused for block in model._blocks)
+    for block in model._blocks:
+        for adapter in block.lora.values():
+            assert adapter.A.value.base is None  # no view keeps the dropped float32 base alive
+    after = model.adapter_state_dict()
+    assert all(np.array_equal(values[k], after[k]) for k in values)
+    inputs, targets = batch()
+    assert np.isfinite(model.forward_backward(inputs, targets))
+
+
+def test_a_bias_free_group_without_adapters_is_not_fused_and_the_gradient_buffer_fits():
+    model = lora_model(tiny(), LoraConfig(rank=4, alpha=8, targets=("down_proj",)), True)
+    block = model._blocks[0]
+    assert set(block.fused) == {"down"}
+    qkv_grad = block.output_grad("qkv", 5)
+    assert qkv_grad.shape == (5, (4 + 2 * 2) * 8) and qkv_grad.flags.c_contiguous
+    down_grad = block.output_grad("down", 5)
+    assert down_grad.shape == (5, 32) and down_grad.base.shape == (5, 32 + 4)
