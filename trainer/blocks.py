@@ -118,15 +118,18 @@ class Block:
         return {"qkv": self.qkv, "o": self.o.value, "gate_up": self.gate_up,
                 "down": self.down.value}[group]
 
-    def _tiles(self, group):
+    def _tiles(self, group, extra=None):
         """The group's rows in tiles of at most NF4_TILE_ELEMENTS: (first output column, rows, scratch [rows, in]
         holding those rows dequantized). The projections' rows follow each other in the group's output columns
-        (q, k, v; gate, up), so a tile may span two projections: one product per tile, as wide as the scratch."""
+        (q, k, v; gate, up), so a tile may span two projections: one product per tile, as wide as the scratch.
+        With extra [e, in] (the adapters' stacked A) the last tile's scratch carries those rows after its own:
+        [rows + e, in], so its product also gives x @ extra.T in the e columns after the group's."""
         names = GROUPS[group]
         cols = self.projection(names[0]).quantized.shape[1]
         total = sum(self.projection(name).quantized.shape[0] for name in names)
         tile = max(1, min(NF4_TILE_ELEMENTS // cols, total))
-        scratch = np.empty((tile, cols), np.float32)
+        extra_rows = 0 if extra is None else extra.shape[0]
+        scratch = np.empty((tile + extra_rows, cols), np.float32)
         for first in range(0, total, tile):
             last = min(first + tile, total)
             for name in names:
@@ -135,7 +138,12 @@ class Block:
                 if start < end:
                     quantization.dequantize_rows(nf4, start - columns.start, end - columns.start,
                                                  scratch[start - first:end - first])
-            yield first, last - first, scratch[:last - first]
+            rows = last - first
+            if last == total and extra_rows:
+                scratch[rows:rows + extra_rows] = extra
+                yield first, rows, scratch[:rows + extra_rows]
+            else:
+                yield first, rows, scratch[:rows]
 
     def fuse_adapters(self):
         """Keep each adapted group's frozen float32 weight and its adapters' A matrices in one matrix, the base's
@@ -175,46 +183,76 @@ class Block:
         """The group's fused matrix when its products go through it, else None."""
         return self.fused.get(group) if self.bf16 is None else None
 
+    def _widened(self, group):
+        """Whether the group's products carry its adapters' A rows: a fused dense group, or NF4 tiles (the last
+        tile's scratch gets them). Then its output and output gradient have n*r columns more, the adapters'."""
+        if self.bf16 is not None or not self._group_adapters(group):
+            return False
+        return group in self.fused or self.projection(GROUPS[group][0]).quantized is not None
+
+    def _adapter_rows(self, group):
+        return sum(adapter.A.value.shape[0] for _, adapter, _ in self._group_adapters(group))
+
     def output_grad(self, group, rows):
-        """An uninitialised [rows, out] array for the gradient at the group's output. For a fused group it is the
-        first columns of a [rows, out + n*r] array, where project_backward writes du with no copy of dy."""
+        """An uninitialised [rows, out] array for the gradient at the group's output. For a widened group it is
+        the first columns of a [rows, out + n*r] array, where project_backward writes du with no copy of dy."""
         out = sum(self.projection(name).shape[0] for name in GROUPS[group])
-        fused = self._fused(group)
-        if fused is None:
+        if not self._widened(group):
             return np.empty((rows, out), np.float32)
-        return np.empty((rows, fused.shape[0]), np.float32)[:, :out]
+        return np.empty((rows, out + self._adapter_rows(group)), np.float32)[:, :out]
 
     def project(self, group, x, bias=None):
         """(y [N,out], saved): x [N,in] @ W.T (+ bias) plus the group's adapters, and what project_backward needs.
-        For a fused group y is the first columns of the one product's [N, out + n*r] output (rows strided)."""
+        For a widened group y is the first columns of an [N, out + n*r] output whose last columns the same
+        product (or the last NF4 tile's) filled with u = x @ [A_1; ..].T (rows strided)."""
+        if not self._widened(group):
+            y = self._biased(self.base_forward(group, x), bias)
+            return y, self.lora_forward(group, x, y)
         fused = self._fused(group)
-        if fused is None:
-            y = self.base_forward(group, x)
-            u = None
-        else:
-            out = fused.shape[0] - sum(adapter.A.value.shape[0] for _, adapter, _ in self._group_adapters(group))
+        if fused is not None:
             wide = np.matmul(x, fused.T)  # [N, out + n*r]
-            y, u = wide[:, :out], np.ascontiguousarray(wide[:, out:])
+            stacked = None
+        else:
+            stacked = np.concatenate([adapter.A.value for _, adapter, _ in self._group_adapters(group)])
+            wide = np.empty((x.shape[0], sum(self.projection(n).shape[0] for n in GROUPS[group]) + stacked.shape[0]),
+                            np.float32)
+            for first, _, scratch in self._tiles(group, stacked):
+                blas.gemm(wide[:, first:first + scratch.shape[0]], x, scratch, trans_b=True)
+        out = wide.shape[1] - self._adapter_rows(group)
+        y, u = wide[:, :out], np.ascontiguousarray(wide[:, out:])
+        self._biased(y, bias)
+        return y, self.lora_forward(group, x, y, u, stacked)
+
+    @staticmethod
+    def _biased(y, bias):
         if bias is not None:
             y += bias
-        return y, self.lora_forward(group, x, y, u)
+        return y
 
     def project_backward(self, group, x, dy, saved):
         """dx [N,in] from dy [N,out], the gradient at project(group, x)'s output, through the base and the
-        group's adapters, whose gradients accumulate. dy from output_grad(group) needs no copy when fused."""
-        fused = self._fused(group)
-        if fused is None or saved is None:
+        group's adapters, whose gradients accumulate. dy from output_grad(group) needs no copy when widened."""
+        if saved is None or not self._widened(group):
             dx = self.base_input_grad(group, dy)
             self.lora_backward(group, x, dy, dx, saved)
             return dx
         N, out = dy.shape
+        width = out + self._adapter_rows(group)
         wide = dy.base
-        if not (wide is not None and wide.shape == (N, fused.shape[0]) and wide.flags.c_contiguous
+        if not (wide is not None and wide.shape == (N, width) and wide.flags.c_contiguous
                 and wide.__array_interface__["data"][0] == dy.__array_interface__["data"][0]):
-            wide = np.empty((N, fused.shape[0]), np.float32)
+            wide = np.empty((N, width), np.float32)
             wide[:, :out] = dy
         self.lora_backward(group, x, dy, None, saved, du=wide[:, out:])
-        return np.matmul(wide, fused)  # dy @ W + du @ [A_1; ..; A_n]
+        fused = self._fused(group)
+        if fused is not None:
+            return np.matmul(wide, fused)  # dy @ W + du @ [A_1; ..; A_n]
+        dx = None
+        for first, _, scratch in self._tiles(group, saved[1]):  # the A the forward used (no step in between)
+            if dx is None:
+                dx = np.empty((N, scratch.shape[1]), np.float32)  # [N,in], written by the first tile
+            blas.gemm(dx, wide[:, first:first + scratch.shape[0]], scratch, beta=0.0 if first == 0 else 1.0)
+        return dx
 
     def freeze_bf16(self):
         """Keep the bfloat16 bits of each frozen group weight: base products read them from here on."""
@@ -270,7 +308,7 @@ class Block:
         return [(name, adapter, self.layout[name][1]) for name, adapter in self.lora.items()
                 if self.layout[name][0] == group]
 
-    def lora_forward(self, group, x, y, u=None):
+    def lora_forward(self, group, x, y, u=None, stacked=None):
         """Add the adapters of the projections writing `group` to y; returns (adapters, [A_1; ..], u).
 
         u = x @ [A_1; ..; A_n].T [N, n*r], one product that reads x once for every adapter of the group,
@@ -283,8 +321,8 @@ class Block:
             return None
         fused = self._fused(group)
         if fused is not None:
-            stacked = fused[fused.shape[0] - sum(adapter.A.value.shape[0] for _, adapter, _ in adapters):]
-        else:
+            stacked = fused[fused.shape[0] - self._adapter_rows(group):]
+        elif stacked is None:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in adapters])  # [n*r, in]
         if u is None:
             u = np.matmul(x, stacked.T)  # [N, n*r]

@@ -120,3 +120,33 @@ def test_a_bias_free_group_without_adapters_is_not_fused_and_the_gradient_buffer
     assert qkv_grad.shape == (5, (4 + 2 * 2) * 8) and qkv_grad.flags.c_contiguous
     down_grad = block.output_grad("down", 5)
     assert down_grad.shape == (5, 32) and down_grad.base.shape == (5, 32 + 4)
+
+
+@pytest.mark.parametrize("tile_rows", [5, 1 << 20], ids=["five-row-tiles", "group-tiles"])
+def test_nf4_tiles_carry_the_adapters_rows_on_the_last_tile(monkeypatch, tile_rows):
+    """A quantized group's last tile carries the adapters' A rows: its product gives u, and [dy | du] @ that tile
+    the adapters' input gradient. Held to a dense model on the dequantized weights with separate products."""
+    from trainer import blocks
+
+    monkeypatch.setattr(blocks, "NF4_TILE_ELEMENTS", tile_rows * 64)
+    config, lora = tiny(model_width=64, feed_forward_width=128), LoraConfig(rank=2, alpha=4)
+    quantized = DecoderOnlyTransformer(config)
+    quantized.quantize(block_size=64)
+    quantized.attach_lora(lora)
+    rng = np.random.default_rng(4)
+    quantized.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.2
+                                       for k, v in quantized.adapter_state_dict().items()})
+    assert all(block._widened(group) for block in quantized._blocks for group in GROUPS)
+    separate = DecoderOnlyTransformer(config)
+    separate.load_state_dict(quantized.state_dict())  # the dequantized weights
+    separate.attach_lora(lora)
+    for block in separate._blocks:
+        block._unfuse_adapters()
+    separate.load_adapter_state_dict(quantized.adapter_state_dict())
+    inputs, targets = batch(6)
+    close(quantized.logits(inputs), separate.logits(inputs), "logits", 1e-5)
+    loss_q, loss_s = quantized.forward_backward(inputs, targets), separate.forward_backward(inputs, targets)
+    assert abs(loss_q - loss_s) <= 2e-6 * abs(loss_s)
+    with quantized.adapter_parameters() as a, separate.adapter_parameters() as b:
+        for p, q in zip(a, b):
+            close(p.grad, q.grad, p.name, 5e-5)
