@@ -108,6 +108,7 @@ class Block:
         # group -> [out + n*r, in]: a dense float32 group's frozen weight and, below its rows, its adapters' A
         # matrices; the named parameters are views into it (fuse_adapters)
         self.fused = {}
+        self.widen = True  # False: the adapters' down products and input gradient as separate products
 
     def projection(self, name):
         return {"q_proj": self.q, "k_proj": self.k, "v_proj": self.v, "o_proj": self.o,
@@ -172,6 +173,12 @@ class Block:
                 setattr(self, group, fused[:out])
             self.fused[group] = fused
 
+    def separate_adapter_products(self):
+        """Compute the adapters' down products and input gradient as products of their own from here on (dense
+        and NF4 alike): the path before the fusion, for bench/lora_fusion.py and the tests that compare the two."""
+        self._unfuse_adapters()
+        self.widen = False
+
     def _unfuse_adapters(self):
         """Give the adapters' A matrices arrays of their own again (before the base weights are dropped)."""
         for group in self.fused:
@@ -186,7 +193,7 @@ class Block:
     def _widened(self, group):
         """Whether the group's products carry its adapters' A rows: a fused dense group, or NF4 tiles (the last
         tile's scratch gets them). Then its output and output gradient have n*r columns more, the adapters'."""
-        if self.bf16 is not None or not self._group_adapters(group):
+        if self.bf16 is not None or not self.widen or not self._group_adapters(group):
             return False
         return group in self.fused or self.projection(GROUPS[group][0]).quantized is not None
 

@@ -30,7 +30,7 @@ def lora_model(config, lora, fused):
     model.attach_lora(lora)
     if not fused:
         for block in model._blocks:
-            block._unfuse_adapters()
+            block.separate_adapter_products()
     rng = np.random.default_rng(7)
     model.load_adapter_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.2
                                    for k, v in model.adapter_state_dict().items()})
@@ -141,7 +141,7 @@ def test_nf4_tiles_carry_the_adapters_rows_on_the_last_tile(monkeypatch, tile_ro
     separate.load_state_dict(quantized.state_dict())  # the dequantized weights
     separate.attach_lora(lora)
     for block in separate._blocks:
-        block._unfuse_adapters()
+        block.separate_adapter_products()
     separate.load_adapter_state_dict(quantized.adapter_state_dict())
     inputs, targets = batch(6)
     close(quantized.logits(inputs), separate.logits(inputs), "logits", 1e-5)
