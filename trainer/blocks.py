@@ -120,7 +120,7 @@ class Block:
                 "down": self.down.value}[group]
 
     def _tiles(self, group, extra=None):
-        """The group's rows in tiles of at most NF4_TILE_ELEMENTS: (first output column, rows, scratch [rows, in]
+        """The group's rows in tiles of at most NF4_TILE_ELEMENTS: (first output column, scratch [rows, in]
         holding those rows dequantized). The projections' rows follow each other in the group's output columns
         (q, k, v; gate, up), so a tile may span two projections: one product per tile, as wide as the scratch.
         With extra [e, in] (the adapters' stacked A) the last tile's scratch carries those rows after its own:
@@ -142,16 +142,15 @@ class Block:
             rows = last - first
             if last == total and extra_rows:
                 scratch[rows:rows + extra_rows] = extra
-                yield first, rows, scratch[:rows + extra_rows]
-            else:
-                yield first, rows, scratch[:rows]
+                rows += extra_rows
+            yield first, scratch[:rows]
 
     def fuse_adapters(self):
         """Keep each adapted group's frozen float32 weight and its adapters' A matrices in one matrix, the base's
         rows first and then A_1; ..; A_n, the named parameters (base and A) becoming views into it. One product
         x @ M.T then computes the projection and every adapter's x @ A_i.T in one pass over x, and one
-        [dy | du] @ M the input gradient through both (project, project_backward). For a dense float32 base
-        only: NF4 tiles and bfloat16 copies keep the separate products."""
+        [dy | du] @ M the input gradient through both (project, project_backward). For a dense float32 base;
+        an NF4 group's last tile carries the A rows instead (_tiles), and bfloat16 copies keep separate products."""
         for group in GROUPS:
             adapters = self._group_adapters(group)
             weight = self.dense_weight(group)
@@ -221,10 +220,7 @@ class Block:
             stacked = None
         else:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in self._group_adapters(group)])
-            wide = np.empty((x.shape[0], sum(self.projection(n).shape[0] for n in GROUPS[group]) + stacked.shape[0]),
-                            np.float32)
-            for first, _, scratch in self._tiles(group, stacked):
-                blas.gemm(wide[:, first:first + scratch.shape[0]], x, scratch, trans_b=True)
+            wide = self.base_forward(group, x, stacked)
         out = wide.shape[1] - self._adapter_rows(group)
         y, u = wide[:, :out], np.ascontiguousarray(wide[:, out:])
         self._biased(y, bias)
@@ -254,20 +250,16 @@ class Block:
         fused = self._fused(group)
         if fused is not None:
             return np.matmul(wide, fused)  # dy @ W + du @ [A_1; ..; A_n]
-        dx = None
-        for first, _, scratch in self._tiles(group, saved[1]):  # the A the forward used (no step in between)
-            if dx is None:
-                dx = np.empty((N, scratch.shape[1]), np.float32)  # [N,in], written by the first tile
-            blas.gemm(dx, wide[:, first:first + scratch.shape[0]], scratch, beta=0.0 if first == 0 else 1.0)
-        return dx
+        return self.base_input_grad(group, wide, saved[1])  # the A the forward used (no step in between)
 
     def freeze_bf16(self):
         """Keep the bfloat16 bits of each frozen group weight: base products read them from here on."""
         self.bf16 = {group: onednn.to_bf16(self.dense_weight(group)) for group in GROUPS}
 
-    def base_forward(self, group, x):
+    def base_forward(self, group, x, extra=None):
         """x [N,in] @ W.T for the projections writing `group`: one fused product (float32, or from
-        bfloat16 operands under base_precision "bfloat16"), or NF4 tiles."""
+        bfloat16 operands under base_precision "bfloat16"), or NF4 tiles. For NF4 tiles, extra [e,in] (the
+        adapters' stacked A) adds e columns to the output, x @ extra.T, from the last tile's product."""
         if self.bf16 is not None:
             weight = self.bf16[group]  # [out,in]
             y = np.empty((x.shape[0], weight.shape[0]), np.float32)
@@ -277,14 +269,15 @@ class Block:
         if weight is not None:
             return np.matmul(x, weight.T)
         total = sum(self.projection(name).shape[0] for name in GROUPS[group])
-        y = np.empty((x.shape[0], total), np.float32)  # [N,out]
-        for first, rows, scratch in self._tiles(group):
+        y = np.empty((x.shape[0], total + (0 if extra is None else extra.shape[0])), np.float32)  # [N,out(+e)]
+        for first, scratch in self._tiles(group, extra):
             # the product lands in y's columns directly (no temporary, no copy)
-            blas.gemm(y[:, first:first + rows], x, scratch, trans_b=True)
+            blas.gemm(y[:, first:first + scratch.shape[0]], x, scratch, trans_b=True)
         return y
 
-    def base_input_grad(self, group, dy):
-        """dy [N,out] @ W: the input gradient through the frozen (or trainable) base."""
+    def base_input_grad(self, group, dy, extra=None):
+        """dy [N,out] @ W: the input gradient through the frozen (or trainable) base. For NF4 tiles with extra
+        [e,in], dy is [N, out + e] and its last e columns multiply extra (the last tile's product)."""
         if self.bf16 is not None:
             weight = self.bf16[group]  # [out,in]
             dx = np.empty((dy.shape[0], weight.shape[1]), np.float32)
@@ -294,10 +287,10 @@ class Block:
         if weight is not None:
             return np.matmul(dy, weight)
         dx = None
-        for first, rows, scratch in self._tiles(group):
+        for first, scratch in self._tiles(group, extra):
             if dx is None:
                 dx = np.empty((dy.shape[0], scratch.shape[1]), np.float32)  # [N,in], written by the first tile
-            blas.gemm(dx, dy[:, first:first + rows], scratch, beta=0.0 if first == 0 else 1.0)
+            blas.gemm(dx, dy[:, first:first + scratch.shape[0]], scratch, beta=0.0 if first == 0 else 1.0)
         return dx
 
     def quantize(self, block_size, double_quantization):
