@@ -74,7 +74,10 @@ def instrument(timer):
     from native_ext import kernels
     from trainer import attention, blocks, crossentropy, model, optim
 
+    # project and project_backward hold a fused group's one product (its adapters' down products included): base
+    # parts, less the lora_forward and lora_backward calls inside them
     for name, part in (("base_forward", "base forward"), ("base_input_grad", "base input grad"),
+                       ("project", "base forward"), ("project_backward", "base input grad"),
                        ("lora_forward", "adapters"), ("lora_backward", "adapters")):
         setattr(blocks.Block, name, timer.wrap(getattr(blocks.Block, name), part))
     for name in ("dense_forward", "dense_backward", "tiled_forward", "tiled_backward"):
