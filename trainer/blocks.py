@@ -217,11 +217,11 @@ class Block:
         fused = self._fused(group)
         if fused is not None:
             wide = np.matmul(x, fused.T)  # [N, out + n*r]
-            stacked = None
+            stacked = fused[fused.shape[0] - self._adapter_rows(group):]  # the A rows, views the optimizer updates
         else:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in self._group_adapters(group)])
             wide = self.base_forward(group, x, stacked)
-        out = wide.shape[1] - self._adapter_rows(group)
+        out = wide.shape[1] - stacked.shape[0]
         y, u = wide[:, :out], np.ascontiguousarray(wide[:, out:])
         self._biased(y, bias)
         return y, self.lora_forward(group, x, y, u, stacked)
@@ -312,17 +312,14 @@ class Block:
         """Add the adapters of the projections writing `group` to y; returns (adapters, [A_1; ..], u).
 
         u = x @ [A_1; ..; A_n].T [N, n*r], one product that reads x once for every adapter of the group,
-        unless the caller computed it (a fused group's product, project), and each s * u_i @ B_i.T is
-        accumulated by BLAS straight into its columns of y (alpha = s, beta = 1): no [N, out] temporary
-        and no element-wise pass over y.
+        unless the caller computed it with the stacked A it used (a widened group's product, project), and
+        each s * u_i @ B_i.T is accumulated by BLAS straight into its columns of y (alpha = s, beta = 1): no
+        [N, out] temporary and no element-wise pass over y.
         """
         adapters = self._group_adapters(group)
         if not adapters:
             return None
-        fused = self._fused(group)
-        if fused is not None:
-            stacked = fused[fused.shape[0] - self._adapter_rows(group):]
-        elif stacked is None:
+        if stacked is None:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in adapters])  # [n*r, in]
         if u is None:
             u = np.matmul(x, stacked.T)  # [N, n*r]
