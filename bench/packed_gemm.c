@@ -3,7 +3,8 @@
  * Wb[K/16][N][16] (16 input features of one output row per 64-byte line), so that no product packs W again, the
  * cost OpenBLAS pays on every call. Forward y [M, N] = x [M, K] @ W.T: x transposed in 16x16 blocks, tiles of 32
  * rows x 12 outputs vectorised along the rows; input gradient dx [M, K] = dy [M, N] @ W: tiles of BR rows x 16*KV
- * inputs, dy broadcast. Threads (OpenMP) take contiguous row ranges. Needs AVX-512 and K % 16 == 0 (M as below). */
+ * inputs, dy broadcast. Threads (OpenMP) take contiguous row ranges. Needs AVX-512, N % 12 == 0 and K % 48 == 0
+ * (M as below): the four shapes bench/packed_gemm.py times. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
