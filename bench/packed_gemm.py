@@ -1,4 +1,4 @@
-"""A pre-packed float32 GEMM against numpy's OpenBLAS on the LoRA step's frozen-base products (issue 19).
+"""A pre-packed float32 GEMM, and padded weight rows, against numpy's OpenBLAS on the frozen base's products (issue 19).
 
 OpenBLAS packs the frozen weight afresh for every product (its `sgemm_itcopy`/`incopy`, 8-19% of a LoRA step's
 samples under perf). bench/packed_gemm.c is a prototype that packs each weight once, Wb[K/16][N][16], and multiplies
@@ -6,7 +6,9 @@ from there: the forward y = x @ W.T and the input gradient dx = dy @ W, threads 
 script builds it with gcc (-O3 -march=native -fopenmp) into a temporary directory, checks both products against
 numpy (relative error below 1e-5), then times, for each of the SmolLM2-135M shape's four group products (q|k|v,
 o, gate|up, down; N x K below) over 30 layers' distinct weights (so that weights are cold as in a step), OpenBLAS
-and the prototype at one and at two threads, each thread count in its own process:
+and the prototype at one and at two threads, each thread count in its own process. A third column per direction
+is OpenBLAS again on the same weights stored with rows padded by PAD floats (a row stride of K + PAD: strides of
+2,304 and 6,144 bytes map the rows OpenBLAS packs together onto few cache sets; the results are the same bytes):
 
     python bench/packed_gemm.py [--rows 256] [--layers 30]
 
@@ -30,6 +32,7 @@ import numpy as np
 from machine import cpu, describe
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N outputs, K inputs) of q|k|v, o, gate|up, down
+PAD = 16  # floats of padding per weight row in the padded column (64 bytes)
 
 
 def build(directory) -> ctypes.CDLL:
@@ -55,11 +58,17 @@ def _best(function, repeats=5) -> float:
 
 
 def measure(lib, rows, layers, threads) -> list:
-    """[(N, K, GFLOP/s of OpenBLAS forward, prototype forward, OpenBLAS input gradient, prototype input gradient)]."""
+    """[(N, K, GFLOP/s of OpenBLAS forward, prototype forward, OpenBLAS input gradient, prototype input gradient,
+    OpenBLAS forward and input gradient on padded rows, then the six times in ms)]."""
     rng = np.random.default_rng(0)
     results = []
     for N, K in SHAPES:
         weights = [rng.standard_normal((N, K), dtype=np.float32) for _ in range(layers)]
+        padded = []
+        for w in weights:
+            view = np.empty((N, K + PAD), np.float32)[:, :K]  # row stride K + PAD
+            view[...] = w
+            padded.append(view)
         packed = []
         for w in weights:
             b = np.empty((K // 16, N, 16), np.float32)
@@ -82,11 +91,15 @@ def measure(lib, rows, layers, threads) -> list:
             error = float(np.abs(got - want).max() / np.abs(want).max())
             if not error < 1e-5:
                 raise SystemExit(f"the prototype's {name} is wrong at N={N} K={K}: relative error {error:.2e}")
+        if not (np.array_equal(x @ padded[0].T, x @ weights[0].T) and np.array_equal(dy @ padded[0], dy @ weights[0])):
+            raise SystemExit(f"OpenBLAS on padded rows gave other bytes at N={N} K={K}")
         flop = 2.0 * rows * N * K * layers
         timings = (_best(lambda: [np.matmul(x, w.T, out=y) for w in weights]),
                    _best(lambda: [forward(b) for b in packed]),
                    _best(lambda: [np.matmul(dy, w, out=dx) for w in weights]),
-                   _best(lambda: [backward(b) for b in packed]))
+                   _best(lambda: [backward(b) for b in packed]),
+                   _best(lambda: [np.matmul(x, w.T, out=y) for w in padded]),
+                   _best(lambda: [np.matmul(dy, w, out=dx) for w in padded]))
         results.append((N, K, *(flop / t / 1e9 for t in timings), *(t * 1e3 for t in timings)))
     return results
 
@@ -113,12 +126,14 @@ def main():
                               "--child", str(threads)], env=env, check=True, capture_output=True, text=True).stdout
         results = json.loads(out.strip().splitlines()[-1])
         print(f"\n{threads} thread{'s' if threads > 1 else ''}")
-        print(f"{'N x K':>12} {'forward OpenBLAS':>17} {'packed':>8} {'input grad OpenBLAS':>20} {'packed':>8}")
-        for N, K, f_blas, f_ours, b_blas, b_ours, *_ in results:
-            print(f"{f'{N} x {K}':>12} {f_blas:17.1f} {f_ours:8.1f} {b_blas:20.1f} {b_ours:8.1f}")
-        totals = [sum(r[6 + i] for r in results) for i in range(4)]
-        print(f"{'total ms':>12} {totals[0]:17.1f} {totals[1]:8.1f} {totals[2]:20.1f} {totals[3]:8.1f}"
-              f"   (both directions: OpenBLAS {totals[0] + totals[2]:.1f}, packed {totals[1] + totals[3]:.1f})")
+        print(f"{'N x K':>12} {'forward OpenBLAS':>17} {'packed':>8} {'padded':>8} {'input grad OpenBLAS':>20} "
+              f"{'packed':>8} {'padded':>8}")
+        for N, K, f_blas, f_ours, b_blas, b_ours, f_pad, b_pad, *_ in results:
+            print(f"{f'{N} x {K}':>12} {f_blas:17.1f} {f_ours:8.1f} {f_pad:8.1f} {b_blas:20.1f} {b_ours:8.1f} "
+                  f"{b_pad:8.1f}")
+        t = [sum(r[8 + i] for r in results) for i in range(6)]  # ms: blas, packed, blas, packed, padded, padded
+        print(f"{'total ms':>12} {t[0]:17.1f} {t[1]:8.1f} {t[4]:8.1f} {t[2]:20.1f} {t[3]:8.1f} {t[5]:8.1f}"
+              f"   (both directions: OpenBLAS {t[0] + t[2]:.1f}, packed {t[1] + t[3]:.1f}, padded {t[4] + t[5]:.1f})")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ NF4_SCRATCH_ELEMENTS = 1 << 17  # the CUDA backend's tile: at most 512 KiB of de
 # (2-core AMX Xeon, QLoRA step): 512 KiB tiles per projection took 1,001-1,013 ms at context 256 and 3,667-3,855
 # at 1024; 8 MiB tiles of at most half a projection 918-949 and 3,597-3,735
 NF4_TILE_ELEMENTS = 1 << 21
+# floats after each row of a fused group's matrix (Block.fuse_adapters): a row stride of in + 16 floats. With rows
+# 2,304 or 6,144 bytes apart (SmolLM2's 576 and 1,536 inputs) the rows OpenBLAS packs together for the input
+# gradient's product share a few cache sets; 64 bytes more per row spreads them. The products' bytes are the same
+# (OpenBLAS packs the same values); on the 2-core AMX Xeon the input gradient's products took 6-8% less time
+# (bench/packed_gemm.py, docs/engine.md), for 64 bytes more per weight row
+WEIGHT_ROW_PAD = 16
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
@@ -145,32 +151,41 @@ class Block:
                 rows += extra_rows
             yield first, scratch[:rows]
 
-    def fuse_adapters(self):
-        """Keep each adapted group's frozen float32 weight and its adapters' A matrices in one matrix, the base's
-        rows first and then A_1; ..; A_n, the named parameters (base and A) becoming views into it. One product
-        x @ M.T then computes the projection and every adapter's x @ A_i.T in one pass over x, and one
-        [dy | du] @ M the input gradient through both (project, project_backward). For a dense float32 base;
-        an NF4 group's last tile carries the A rows instead (_tiles), and bfloat16 copies keep separate products."""
+    def fuse_adapters(self, row_pad=WEIGHT_ROW_PAD):
+        """Keep each adapted group's frozen float32 weight and a copy of its adapters' A matrices in one matrix, the
+        base's rows first and then A_1; ..; A_n, each row followed by row_pad unused floats (WEIGHT_ROW_PAD), the
+        base's named parameters becoming views into it. One product x @ M.T then computes the projection and every
+        adapter's x @ A_i.T in one pass over x, and one [dy | du] @ M the input gradient through both (project,
+        project_backward). The A rows are copied in from the adapters' own arrays before each forward product
+        (_stacked_adapters), so the optimizer and checkpoint loads keep updating contiguous arrays of their own.
+        For a dense float32 base; an NF4 group's last tile carries the A rows instead (_tiles), and bfloat16
+        copies keep separate products."""
         for group in GROUPS:
             adapters = self._group_adapters(group)
             weight = self.dense_weight(group)
             if not adapters or weight is None or group in self.fused:
                 continue
-            out = weight.shape[0]
-            fused = np.empty((out + sum(adapter.A.value.shape[0] for _, adapter, _ in adapters), weight.shape[1]),
-                             np.float32)
+            out, width = weight.shape
+            rows = out + sum(adapter.A.value.shape[0] for _, adapter, _ in adapters)
+            fused = np.empty((rows, width + row_pad), np.float32)[:, :width]  # a row stride of width + row_pad
             fused[:out] = weight
-            row = out
-            for _, adapter, _ in adapters:
-                rank = adapter.A.value.shape[0]
-                fused[row:row + rank] = adapter.A.value
-                adapter.A.value = fused[row:row + rank]
-                row += rank
             for name in GROUPS[group]:
                 self.projection(name).value = fused[self.layout[name][1]]
             if group in ("qkv", "gate_up"):
                 setattr(self, group, fused[:out])
             self.fused[group] = fused
+            self._stacked_adapters(group)
+
+    def _stacked_adapters(self, group):
+        """[A_1; ..; A_n] of a fused group: its matrix's last rows, refreshed from the adapters' arrays."""
+        fused = self.fused[group]
+        row = fused.shape[0] - self._adapter_rows(group)
+        stacked = fused[row:]
+        for _, adapter, _ in self._group_adapters(group):
+            rank = adapter.A.value.shape[0]
+            fused[row:row + rank] = adapter.A.value
+            row += rank
+        return stacked
 
     def separate_adapter_products(self):
         """Compute the adapters' down products and input gradient as products of their own from here on (dense
@@ -179,10 +194,7 @@ class Block:
         self.widen = False
 
     def _unfuse_adapters(self):
-        """Give the adapters' A matrices arrays of their own again (before the base weights are dropped)."""
-        for group in self.fused:
-            for _, adapter, _ in self._group_adapters(group):
-                adapter.A.value = adapter.A.value.copy()
+        """Products without the fused matrices from here on (the adapters' A arrays were always their own)."""
         self.fused = {}
 
     def _fused(self, group):
@@ -216,8 +228,8 @@ class Block:
             return y, self.lora_forward(group, x, y)
         fused = self._fused(group)
         if fused is not None:
+            stacked = self._stacked_adapters(group)  # the A rows as they are now, which the backward reads too
             wide = np.matmul(x, fused.T)  # [N, out + n*r]
-            stacked = fused[fused.shape[0] - self._adapter_rows(group):]  # the A rows, views the optimizer updates
         else:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in self._group_adapters(group)])
             wide = self.base_forward(group, x, stacked)

@@ -1,12 +1,12 @@
-"""A dense float32 base keeps each adapted group's weight and its adapters' A matrices in one matrix
-(Block.fuse_adapters): one product computes the projection and the adapters' down products, and one the
+"""A dense float32 base keeps each adapted group's weight and a copy of its adapters' A matrices in one matrix with
+padded rows (Block.fuse_adapters): one product computes the projection and the adapters' down products, and one the
 input gradient through both. These tests hold that path to the separate products it replaces."""
 
 import numpy as np
 import pytest
 
 from trainer import Adam, DecoderOnlyTransformer, LoraConfig, TransformerConfig
-from trainer.blocks import GROUPS
+from trainer.blocks import GROUPS, WEIGHT_ROW_PAD
 
 TARGET_SETS = {
     "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
@@ -58,8 +58,10 @@ def test_fused_groups_compute_what_the_separate_products_do(targets, bias):
         assert set(block.fused) == adapted
         for name, adapter in block.lora.items():
             group = next(g for g, names in GROUPS.items() if name in names)
-            assert np.shares_memory(adapter.A.value, block.fused[group])
-            assert np.shares_memory(block.projection(name).value, block.fused[group])
+            matrix = block.fused[group]
+            assert matrix.strides == ((matrix.shape[1] + WEIGHT_ROW_PAD) * 4, 4)  # padded rows
+            assert np.shares_memory(block.projection(name).value, matrix)
+            assert not np.shares_memory(adapter.A.value, matrix) and adapter.A.value.flags.c_contiguous
     assert all(not block.fused for block in separate._blocks)
     assert fused.adapter_state_dict().keys() == separate.adapter_state_dict().keys()
 
@@ -76,12 +78,36 @@ def test_fused_groups_compute_what_the_separate_products_do(targets, bias):
                 close(p.grad, q.grad, f"step {step} {p.name} gradient", 5e-5 if step == 0 else 1e-3)
             opt_a.step()
             opt_b.step()
-        # the optimizer's in-place updates of A land in the fused matrix that the products read
+        # the optimizer's in-place updates of A reach the fused matrix that the products read (copied in per forward)
         for p, q in zip(a, b):
             close(p.value, q.value, p.name, 1e-5)
         before = fused.logits(inputs)
-        a[0].value[...] += 0.5  # lora_A of the first block's q_proj, a view into its qkv group
+        a[0].value[...] += 0.5  # lora_A of the first block's q_proj, whose copy sits in its qkv group's matrix
         assert not np.array_equal(fused.logits(inputs), before)
+        block = fused._blocks[0]
+        assert np.array_equal(block.fused["qkv"][-block._adapter_rows("qkv"):][:4], a[0].value)
+
+
+def test_padded_rows_give_the_same_bytes_as_contiguous_ones():
+    lora = LoraConfig(rank=4, alpha=8)
+    inputs, targets = batch(4)
+    results = []
+    for row_pad in (WEIGHT_ROW_PAD, 0):
+        model = lora_model(tiny(model_width=64, feed_forward_width=96), lora, True)
+        for block in model._blocks:
+            block.fused = {}
+            block.fuse_adapters(row_pad=row_pad)
+            assert block.fused["qkv"].strides[0] == (64 + row_pad) * 4
+        with model.adapter_parameters() as adapters, Adam(adapters, learning_rate=1e-2) as optimizer:
+            losses = []
+            for _ in range(2):
+                losses.append(model.forward_backward(inputs, targets))
+                optimizer.step()
+            results.append((losses, [p.value.copy() for p in adapters], model.logits(inputs)))
+    (losses_a, values_a, logits_a), (losses_b, values_b, logits_b) = results
+    assert losses_a == losses_b
+    assert all(np.array_equal(x, y) for x, y in zip(values_a, values_b))
+    assert np.array_equal(logits_a, logits_b)
 
 
 def test_a_step_of_the_fused_path_is_bit_identical_run_to_run():
