@@ -43,7 +43,7 @@ def paired_steps(context, steps, quantized, against="separate"):
             if side == "separate":
                 block.separate_adapter_products()
             elif side == "unpadded":
-                block.fused = {}
+                block._unfuse_adapters()
                 block.fuse_adapters(row_pad=0)
         sides[side] = (model, Adam(model.adapter_parameters(), learning_rate=1e-4))
     seconds = {side: [] for side in sides}

@@ -111,8 +111,8 @@ class Block:
             "down_proj": ("down", slice(0, C)),
         }
         self.lora = {}  # projection name -> LoraAdapter
-        # group -> [out + n*r, in]: a dense float32 group's frozen weight and, below its rows, its adapters' A
-        # matrices; the named parameters are views into it (fuse_adapters)
+        # group -> [out + n*r, in] with padded rows: a dense float32 group's frozen weight and, below its rows, a copy
+        # of its adapters' A matrices; the base's named parameters are views into it (fuse_adapters)
         self.fused = {}
         self.widen = True  # False: the adapters' down products and input gradient as separate products
 

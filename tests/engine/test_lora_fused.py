@@ -95,7 +95,7 @@ def test_padded_rows_give_the_same_bytes_as_contiguous_ones():
     for row_pad in (WEIGHT_ROW_PAD, 0):
         model = lora_model(tiny(model_width=64, feed_forward_width=96), lora, True)
         for block in model._blocks:
-            block.fused = {}
+            block._unfuse_adapters()
             block.fuse_adapters(row_pad=row_pad)
             assert block.fused["qkv"].strides[0] == (64 + row_pad) * 4
         with model.adapter_parameters() as adapters, Adam(adapters, learning_rate=1e-2) as optimizer:
