@@ -4,7 +4,7 @@
 Private module: the public, validating entry points are in native_ext.kernels, and each
 kernel has a plain numpy twin in native_ext.reference. Kernels take C-contiguous float32
 memoryviews and release the GIL; RMSNorm, rotary positions, SwiGLU and the cross-entropy rows run
-on the threads they are given (rows.h, on native_ext._attention's pool), the rest on one, and
+and Adam on the threads they are given (rows.h, on native_ext._attention's pool), the rest on one, and
 no result depends on a thread count.
 Dimension letters as in native_ext.reference.
 The row kernels themselves are C in kiln_kernels.h (vectorised, cloned per instruction
@@ -33,9 +33,6 @@ cdef extern from "kiln_kernels.h" nogil:
     void kiln_log_softmax_gather(const float *logits, const int64_t *targets, float *out,
                                  float *scratch, int64_t N, int64_t V)
     void kiln_to_bf16(const float *x, uint16_t *out, int64_t n)
-    void kiln_adam_update(float *param, const float *grad, float *m, float *v, int64_t n,
-                          float b1, float b2, float omb1, float omb2, float wd, int decay,
-                          float step_size, float bc2_sqrt, float eps)
 
 
 cdef extern from "rows.h" nogil:
@@ -57,6 +54,9 @@ cdef extern from "rows.h" nogil:
     void kiln_cross_entropy_rows(float *logits, const int64_t *targets, float *losses, float grad_scale,
                                  const float *row_scales, int64_t ignore_index, int64_t N, int64_t V,
                                  int threads)
+    void kiln_adam_update_rows(float *param, const float *grad, float *m, float *v, int64_t n, float b1, float b2,
+                               float omb1, float omb2, float wd, int decay, float step_size, float bc2_sqrt,
+                               float eps, int threads)
 
 
 def use_pool(size_t run):
@@ -206,15 +206,15 @@ def embedding_backward(const f32[:, ::1] dout, const int64_t[::1] tokens, f32[:,
 
 def adam_update(f32[::1] param, const f32[::1] grad, f32[::1] m, f32[::1] v,
                 double learning_rate, double beta1, double beta2, double epsilon,
-                double weight_decay, double bias_correction1, double bias_correction2):
+                double weight_decay, double bias_correction1, double bias_correction2, int threads=1):
     if param.shape[0] == 0:
         return
     with nogil:
-        kiln_adam_update(&param[0], &grad[0], &m[0], &v[0], param.shape[0], <float>beta1,
-                         <float>beta2, <float>(1.0 - beta1), <float>(1.0 - beta2),
-                         <float>weight_decay, weight_decay != 0.0,
-                         <float>(learning_rate / bias_correction1), <float>sqrt(bias_correction2),
-                         <float>epsilon)
+        kiln_adam_update_rows(&param[0], &grad[0], &m[0], &v[0], param.shape[0], <float>beta1,
+                              <float>beta2, <float>(1.0 - beta1), <float>(1.0 - beta2),
+                              <float>weight_decay, weight_decay != 0.0,
+                              <float>(learning_rate / bias_correction1), <float>sqrt(bias_correction2),
+                              <float>epsilon, threads)
 
 
 def to_bf16(const f32[:, ::1] x, uint16_t[:, ::1] out):

@@ -11,7 +11,7 @@ from native_ext.validate import built
 from native_ext.validate import check_array as _check
 
 _kernels = built("_kernels", "the Cython kernels")
-# RMSNorm, rotary positions, SwiGLU and the cross-entropy rows run on the process's one thread pool
+# RMSNorm, rotary positions, SwiGLU, the cross-entropy rows and Adam run on the process's one thread pool
 # (native_ext/pool.h, shared with OpenBLAS), on as many threads as OpenBLAS computes on at the call; their
 # bytes do not depend on it
 _kernels.use_pool(blas.POOL_RUN)
@@ -225,7 +225,7 @@ def adam_update(param, grad, m, v, learning_rate, beta1, beta2, epsilon, weight_
         _same(name, a.shape, param.shape)
     _kernels.adam_update(param, grad, m, v, float(learning_rate), float(beta1), float(beta2),
                          float(epsilon), float(weight_decay), float(bias_correction1),
-                         float(bias_correction2))
+                         float(bias_correction2), blas.threads())
 
 
 def to_bf16(x, out):

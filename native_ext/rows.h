@@ -145,3 +145,29 @@ static void kiln_rope_backward_rows(const float *dout, const float *cos, const f
     kiln_rope_ctx c = {dout, cos, sin, dx, sb, st, sh, past, B, T, NH, g, D};
     kiln_rows(threads, T, KILN_ROWS_CHUNK, kiln_rope_backward_body, &c);
 }
+
+/* Adam over its elements in chunks: every element's update reads and writes only that element (and the
+ * kernel is built with -ffp-contract=off, so its vector and scalar loops round alike), so the bytes are those of
+ * one pass for every thread count. KILN_ADAM_CHUNK elements (256 KiB of each array) per chunk. */
+#define KILN_ADAM_CHUNK 65536
+
+typedef struct {
+    float *param, *m, *v;
+    const float *grad;
+    float b1, b2, omb1, omb2, wd, step_size, bc2_sqrt, eps;
+    int decay;
+} kiln_adam_ctx;
+
+static void kiln_adam_body(const void *arg, int64_t i0, int64_t i1, int64_t chunk) {
+    const kiln_adam_ctx *c = (const kiln_adam_ctx *)arg;
+    (void)chunk;
+    kiln_adam_update(c->param + i0, c->grad + i0, c->m + i0, c->v + i0, i1 - i0, c->b1, c->b2, c->omb1, c->omb2,
+                     c->wd, c->decay, c->step_size, c->bc2_sqrt, c->eps);
+}
+
+static void kiln_adam_update_rows(float *param, const float *grad, float *m, float *v, int64_t n, float b1, float b2,
+                                  float omb1, float omb2, float wd, int decay, float step_size, float bc2_sqrt,
+                                  float eps, int threads) {
+    kiln_adam_ctx c = {param, m, v, grad, b1, b2, omb1, omb2, wd, step_size, bc2_sqrt, eps, decay};
+    kiln_rows(threads, n, KILN_ADAM_CHUNK, kiln_adam_body, &c);
+}

@@ -547,3 +547,27 @@ def test_row_kernels_give_the_same_bytes_on_any_thread_count():
     assert np.max(np.abs(np.frombuffer(one[8], np.float32).reshape(rotated_r.shape) - rotated_r)) <= 1e-6
     dheads = np.frombuffer(one[9], np.float32).reshape(B, T, KV * g, D + 3)
     assert (dheads[..., D:] == 7.0).all()  # nothing outside the view is written
+
+
+def test_adam_gives_the_twins_bytes_on_any_thread_count():
+    """Adam over several of rows.h's 65,536-element chunks with a short last one, on 1, 2 and 3 threads of the
+    pool, starting from an unaligned element: the twin's bytes every time."""
+    from native_ext import _kernels
+
+    rng = rng_for("adam threads")
+    n = 3 * 65536 + 1237
+    start, grad = randn(rng, n + 3), randn(rng, n + 3, scale=1e-2)
+    moments = np.abs(randn(rng, 2, n + 3, scale=1e-3))
+    hyper = (3e-2, 0.8, 0.95, 1e-6, 0.1, 1.0 - 0.8 ** 3, 1.0 - 0.95 ** 3)
+
+    def run(threads):
+        param, m, v = start.copy(), moments[0].copy(), moments[1].copy()
+        _kernels.adam_update(param[3:], grad[3:], m[3:], v[3:], *hyper, threads)
+        return [a.tobytes() for a in (param, m, v)]
+
+    param_r, m_r, v_r = start.copy(), moments[0].copy(), moments[1].copy()
+    reference.adam_update(param_r[3:], grad[3:], m_r[3:], v_r[3:], *hyper)
+    twin = [a.tobytes() for a in (param_r, m_r, v_r)]
+    assert twin[0] != start.tobytes()
+    for threads in (1, 2, 3):
+        assert run(threads) == twin, f"{threads} threads"
