@@ -682,3 +682,57 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         if self.lora_config is None:
             raise ValueError("no LoRA adapter is attached")
         return {name: self._download(*self._adapter_params[name]) for name in self._adapter_names}
+
+
+# -- planning -----------------------------------------------------------------------------------------
+
+
+def planned_device_bytes(config, batch: int, positions: int, lora=None, quantization=None) -> int:
+    """The device bytes CudaModel allocates for training CONFIG (a TransformerConfig) on batches of BATCH rows of
+    POSITIONS tokens: the resident weights (FP32, or NF4 codes with decoded FP32 block scales and the one tile
+    scratch), the trainable parameters' gradients and Adam moments, the activations every block keeps for backward,
+    the backward's and the loss's scratch, and the cuBLAS workspace. LORA is a trainer.lora.LoraConfig (or None:
+    the whole base trains, unless QUANTIZATION, {"block_size": ...}, freezes it). It follows _build, _forward,
+    _loss and _backward buffer by buffer; tests/engine/test_cuda_model.py holds it to the emulation's allocations.
+    The CUDA context itself is not counted (trainer.runs.admission adds an allowance)."""
+    C, F, V, D = config.model_width, config.feed_forward_width, config.vocabulary_size, config.head_dimension
+    H, KV, L = config.head_count, config.kv_heads, config.block_count
+    N, W3 = batch * positions, (H + 2 * KV) * D
+    shapes = {"q_proj": (H * D, C), "k_proj": (KV * D, C), "v_proj": (KV * D, C), "o_proj": (C, H * D),
+              "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F)}
+    linear = sum(rows * cols for rows, cols in shapes.values())
+    vectors = 2 * C + (2 * D if config.qk_norm else 0) + (W3 if config.attention_bias else 0)
+    dense = (1 if config.tie_embeddings else 2) * V * C + C + L * vectors  # embeddings, norms, biases
+    floats = dense + 2 * config.maximum_context * (D // 2) * 2  # rope tables and their identity twins
+    nbytes = BLAS_WORKSPACE_BYTES
+    if quantization is None:
+        floats += L * linear
+    else:
+        block = quantization["block_size"]
+        nbytes += L * sum(rows * cols // 2 + 4 * -(-rows * cols // block) for rows, cols in shapes.values())
+        floats += NF4_SCRATCH_ELEMENTS
+    trainable = 0
+    if lora is not None:
+        trainable = L * sum(lora.rank * (rows + cols) for name, (rows, cols) in shapes.items() if name in lora.targets)
+        floats += 2 * trainable  # values and gradients
+        floats += L * N * lora.rank * sum(name in lora.targets for name in shapes) + N * lora.rank  # u, du
+    elif quantization is None:
+        trainable = floats - 2 * config.maximum_context * (D // 2) * 2
+        floats += trainable  # gradients in the parameters' layouts
+    floats += 2 * trainable  # Adam's moments
+    # kept for backward by every block: h1, qkv, q, k, v, att, attn, x_mid, h2, gate_up, act, the block's output,
+    # and rstd1, rstd2, lse (qk_norm: the raw and normed heads and their rstd)
+    heads = N * (H + 2 * KV) * D
+    saved = 4 * N * C + N * W3 + heads + 2 * N * H * D + 3 * N * F + 2 * N + N * H
+    if config.qk_norm:
+        saved += 2 * N * (H + KV) * D + N * (H + KV)
+    floats += L * saved
+    chunk = N if config.loss_route == "full_logits" else min(config.loss_chunk_tokens, N)
+    # x.0, hidden, dhidden; the final rstd, ones, per-row losses; int64 tokens and targets; the loss's logits chunk
+    floats += 3 * N * C + 7 * N + chunk * V
+    # backward: d, dh, dact, dgate_up, dattn, datt, delta, dq, dk, dv, dqkv; RMSNorm's double partial sums
+    floats += 2 * N * C + 3 * N * F + 3 * N * H * D + N * H + 2 * N * KV * D + N * W3
+    floats += 2 * -(-N // 64) * C + C + D
+    if config.qk_norm:
+        floats += 2 * N * (H + KV) * D
+    return nbytes + 4 * floats

@@ -266,12 +266,33 @@ def test_the_api_refuses_cuda_without_a_device(real_sft, api, adapter_name, prob
     assert NO_DRIVER in evaluation.json()["error"]["message"]
 
 
-def test_the_planned_need_is_the_resident_base_weights():
-    base = types.SimpleNamespace(parameter_count=1000)
-    assert admission.planned_device_bytes({}, base) == 4000
-    nf4 = {"quantization": {"type": "nf4", "block_size": 64, "double_quantization": False}}
-    assert admission.planned_device_bytes(nf4, base) == 500 + 4 * 16
-    assert admission.planned_device_bytes({}, types.SimpleNamespace()) is None
+def test_the_planned_need_is_what_the_device_model_allocates_for_the_request():
+    """admission.planned_device_bytes maps the request onto trainer.cuda_model.planned_device_bytes (which
+    tests/engine/test_cuda_model.py holds to the device model's real allocations): SFT's micro-batch of batch_size
+    sequences of max_sequence_length tokens, capped by the base's context; GRPO's and OPD's one sequence of
+    max_completion_length or max_new_tokens tokens; the adapters and the NF4 base as the request shapes them."""
+    from trainer import LoraConfig, TransformerConfig
+    from trainer.cuda_model import planned_device_bytes
+
+    architecture = dict(vocabulary_size=512, maximum_context=256, model_width=64, head_count=4, kv_head_count=2,
+                        block_count=2, feed_forward_width=128)
+    base = types.SimpleNamespace(config=architecture, parameter_count=1)
+    model = TransformerConfig(**architecture, loss_route="kt_tape_flce", loss_chunk_tokens=max(64, (64 << 20) // 2048))
+    lora = {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"], "use_rslora": False}
+    shaped = LoraConfig(rank=8, alpha=16, targets=("q_proj", "v_proj"))
+    nf4 = {"type": "nf4", "block_size": 64, "double_quantization": False}
+    sft = {"batch_size": 4, "max_sequence_length": 100, "lora": lora}
+    assert admission.planned_device_bytes(sft, base) == planned_device_bytes(model, 4, 100, shaped)
+    assert admission.planned_device_bytes({**sft, "max_sequence_length": 4096}, base) == \
+        planned_device_bytes(model, 4, 256, shaped)  # no sequence is longer than the base's context
+    assert admission.planned_device_bytes({**sft, "quantization": nf4}, base) == \
+        planned_device_bytes(model, 4, 100, shaped, nf4) != admission.planned_device_bytes(sft, base)
+    grpo = {"max_completion_length": 60, "lora": lora}
+    assert admission.planned_device_bytes(grpo, base) == planned_device_bytes(model, 1, 60, shaped)
+    opd = {"max_new_tokens": 30, "lora": lora}
+    assert admission.planned_device_bytes(opd, base) == planned_device_bytes(model, 1, 30, shaped)
+    assert admission.planned_device_bytes({**sft, "batch_size": 8}, base) > admission.planned_device_bytes(sft, base)
+    assert admission.planned_device_bytes(sft, types.SimpleNamespace(parameter_count=1000)) is None
 
 
 @pytest.mark.django_db

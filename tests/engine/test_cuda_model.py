@@ -13,7 +13,7 @@ import pytest
 
 from trainer import Adam, DecoderOnlyTransformer, TransformerConfig
 from trainer.blocks import NF4_SCRATCH_ELEMENTS
-from trainer.cuda_model import CudaModel
+from trainer.cuda_model import BLAS_WORKSPACE_BYTES, CudaModel, planned_device_bytes
 from trainer.lora import PROJECTIONS, LoraConfig
 from tests.engine.conftest import cuda_probe
 
@@ -353,3 +353,23 @@ def test_use_after_close_and_bad_inputs_are_refused(lib):
         device.forward_backward(inputs, targets)
     with pytest.raises(TypeError, match="DecoderOnlyTransformer"):
         CudaModel(object(), lib)
+
+
+@pytest.mark.parametrize("case", ["dense", "lora", "lora-two-targets", "qlora", "family-options"])
+def test_the_planned_device_bytes_are_what_a_training_step_allocates(lib, case):
+    """planned_device_bytes (what admission compares with a device's free memory) against the bytes CudaModel
+    really holds after a forward/backward and an Adam step: never less, and at most 1% more."""
+    lora = LoraConfig(rank=4, alpha=8.0)
+    kwargs = {"dense": dict(), "lora": dict(lora=lora),
+              "lora-two-targets": dict(lora=LoraConfig(rank=3, alpha=8.0, targets=("q_proj", "v_proj"))),
+              "qlora": dict(lora=lora, quantize=dict(block_size=64)),
+              "family-options": dict(lora=lora, qk_norm=True, attention_bias=True, tie_embeddings=True,
+                                     loss_route="kt_tape_flce")}[case]
+    model = make_model(**kwargs)
+    with CudaModel(model, lib) as device:
+        device.forward_backward(*batch(0))
+        device.adam_step(learning_rate=1e-3, beta1=0.9, beta2=0.99, epsilon=1e-8, weight_decay=0.0)
+        held = sum(array.nbytes for array in device._arrays)
+    planned = planned_device_bytes(model.config, B, T, kwargs.get("lora"), kwargs.get("quantize")) \
+        - BLAS_WORKSPACE_BYTES
+    assert held <= planned <= 1.01 * held, (held, planned)

@@ -10,12 +10,13 @@ import hashlib
 import json
 import math
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from native_ext import onednn
 from trainer import LoraConfig
-from trainer.config import BASE_PRECISIONS
+from trainer.config import BASE_PRECISIONS, TransformerConfig
+from trainer.cuda_model import planned_device_bytes as cuda_planned_bytes
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.fsio import file_sha256
@@ -312,15 +313,23 @@ def choose_backend(requested: str | None, default: str, home, need_bytes: int | 
 
 
 def planned_device_bytes(config: dict, base) -> int | None:
-    """A floor of the device memory a run needs: the base's weights as they reside (FP32, or NF4 codes and
-    their FP32 block scales); None when the base does not say how many parameters it has."""
-    count = getattr(base, "parameter_count", None)
-    if not isinstance(count, int) or count <= 0:
+    """The device memory a run over BASE plans (trainer.cuda_model.planned_device_bytes: weights as they reside,
+    adapters, gradients, Adam's moments, the activations of one micro-batch and the loss's chunk), for micro-batches
+    of config.batch_size sequences of config.max_sequence_length tokens (SFT), or of one sequence of
+    max_completion_length (GRPO) or max_new_tokens (OPD) tokens: a floor there, whose prompts are longer still.
+    None when the base does not describe its architecture."""
+    architecture = getattr(base, "config", None)
+    if not isinstance(architecture, dict) or not architecture:
         return None
-    quantization = config.get("quantization")
-    if quantization:
-        return count // 2 + 4 * -(-count // quantization["block_size"])
-    return 4 * count
+    model = TransformerConfig.from_dict(architecture)
+    route = "kt_tape_flce"  # the cuda backend's loss route (BACKEND_LOSS_ROUTES)
+    model = replace(model, **loss_options(route, model.vocabulary_size))
+    positions = config.get("max_sequence_length") or config.get("max_completion_length") \
+        or config.get("max_new_tokens") or model.maximum_context
+    lora = config.get("lora")
+    lora = None if lora is None else LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+    return cuda_planned_bytes(model, int(config.get("batch_size") or 1), min(int(positions), model.maximum_context),
+                              lora, config.get("quantization"))
 
 
 def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoice:
