@@ -235,6 +235,9 @@ def _devices(library, path):
         if not _driver_installed():
             raise CudaUnavailable("driver_missing", path, f"the CUDA driver ({DRIVER_LIBRARY}) is not installed: no "
                                   f"NVIDIA GPU driver on this machine")
+        if not driver.value:  # e.g. a stub libcuda.so.1 (cudaErrorStubLibrary): no version to call too old
+            raise CudaUnavailable("driver_missing", path, f"the installed CUDA driver ({DRIVER_LIBRARY}) reports no "
+                                  f"version (cudaGetDeviceCount failed with {status}): {last_error(library)}")
         raise CudaUnavailable("driver_missing", path, f"the installed CUDA driver (version {driver.value}) is older "
                               f"than this library's runtime needs: {last_error(library)}")
     if status == _CUDA_ERROR_NO_DEVICE or (status == 0 and count.value == 0):

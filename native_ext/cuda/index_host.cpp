@@ -37,6 +37,18 @@ void kiln_index_rope_out(int64_t B, int64_t T, int64_t KV, int64_t g, int64_t D,
                 for (int64_t d = 0; d < D; d++) out[i++] = kiln_rope_out_index(b, t, h, d, T, KV, g, D);
 }
 
+// out[b,t,h,d] = the flat index of element (b, t, h, d) of a [B,T,H,D] view with strides (b, t, h) and a
+// contiguous last axis, from the view's first element
+void kiln_index_strided(int64_t B, int64_t T, int64_t H, int64_t D, int64_t stride_b, int64_t stride_t,
+                        int64_t stride_h, int64_t *out) {
+    int64_t i = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t d = 0; d < D; d++)
+                    out[i++] = kiln_strided_index(b, t, h, d, stride_b, stride_t, stride_h);
+}
+
 void kiln_index_gqa(const int64_t *head, int64_t g, int64_t *kv_head, int64_t *slot, int64_t count) {
     for (int64_t i = 0; i < count; i++) {
         kv_head[i] = kiln_gqa_kv_head(head[i], g);

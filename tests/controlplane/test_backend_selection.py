@@ -5,9 +5,11 @@ a resume on another backend refused with the drift table; the cuda execution ide
 identity unchanged.
 
 No test needs a GPU: native_ext.cuda.probe is replaced where a device must seem present (or absent with a known
-reason)."""
+reason), a checkpoint written on cuda comes from the host emulation of the CUDA library (tests/engine/conftest.py's
+cuda_environment), and one refusal carries the real loader's reason on this machine."""
 
 import copy
+import hashlib
 import json
 import re
 import sys
@@ -17,12 +19,15 @@ import pytest
 
 import native_ext
 from kiln_web.cli import main
+from kiln_web.jobs import runtime
 from kiln_web.jobs.models import JobStatus, TrainingJob
 from kiln_web.jobs.worker import EmbeddedWorker
-from trainer.runs import admission, backend, execution
+from tests.engine.conftest import cuda_environment, emulated_library  # noqa: F401  (fixtures used here)
+from trainer.runs import admission, backend, checkpoint_dir, execution
 from trainer.runs.defaults import DEFAULTS
 
 from .conftest import cli_runner, sft_body
+from .rl_data import grpo_inline, opd_request
 
 NO_DRIVER = "libcuda.so.1 cannot be opened (no NVIDIA driver in this test)"
 DEVICE = {"index": 0, "name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
@@ -266,6 +271,57 @@ def test_the_api_refuses_cuda_without_a_device(real_sft, api, adapter_name, prob
     assert NO_DRIVER in evaluation.json()["error"]["message"]
 
 
+def rl_body(api, kind, adapter, **config) -> dict:
+    """A GRPO request (inline groups) or an OPD one (with a native teacher alias over kiln-tiny) for ADAPTER."""
+    if kind == "grpo":
+        return grpo_inline(adapter, **config)
+    teacher = api.post("/v1/teachers", {"name": "tutor@native", "base": "kiln-tiny"})
+    assert teacher.status_code == 201, teacher.content
+    return opd_request(adapter, "tutor@native", **config)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kind", ["grpo", "opd"])
+def test_the_api_refuses_grpo_and_opd_on_cuda_without_a_device(api, adapter_name, probe, kind):
+    probe(UNAVAILABLE)
+    body = rl_body(api, kind, adapter_name, backend="cuda")
+    response = api.post(f"/v1/train/{kind}", body)
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "backend_unavailable" and NO_DRIVER in error["message"]
+    assert "ask for backend cpu or auto" in error["message"]
+    assert not TrainingJob.objects.exists()
+    cpu = api.post(f"/v1/train/{kind}", {**body, "config": {**body["config"], "backend": "cpu"}})
+    assert cpu.status_code == 201, cpu.content  # the same request is otherwise admissible
+    assert cpu.json()["effective_config"]["backend"] == "cpu"
+
+
+@pytest.mark.django_db
+def test_the_api_refusal_carries_the_real_loaders_reason_on_this_machine(api, adapter_name, monkeypatch):
+    """No fake: whatever the CUDA loader reports here is what a cuda GRPO or OPD request is refused with."""
+    from native_ext import cuda
+
+    monkeypatch.delenv(cuda.ENVIRONMENT_VARIABLE, raising=False)
+    caches = (execution._cached, backend._absent_for_this_process)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        real = cuda.probe(min_capability=backend.MIN_CAPABILITY, isolated=True)  # CUDA stays out of this process
+        if real["available"]:
+            pytest.skip("the loader finds a usable GPU here: nothing to refuse")
+        assert real["reason"] and real["code"] in cuda.CODES
+        for kind in ("grpo", "opd"):
+            response = api.post(f"/v1/train/{kind}", rl_body(api, kind, f"{adapter_name}-{kind}", backend="cuda"))
+            assert response.status_code == 400, response.content
+            error = response.json()["error"]
+            assert error["code"] == "backend_unavailable", error
+            assert f"backend cuda is unavailable here: {real['reason']}" in error["message"], (real, error)
+        assert not TrainingJob.objects.exists()
+    finally:
+        for cache in caches:
+            cache.cache_clear()
+
+
 def test_the_planned_need_is_what_the_device_model_allocates_for_the_request():
     """admission.planned_device_bytes maps the request onto trainer.cuda_model.planned_device_bytes (which
     tests/engine/test_cuda_model.py holds to the device model's real allocations): SFT's micro-batch of batch_size
@@ -342,6 +398,59 @@ def test_a_resume_on_another_backend_is_refused_and_a_warm_start_across_backends
     failed = TrainingJob.objects.get(pk=job["id"])
     assert failed.status == JobStatus.FAILED and failed.error_code == "backend_unavailable"
     assert NO_DRIVER in failed.error_message and failed.committed_step == 0
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_a_resume_on_another_gpu_is_refused_naming_the_gpu_field_and_a_warm_start_is_admitted(
+        real_sft, api, adapter_name, monkeypatch, cuda_environment):  # noqa: F811
+    """A checkpoint written on cuda (a GPU, or the host emulation of the library as the loader's device) records the
+    device's gpu fields; admission compares only the backend (the web process does not know the worker's GPU), so a
+    resume on the same backend is admitted, and the worker whose GPU differs in one field refuses it at dequeue
+    (execution_drift) with the table naming that field. A base_adapter warm start on that worker is admitted and
+    runs: weights only, nothing to continue."""
+    body = sft_body(adapter_name, records=4, epochs=1, batch_size=1, checkpoint_interval=2, seed=5, backend="cuda")
+    first = api.post("/v1/train/sft", body)
+    assert first.status_code == 201, first.content
+    assert EmbeddedWorker().run_once()
+    done = TrainingJob.objects.get(pk=first.json()["id"])
+    assert done.status == JobStatus.SUCCEEDED, done.error_message
+    basename = f"{adapter_name}-checkpoint-step-00000002.kiln-checkpoint"
+    held = checkpoint_dir.load_checkpoint(real_sft.KILN_ADAPTERS_DIR / basename, full=False,
+                                          allowed_manifest_fields=admission.MANIFEST_FIELDS).manifest["execution"]
+    assert held["backend"] == "cuda" and set(held["gpu"]) == GPU_FIELDS and held["gpu"]["name"]
+    if cuda_environment is not None:  # the emulation: the library the loader found is the one the checkpoint binds
+        assert held["gpu"]["library_sha256"] == hashlib.sha256(cuda_environment.read_bytes()).hexdigest()
+        assert held["gpu"]["compute_capability"] == "8.0"
+
+    resume = {**body, "config": {**body["config"], "resume_checkpoint": basename}}
+    for field, value in (("name", "Another Accelerator"), ("library_sha256", "cd" * 32)):
+        other = {**held, "gpu": {**held["gpu"], field: value}}  # the worker's GPU differs in FIELD alone
+        admitted = api.post("/v1/train/sft", resume)
+        assert admitted.status_code == 201, admitted.content  # same backend: admission leaves the GPU to the worker
+        with monkeypatch.context() as patch:
+            patch.setattr(runtime, "execution_identity", lambda backend=None, precision=None: other)
+            assert EmbeddedWorker().run_once()
+        job = TrainingJob.objects.get(pk=admitted.json()["id"])
+        assert job.status == JobStatus.FAILED and job.error_code == "execution_drift", job.error_message
+        table = [{"field": f"execution.gpu.{field}", "checkpoint": held["gpu"][field], "request": value}]
+        assert job.error_details["differences"] == table
+        assert f"execution.gpu.{field}" in job.error_message
+        assert job.committed_step == 2 and not job.metrics.exists()  # refused before any step
+        assert api.get(f"/v1/train/jobs/{job.pk}").json()["error"]["details"]["differences"] == table
+
+    other = {**held, "gpu": {**held["gpu"], "name": "Another Accelerator"}}
+    snapshot = done.result["final_adapter"]["path"]
+    warm = sft_body(f"{adapter_name}-warm", records=2, seed=5, backend="cuda", base_adapter=snapshot)
+    admitted = api.post("/v1/train/sft", warm)
+    assert admitted.status_code == 201, admitted.content
+    with monkeypatch.context() as patch:
+        patch.setattr(runtime, "execution_identity", lambda backend=None, precision=None: other)
+        assert EmbeddedWorker().run_once()
+    job = TrainingJob.objects.get(pk=admitted.json()["id"])
+    assert job.status == JobStatus.SUCCEEDED, (job.error_code, job.error_message)
+    assert job.identities["execution"]["gpu"]["name"] == "Another Accelerator"
+    assert job.identities["base_adapter"]["path"] == snapshot
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The CUDA library without a GPU: it is built where nvcc and cuBLAS are, every symbol the loader declares is
-exported, the loader's coded reasons (library_missing, load_failed, symbol_missing, driver_missing or
-no_device), `kiln doctor --json`, setup.py's skip messages, and the index helpers of kiln_cuda_index.h
-compiled for the host against numpy. The kernels themselves are tested on a GPU in test_cuda_kernels.py.
+exported, the loader's coded reasons (library_missing, load_failed, symbol_missing, and driver_missing, no_device,
+device_too_old or out_of_memory from gcc-built stub libraries whose device query answers as a test says),
+`kiln doctor --json`, setup.py's skip messages, and the index helpers of kiln_cuda_index.h compiled for the host
+against numpy. The kernels themselves are tested on a GPU in test_cuda_kernels.py.
 """
 
 import ctypes
@@ -194,6 +195,148 @@ def test_a_file_that_is_not_a_library_is_load_failed(monkeypatch, tmp_path):
     assert str(path) in str(cuda.CudaUnavailable(result["code"], path, result["reason"]))
 
 
+# -- the device query's coded reasons, through stub libraries whose device functions answer as told -------------
+
+_C_TYPES = {ctypes.c_int: "int", ctypes.c_int64: "int64_t", ctypes.c_float: "float", ctypes.c_double: "double",
+            ctypes.c_size_t: "size_t", ctypes.c_void_p: "void *", ctypes.c_char_p: "char *"}
+# the stub's device functions; every other symbol of SYMBOLS returns 0. Each STUB_* is a -D of the scenario.
+_STUB_BODIES = {
+    "kiln_cuda_last_error": "return stub_error;",
+    "kiln_cuda_device_count": "*a0 = STUB_COUNT; return stub_fail(STUB_COUNT_STATUS, \"cudaGetDeviceCount\");",
+    "kiln_cuda_driver_version": "*a0 = STUB_DRIVER; return 0;",
+    "kiln_cuda_runtime_version": "*a0 = 13000; return 0;",
+    "kiln_cuda_cublas_version": "*a0 = 130100; return 0;",
+    "kiln_cuda_device_properties": "snprintf(a1, (size_t)a2, \"Kiln Stub Device\"); *a3 = STUB_MAJOR; "
+                                   "*a4 = STUB_MINOR; *a5 = (size_t)16 << 30; *a6 = 40; "
+                                   "return stub_fail(STUB_PROPERTIES_STATUS, \"cudaGetDeviceProperties\");",
+    "kiln_cuda_set_device": "return a0 == 0 ? stub_fail(STUB_SET_STATUS, \"cudaSetDevice\") : 0;",
+    "kiln_cuda_mem_info": "*a0 = (size_t)15 << 30; *a1 = (size_t)16 << 30; return 0;",
+}
+_STUB_DEFAULTS = {"STUB_COUNT": 1, "STUB_COUNT_STATUS": 0, "STUB_DRIVER": 12040, "STUB_MAJOR": 8, "STUB_MINOR": 0,
+                  "STUB_PROPERTIES_STATUS": 0, "STUB_SET_STATUS": 0}
+
+
+def _c_type(kind) -> str:
+    if kind in _C_TYPES:
+        return _C_TYPES[kind]
+    return f"{_c_type(kind._type_)}*"  # POINTER(x)
+
+
+def _stub_source() -> str:
+    """C for every symbol of cuda.SYMBOLS, with its declared return and argument types (generated from the table, so
+    a symbol added there is in the stub too)."""
+    lines = ["#include <stdint.h>", "#include <stddef.h>", "#include <stdio.h>", "static char stub_error[256];",
+             "static int stub_fail(int status, const char *where) {",
+             "    if (status) snprintf(stub_error, sizeof stub_error, \"%s: stub status %d\", where, status);",
+             "    return status;", "}"]
+    for name, (restype, argtypes) in cuda.SYMBOLS.items():
+        returns = "const char *" if restype is ctypes.c_char_p else _c_type(restype)
+        parameters = ", ".join(f"{_c_type(kind)} a{i}" for i, kind in enumerate(argtypes)) or "void"
+        lines.append(f"{returns} {name}({parameters}) {{ {_STUB_BODIES.get(name, 'return 0;')} }}")
+    return "\n".join(lines) + "\n"
+
+
+def _stub_library(tmp_path, **defines):
+    """A libkiln_cuda.so stand-in in TMP_PATH whose device query answers as DEFINES (over _STUB_DEFAULTS) say."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    source = tmp_path / "stub.c"
+    source.write_text(_stub_source())
+    output = tmp_path / "libkiln_cuda_stub.so"
+    flags = [f"-D{key}={value}" for key, value in {**_STUB_DEFAULTS, **defines}.items()]
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wall", "-Werror", *flags, "-o", str(output), str(source)],
+                   check=True)
+    return output
+
+
+STUB_DEVICE = {"index": 0, "name": "Kiln Stub Device", "compute_capability": "8.0", "total_memory": 16 << 30,
+               "free_memory": 15 << 30, "multiprocessors": 40}
+# scenario: (stub defines, libcuda.so.1 installed?, code, reason, devices listed)
+DEVICE_QUERY_FAILURES = {
+    "zero devices": (dict(STUB_COUNT=0), True, "no_device",
+                     "the CUDA driver is installed but sees no GPU (check CUDA_VISIBLE_DEVICES and nvidia-smi)", []),
+    "cudaErrorNoDevice": (dict(STUB_COUNT=0, STUB_COUNT_STATUS=100), True, "no_device",
+                          "the CUDA driver is installed but sees no GPU (check CUDA_VISIBLE_DEVICES and nvidia-smi)",
+                          []),
+    "compute capability 7.5": (dict(STUB_MAJOR=7, STUB_MINOR=5), True, "device_too_old",
+                               "every GPU is below compute capability 8.0: Kiln Stub Device (7.5)",
+                               [{**STUB_DEVICE, "compute_capability": "7.5"}]),
+    "context out of memory": (dict(STUB_COUNT=0, STUB_COUNT_STATUS=2), True, "out_of_memory",
+                              "the CUDA context could not be created: cudaGetDeviceCount: stub status 2", []),
+    "device out of memory": (dict(STUB_SET_STATUS=2), True, "out_of_memory",
+                             "device 0: no memory left for a CUDA context", []),
+    "driver too old": (dict(STUB_COUNT=0, STUB_COUNT_STATUS=35, STUB_DRIVER=11040), True, "driver_missing",
+                       "the installed CUDA driver (version 11040) is older than this library's runtime needs: "
+                       "cudaGetDeviceCount: stub status 35", []),
+    "no driver": (dict(STUB_COUNT=0, STUB_COUNT_STATUS=35, STUB_DRIVER=0), False, "driver_missing",
+                  "the CUDA driver (libcuda.so.1) is not installed: no NVIDIA GPU driver on this machine", []),
+    "stub driver without a version": (dict(STUB_COUNT=0, STUB_COUNT_STATUS=34, STUB_DRIVER=0), True,
+                                      "driver_missing", "the installed CUDA driver (libcuda.so.1) reports no version "
+                                      "(cudaGetDeviceCount failed with 34): cudaGetDeviceCount: stub status 34", []),
+    "other driver error": (dict(STUB_COUNT=0, STUB_COUNT_STATUS=999), True, "no_device",
+                           "cudaGetDeviceCount failed with 999: cudaGetDeviceCount: stub status 999", []),
+    "properties fail": (dict(STUB_PROPERTIES_STATUS=1), True, "no_device",
+                        "device 0 properties failed: cudaGetDeviceProperties: stub status 1", []),
+}
+
+
+def test_the_stub_library_is_generated_from_symbols_and_a_capable_stub_device_is_available(monkeypatch, tmp_path):
+    """The control for the failures below: the same stub with a compute capability 8.0 device is a usable CUDA
+    backend, every declared symbol bound, its device and versions reported as the library answers them."""
+    path = _stub_library(tmp_path)
+    assert cuda.elf_dynamic_symbols(path) == set(cuda.SYMBOLS)
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(path))
+    result = cuda.probe()
+    assert result["available"] is True and (result["code"], result["reason"]) == (None, None)
+    assert result["symbols"] == {"declared": len(cuda.SYMBOLS), "resolved": len(cuda.SYMBOLS), "missing": []}
+    assert result["devices"] == [STUB_DEVICE]
+    assert (result["driver_version"], result["runtime_version"], result["cublas_version"]) == (12040, 13000, 130100)
+    assert result["library"] == str(path) and result["library_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert cuda.load() is cuda.open_library(path)
+
+
+def test_a_device_of_compute_capability_7_5_is_enough_only_for_a_lower_floor(monkeypatch, tmp_path):
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(_stub_library(tmp_path, STUB_MAJOR=7, STUB_MINOR=5)))
+    assert cuda.probe()["code"] == "device_too_old"
+    lower = cuda.probe(min_capability=(7, 5))
+    assert lower["available"] is True and lower["min_capability"] == "7.5"
+    assert lower["devices"][0]["compute_capability"] == "7.5"
+    cuda.load((7, 5))
+
+
+@pytest.mark.parametrize("scenario", list(DEVICE_QUERY_FAILURES))
+def test_each_device_query_failure_is_its_coded_reason_naming_the_library(monkeypatch, tmp_path, scenario):
+    defines, driver_installed, code, reason, devices = DEVICE_QUERY_FAILURES[scenario]
+    path = _stub_library(tmp_path, **defines)
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(path))
+    monkeypatch.setattr(cuda, "_driver_installed", lambda: driver_installed)  # whatever this machine has
+    result = cuda.probe()
+    assert (result["available"], result["code"], result["reason"]) == (False, code, reason)
+    assert result["library"] == str(path) and result["devices"] == devices
+    assert result["symbols"]["missing"] == [] and result["runtime_version"] == 13000  # loaded; the device failed
+    with pytest.raises(cuda.CudaUnavailable) as raised:
+        cuda.load()
+    assert (raised.value.code, raised.value.path, raised.value.reason) == (code, str(path), reason)
+    assert str(raised.value) == f"CUDA backend unavailable [{code}] ({path}): {reason}"
+
+
+@pytest.mark.parametrize("scenario", ["zero devices", "compute capability 7.5", "context out of memory",
+                                      "driver too old"])
+def test_kiln_doctor_json_reports_the_device_query_failure(capsys, monkeypatch, tmp_path, scenario):
+    from kiln_web.cli import main
+
+    defines, driver_installed, code, reason, _ = DEVICE_QUERY_FAILURES[scenario]
+    path = _stub_library(tmp_path, **defines)
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(path))
+    monkeypatch.setattr(cuda, "_driver_installed", lambda: driver_installed)
+    main(["doctor", "--json"])
+    probe = json.loads(capsys.readouterr().out)["cuda"]
+    assert (probe["available"], probe["code"], probe["reason"], probe["library"]) == (False, code, reason, str(path))
+    main(["doctor"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cuda")]
+    assert lines == [f"cuda       unavailable [{code}]: {reason}"]
+
+
 def test_kiln_doctor_json_has_the_cuda_object(capsys, no_override):
     from kiln_web.cli import main
 
@@ -323,6 +466,42 @@ def test_rope_output_layout_and_gqa_heads_match_the_cpu_kernel(index):
     index.kiln_index_gqa(_p(heads), I64(g), _p(kv_head), _p(slot), I64(len(heads)))
     np.testing.assert_array_equal(kv_head, heads // g)
     np.testing.assert_array_equal(slot, heads % g)
+
+
+def _strided(index, view):
+    """kiln_strided_index over every (b, t, h, d) of the numpy view [B,T,H,D], with the view's strides in elements."""
+    B, T, H, D = view.shape
+    assert view.strides[3] == view.itemsize, "the helper needs a contiguous last axis"
+    stride_b, stride_t, stride_h = (s // view.itemsize for s in view.strides[:3])
+    flat = np.empty(view.size, np.int64)
+    index.kiln_index_strided(I64(B), I64(T), I64(H), I64(D), I64(stride_b), I64(stride_t), I64(stride_h), _p(flat))
+    return flat.reshape(view.shape)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "q of fused qkv", "k of fused qkv", "heads before time"])
+def test_strided_index_matches_numpys_strides(index, layout):
+    """The rotary kernels read x [B,T,H,D] through (b, t, h) strides from the view's first element: each
+    element's flat index equals where numpy's view of the same buffer puts it."""
+    B, T, NH, KV, D = 2, 3, 4, 2, 6
+    if layout == "heads before time":  # [B,H,T,D] in memory, read as [B,T,H,D]
+        buffer = np.arange(B * NH * T * D, dtype=np.int64).reshape(B, NH, T, D)
+        view = buffer.transpose(0, 2, 1, 3)  # [B,T,H,D]
+    else:
+        buffer = np.arange(B * T * (NH + 2 * KV) * D, dtype=np.int64).reshape(B, T, NH + 2 * KV, D)
+        view = {"contiguous": np.arange(B * T * NH * D, dtype=np.int64).reshape(B, T, NH, D),
+                "q of fused qkv": buffer[:, :, :NH], "k of fused qkv": buffer[:, :, NH:NH + KV]}[layout]
+    # every value of the buffer is its own flat index: the view's values, less its first one, are the offsets
+    np.testing.assert_array_equal(_strided(index, view), view - view[0, 0, 0, 0])
+
+
+def test_strided_index_is_int64_past_two_to_the_31(index):
+    B, T, H, D = 2, 3, 2, 4
+    stride_b, stride_t, stride_h = (3 << 31) + 5, (1 << 31) + 7, 1 << 20
+    flat = np.empty(B * T * H * D, np.int64)
+    index.kiln_index_strided(I64(B), I64(T), I64(H), I64(D), I64(stride_b), I64(stride_t), I64(stride_h), _p(flat))
+    expected = [b * stride_b + t * stride_t + h * stride_h + d  # Python integers: no overflow
+                for b in range(B) for t in range(T) for h in range(H) for d in range(D)]
+    assert flat.tolist() == expected and max(expected) > 2**32
 
 
 @pytest.mark.parametrize("n,block_size,start", [(130, 64, 0), (130, 64, 5), (97, 32, 33)])
