@@ -124,10 +124,10 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, help="auto: cuda when the server's CUDA device is found and "
                         "qualified, else cpu; cuda is refused without a device (default: the server's "
                         "KILN_TRAINING_BACKEND)")
-    parser.add_argument("--precision", choices=("float32", "bfloat16"),
-                        help="bfloat16: the frozen LoRA base's products from bfloat16 operands on oneDNN (CPUs with "
-                        "AVX-512-BF16 or AMX; not with --qlora or on cuda); refused where unavailable (default: "
-                        "float32)")
+    parser.add_argument("--precision", choices=("float32", "bfloat16", "tfloat32"),
+                        help="bfloat16: the frozen LoRA base's products from bfloat16 operands (oneDNN on CPUs with "
+                        "AVX-512-BF16 or AMX, or a CUDA device's tensor cores); tfloat32: a CUDA device's TF32 "
+                        "tensor cores; not with --qlora; refused where unavailable (default: float32)")
 
 
 def _sft_body(args: argparse.Namespace) -> dict:

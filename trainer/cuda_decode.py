@@ -79,10 +79,11 @@ class DeviceDecoding:
         C, V = self.config.model_width, self.config.vocabulary_size
         if last_only:  # rows T-1, 2T-1, ...: a strided A operand
             logits = self._rows("dec.logits", B, V)
-            self._gemm(0, 1, B, V, C, 1.0, hidden.ptr + 4 * (T - 1) * C, T * C, self._head.ptr, C, 0.0, logits.ptr, V)
+            self._gemm(0, 1, B, V, C, 1.0, hidden.ptr + 4 * (T - 1) * C, T * C, self._head.ptr, C, 0.0, logits.ptr, V,
+                       self._base_code)
             return self._download(logits, 0, (B, 1, V))
         logits = self._rows("dec.logits", B * T, V)
-        self._gemm(0, 1, B * T, V, C, 1.0, hidden.ptr, C, self._head.ptr, C, 0.0, logits.ptr, V)
+        self._gemm(0, 1, B * T, V, C, 1.0, hidden.ptr, C, self._head.ptr, C, 0.0, logits.ptr, V, self._base_code)
         return self._download(logits, 0, (B, T, V))
 
     def _decode(self, tokens, cache):

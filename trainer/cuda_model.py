@@ -12,8 +12,11 @@ linear cross-entropy (chunk rows: all N on the full-logits route, loss_chunk_tok
 Layout changes between [B,T,h,D] projection rows and [B,KV,T,g,D] head groups go through the
 rotary kernels with identity tables (cos 1, sin 0: x*1 - y*0 == x exactly), so no copy kernel is
 needed. Everything runs on the legacy default stream in FP32 (no TF32) without atomics: the same
-inputs give the same bits on one device. Gradients accumulate on the device until adam_step (or
-zero_gradients) consumes them; the host receives them only through gradients().
+inputs give the same bits on one device. A LoRA model's frozen base may compute at a precision of its own
+(CudaModel's `precision`: tfloat32 or bfloat16 tensor cores for the base's products and the output projection,
+FP32 accumulation; attention, adapters, norms and the loss kernels stay FP32), as the CPU's bfloat16 route does.
+Gradients accumulate on the device until adam_step (or zero_gradients) consumes them; the host receives them
+only through gradients().
 KV-cached sampling passes (forward_cached, kv_cache) are trainer.cuda_decode's.
 It is proven against the CPU engine (tests/engine/test_cuda_model.py, test_cuda_decode.py). Runs on the cuda
 backend train on it (trainer.runs.device).
@@ -34,7 +37,10 @@ from trainer.cuda_optim import DeviceOptimizer
 from trainer.quantization import dequantize_nf4
 
 F32, I64 = np.float32, np.int64
-FP32 = 0  # the precision argument of every GEMM: IEEE FP32, no TF32
+FP32 = 0  # the precision argument of every GEMM but a frozen base's: IEEE FP32, no TF32
+# a frozen base's product precisions (kiln_cuda.h's KILN_CUDA_PRECISION_*): float32, TF32 tensor cores, bfloat16
+# tensor cores from bfloat16-rounded operands; FP32 accumulation in all three
+BASE_PRECISION_CODES = {"float32": 0, "tfloat32": 1, "bfloat16": 2}
 BLAS_WORKSPACE_BYTES = 32 << 20
 ATTENTION_MAX_HEAD = 128  # KILN_CUDA_ATTENTION_MAX_HEAD
 # group -> the projections writing its fused output, in column order
@@ -78,17 +84,25 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
 
     Construct it from a CPU model (its config, FP32 base, attached LoRA adapters and packed NF4 bases
     are copied; the CPU model is not kept) and a library handle: native_ext.cuda.load() by default,
-    or an explicit one such as the host emulation the tests build.
+    or an explicit one such as the host emulation the tests build. PRECISION (BASE_PRECISION_CODES) is how a
+    frozen base's products and the output projection compute: float32, or tfloat32 / bfloat16 for a LoRA model.
     """
 
     closed_message = "the CUDA model has been closed; construct a new one"
 
-    def __init__(self, model, library=None):
+    def __init__(self, model, library=None, precision="float32"):
         if not isinstance(model, DecoderOnlyTransformer):
             raise TypeError(f"CudaModel takes a DecoderOnlyTransformer, got {type(model).__name__}")
         model._check_open()
         config = model.config
         self._check_supported(config)
+        if precision not in BASE_PRECISION_CODES:
+            raise ValueError(f"precision must be one of {', '.join(BASE_PRECISION_CODES)}, got {precision!r}")
+        if precision != "float32" and model.lora_config is None:
+            raise ValueError(f"precision {precision} computes a frozen LoRA base; this model trains its base (or "
+                             "has nothing to train)")
+        self.precision = precision
+        self._base_code = BASE_PRECISION_CODES[precision]
         self.config = config
         self.lib = cuda.load() if library is None else library
         self._arrays = []  # every DeviceArray this model owns, freed by close()
@@ -157,10 +171,10 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         if array.nbytes:
             self._call("kiln_cuda_memcpy_h2d", self._at(device, offset), array.ctypes.data, array.nbytes, None)
 
-    def _gemm(self, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc):
-        """Row-major C[M,N] = alpha op(A) @ op(B) + beta C on device addresses, in FP32."""
+    def _gemm(self, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, precision=FP32):
+        """Row-major C[M,N] = alpha op(A) @ op(B) + beta C on device addresses, in FP32 (or PRECISION)."""
         self._call("kiln_cuda_gemm", self._blas, trans_a, trans_b, M, N, K, float(alpha), A, lda, B, ldb,
-                   float(beta), C, ldc, FP32)
+                   float(beta), C, ldc, precision)
 
     # -- construction -------------------------------------------------------------------
 
@@ -343,7 +357,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         """out [N,out] = x [N,in] @ W.T + beta * out for the projections writing `group`."""
         total, K = self._group_shapes[group]
         if group in block.dense:
-            self._gemm(0, 1, N, total, K, 1.0, x, K, block.dense[group].ptr, K, beta, out, total)
+            self._gemm(0, 1, N, total, K, 1.0, x, K, block.dense[group].ptr, K, beta, out, total, self._base_code)
             return
         for p in block.projections[group]:
             tile = self._tile()
@@ -351,13 +365,14 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
                 rows = min(p.tile_rows, p.rows - start)
                 self._call("kiln_cuda_nf4_dequantize", p.packed.ptr, p.absmax.ptr, tile.ptr, start * p.cols,
                            rows * p.cols, p.block_size, None)
-                self._gemm(0, 1, N, rows, K, 1.0, x, K, tile.ptr, K, beta, out + 4 * (p.column + start), total)
+                self._gemm(0, 1, N, rows, K, 1.0, x, K, tile.ptr, K, beta, out + 4 * (p.column + start), total,
+                           self._base_code)
 
     def _base_input_grad(self, block, group, dy, dx, N):
         """dx [N,in] = dy [N,out] @ W (written)."""
         total, K = self._group_shapes[group]
         if group in block.dense:
-            self._gemm(0, 0, N, K, total, 1.0, dy, total, block.dense[group].ptr, K, 0.0, dx, K)
+            self._gemm(0, 0, N, K, total, 1.0, dy, total, block.dense[group].ptr, K, 0.0, dx, K, self._base_code)
             return
         beta = 0.0
         for p in block.projections[group]:
@@ -366,7 +381,8 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
                 rows = min(p.tile_rows, p.rows - start)
                 self._call("kiln_cuda_nf4_dequantize", p.packed.ptr, p.absmax.ptr, tile.ptr, start * p.cols,
                            rows * p.cols, p.block_size, None)
-                self._gemm(0, 0, N, K, rows, 1.0, dy + 4 * (p.column + start), total, tile.ptr, K, beta, dx, K)
+                self._gemm(0, 0, N, K, rows, 1.0, dy + 4 * (p.column + start), total, tile.ptr, K, beta, dx, K,
+                           self._base_code)
                 beta = 1.0
 
     def _weight_grad(self, block, group, dy, x, N):
@@ -510,7 +526,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         N, C, V = B * T, self.config.model_width, self.config.vocabulary_size
         hidden = self._forward(tokens)
         logits = self._buffer("logits", (N, V))
-        self._gemm(0, 1, N, V, C, 1.0, hidden.ptr, C, self._head.ptr, C, 0.0, logits.ptr, V)
+        self._gemm(0, 1, N, V, C, 1.0, hidden.ptr, C, self._head.ptr, C, 0.0, logits.ptr, V, self._base_code)
         return logits.to_host().reshape(B, T, V)
 
     # -- forward + backward ---------------------------------------------------------------------------
@@ -573,7 +589,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         dhead = self._grad(self._head).ptr if mode and self._base_trainable else None
         self._call("kiln_cuda_fused_linear_cross_entropy", self._blas, hidden.ptr, self._head.ptr, dtargets.ptr, N,
                    C, V, chunk, mode, float(F32(grad_scale)), scales.ptr if scales else None, IGNORE_INDEX,
-                   per_row.ptr, dhidden.ptr if dhidden else None, dhead, workspace.ptr, FP32)
+                   per_row.ptr, dhidden.ptr if dhidden else None, dhead, workspace.ptr, self._base_code)
         return per_row.to_host()
 
     def _backward_from_hidden(self, shape):

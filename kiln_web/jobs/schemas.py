@@ -85,12 +85,12 @@ class QuantizationConfig(Strict):
 MAX_SEED = 2**63 - 1
 BASE_ADAPTER = ("weights-only warm start of a new run: an absolute PEFT adapter directory (a finished run's snapshot, "
                 "e.g. $KILN_HOME/adapters/NAME) in the adapter registry or a data root; the LoRA shape becomes its own")
-PRECISION = ("how the frozen base computes. bfloat16: the LoRA base's products from bfloat16-rounded operands with "
-             "float32 accumulation on oneDNN, the output projection's too (attention, adapters, softmax and "
-             "cross-entropy stay float32), on a CPU with "
-             "AVX-512-BF16 or AMX; not with quantization and not on cuda (400 backend_unavailable with the reason "
-             "where it cannot run); recorded in effective_config and the execution identity, so a resume must ask "
-             "for the same; absent: float32")
+PRECISION = ("how the frozen base computes: its products and the output projection's (attention, adapters, softmax "
+             "and cross-entropy stay float32). bfloat16: from bfloat16-rounded operands with float32 accumulation, on "
+             "oneDNN on a CPU with AVX-512-BF16 or AMX, or on a CUDA device's BF16 tensor cores; tfloat32: on a CUDA "
+             "device's TF32 tensor cores (cuda only: auto then needs the device). Not with quantization; "
+             "400 backend_unavailable with the reason where it cannot run; recorded in effective_config and the "
+             "execution identity, so a resume must ask for the same; absent: float32")
 BACKEND = ("the backend the run computes on. auto: cuda when the CUDA loader finds a device of compute capability "
            ">= 8.0 and a passing `kiln qualify --backend cuda` receipt holds for this server's envelope, else cpu; "
            "cuda without such a device is refused (400 backend_unavailable, with the loader's reason); absent: the "
@@ -133,7 +133,7 @@ class SFTConfig(Strict):
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
         "sft", "activation_checkpointing", "recompute block activations in backward to save memory; "))
     backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=BACKEND)
-    precision: Literal["float32", "bfloat16"] | None = Field(None, description=PRECISION)
+    precision: Literal["float32", "bfloat16", "tfloat32"] | None = Field(None, description=PRECISION)
 
 
 class SFTRequest(OneSource):
@@ -198,7 +198,7 @@ class GRPOConfig(Strict):
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
         "grpo", "activation_checkpointing"))
     backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=BACKEND)
-    precision: Literal["float32", "bfloat16"] | None = Field(None, description=PRECISION)
+    precision: Literal["float32", "bfloat16", "tfloat32"] | None = Field(None, description=PRECISION)
 
 
 class GRPORequest(OneSource):
@@ -256,7 +256,7 @@ class OPDConfig(Strict):
     activation_checkpointing: Literal["none", "blocks"] | None = Field(None, description=absent(
         "opd", "activation_checkpointing"))
     backend: Literal["auto", "cpu", "cuda"] | None = Field(None, description=BACKEND)
-    precision: Literal["float32", "bfloat16"] | None = Field(None, description=PRECISION)
+    precision: Literal["float32", "bfloat16", "tfloat32"] | None = Field(None, description=PRECISION)
 
 
 class OPDRequest(OneSource):

@@ -232,20 +232,37 @@ int kiln_cuda_blas_create(void **blas, void *stream, size_t) {
 int kiln_cuda_blas_destroy(void *blas) { delete (KilnBlas *)blas; return 0; }
 int kiln_cuda_blas_set_stream(void *blas, void *stream) { ((KilnBlas *)blas)->stream = (cudaStream_t)stream; return 0; }
 
+// The tensor cores' operand rounding, emulated: TF32 keeps 10 mantissa bits, bfloat16 7, rounded to nearest with
+// ties to even (a NaN or an infinity passes unchanged); FP32 operands stay as they are.
+static double kiln_emulate_operand(float value, int precision) {
+    if (precision == 0) return value;
+    const int drop = precision == 1 ? 13 : 16;
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7F800000u) != 0x7F800000u) {
+        const uint32_t half = (1u << (drop - 1)) - 1u + ((bits >> drop) & 1u);
+        bits = (bits + half) & ~((1u << drop) - 1u);
+    }
+    float rounded;
+    memcpy(&rounded, &bits, sizeof rounded);
+    return rounded;
+}
+
 int kiln_cuda_gemm_strided_batched(void *blas, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
                                    float alpha, const float *A, int64_t lda, int64_t stride_a, const float *B,
                                    int64_t ldb, int64_t stride_b, float beta, float *C, int64_t ldc,
                                    int64_t stride_c, int64_t batch, int precision) {
     KILN_REQUIRE(blas, "no cuBLAS handle");
-    KILN_REQUIRE(precision == 0 || precision == 1, "precision must be 0 (FP32) or 1 (TF32)");
+    KILN_REQUIRE(precision == 0 || precision == 1 || precision == 2,
+                 "precision must be 0 (FP32), 1 (TF32) or 2 (BF16)");
     for (int64_t b = 0; b < batch; b++)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) {
                 double sum = 0.0;
                 for (int64_t k = 0; k < K; k++) {
-                    double a = trans_a ? A[b * stride_a + k * lda + m] : A[b * stride_a + m * lda + k];
-                    double bv = trans_b ? B[b * stride_b + n * ldb + k] : B[b * stride_b + k * ldb + n];
-                    sum += a * bv;
+                    const float a = trans_a ? A[b * stride_a + k * lda + m] : A[b * stride_a + m * lda + k];
+                    const float bv = trans_b ? B[b * stride_b + n * ldb + k] : B[b * stride_b + k * ldb + n];
+                    sum += kiln_emulate_operand(a, precision) * kiln_emulate_operand(bv, precision);
                 }
                 float *c = C + b * stride_c + m * ldc + n;
                 *c = (float)((double)alpha * sum + (beta == 0.0f ? 0.0 : (double)beta * *c));

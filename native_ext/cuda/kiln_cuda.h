@@ -5,7 +5,9 @@
  * kernel of a composite function (fused cross-entropy, NF4 linear, LoRA) runs on.
  * Every function returns 0, a cudaError_t (1..999), 1000 + a cublasStatus_t, or KILN_CUDA_BAD_ARGUMENT;
  * kiln_cuda_last_error() names the call that failed on this thread. FP32 is the reference precision:
- * `precision` 0 is IEEE FP32 (pedantic cuBLAS compute, no TF32); 1 allows TF32 tensor cores.
+ * `precision` 0 is IEEE FP32 (pedantic cuBLAS compute, no TF32); 1 computes on TF32 tensor cores
+ * (CUBLAS_COMPUTE_32F_FAST_TF32); 2 on BF16 tensor cores from the FP32 operands rounded to bfloat16, with FP32
+ * accumulation (CUBLAS_COMPUTE_32F_FAST_16BF). Each is a precision of its own, never chosen silently.
  * Dimension letters as in native_ext/reference.py: N rows, C width, F feed-forward width, V vocabulary,
  * B batch, T time, KV key/value heads, g query heads per KV head, D head size, G = B*KV groups, S keys.
  */
@@ -22,6 +24,7 @@
 #define KILN_CUDA_ATTENTION_MAX_HEAD 128 /* largest head size D the attention kernels take */
 #define KILN_CUDA_PRECISION_FP32 0
 #define KILN_CUDA_PRECISION_TF32 1
+#define KILN_CUDA_PRECISION_BF16 2
 
 #ifdef __cplusplus
 extern "C" {

@@ -226,11 +226,19 @@ static int kiln_fits_int(int64_t value) { return value >= 0 && value <= INT_MAX;
 // Row-major C = A B is column-major C^T = B^T A^T: cuBLAS gets (B, A) swapped and (N, M) swapped.
 static int kiln_gemm_setup(KilnBlas *handle, int precision, cublasComputeType_t *compute) {
     KILN_REQUIRE(handle, "no cuBLAS handle");
-    KILN_REQUIRE(precision == KILN_CUDA_PRECISION_FP32 || precision == KILN_CUDA_PRECISION_TF32,
-                 "precision must be 0 (FP32) or 1 (TF32)");
-    *compute = precision == KILN_CUDA_PRECISION_TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F_PEDANTIC;
-    KILN_BLAS(cublasSetMathMode(handle->handle, precision == KILN_CUDA_PRECISION_TF32 ? CUBLAS_TF32_TENSOR_OP_MATH
-                                                                                      : CUBLAS_PEDANTIC_MATH));
+    KILN_REQUIRE(precision == KILN_CUDA_PRECISION_FP32 || precision == KILN_CUDA_PRECISION_TF32 ||
+                     precision == KILN_CUDA_PRECISION_BF16,
+                 "precision must be 0 (FP32), 1 (TF32) or 2 (BF16)");
+    cublasMath_t mode = CUBLAS_PEDANTIC_MATH;
+    *compute = CUBLAS_COMPUTE_32F_PEDANTIC;
+    if (precision == KILN_CUDA_PRECISION_TF32) {
+        mode = CUBLAS_TF32_TENSOR_OP_MATH;
+        *compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+    } else if (precision == KILN_CUDA_PRECISION_BF16) {
+        mode = CUBLAS_DEFAULT_MATH;
+        *compute = CUBLAS_COMPUTE_32F_FAST_16BF;
+    }
+    KILN_BLAS(cublasSetMathMode(handle->handle, mode));
     return 0;
 }
 

@@ -53,6 +53,29 @@ def test_the_api_refuses_bf16_where_it_cannot_run(real_sft, api, adapter_name, n
     assert not TrainingJob.objects.exists()
 
 
+@pytest.mark.django_db
+def test_the_api_refuses_tfloat32_off_cuda_with_the_loaders_reason(real_sft, api, adapter_name):
+    """tfloat32 is a CUDA tensor-core precision: refused on this server's cpu default, and with backend auto or cuda
+    on a machine without a usable device, with the real loader's reason; both on config.precision."""
+    from trainer.runs.backend import cuda_unavailable, probe_cuda
+
+    reason = cuda_unavailable(probe_cuda())
+    if reason is None:
+        pytest.skip("a usable CUDA device is here: tfloat32 runs")
+    refused = api.post("/v1/train/sft", sft_body(adapter_name, records=2, precision="tfloat32"))
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert error["code"] == "backend_unavailable" and "the cpu backend computes float32 or bfloat16" in error["message"]
+    assert error["field"] == "config.precision"
+    for backend in ("auto", "cuda"):
+        refused = api.post("/v1/train/sft", sft_body(adapter_name, records=2, precision="tfloat32", backend=backend))
+        assert refused.status_code == 400, refused.content
+        error = refused.json()["error"]
+        assert error["code"] == "backend_unavailable" and error["field"] == "config.precision"
+        assert reason in error["message"] and "precision tfloat32 needs a CUDA device" in error["message"]
+    assert not TrainingJob.objects.exists()
+
+
 @pytest.fixture
 def cli(live_server, real_sft, monkeypatch, capsys, ada, tmp_path):
     return cli_runner(live_server.url, ada.token, monkeypatch, capsys, tmp_path)

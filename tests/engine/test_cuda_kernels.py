@@ -129,6 +129,34 @@ def test_gemm_is_fp32(gpu, blas, trans_a, trans_b):
     close(dc.to_host(), expected, 1e-5, "gemm (FP32, no TF32)")
 
 
+def rounded(x, mantissa_bits):
+    """X's float32 values kept to MANTISSA_BITS (10: TF32, 7: bfloat16), rounded to nearest, ties to even."""
+    drop = 23 - mantissa_bits
+    bits = np.ascontiguousarray(x, F32).view(np.uint32).astype(np.uint64)
+    bits = (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) & ~np.uint64((1 << drop) - 1)
+    return bits.astype(np.uint32).view(F32)
+
+
+@pytest.mark.parametrize("precision,bits", [(1, 10), (2, 7)], ids=["tf32", "bf16"])
+def test_gemm_on_tensor_cores_rounds_the_operands(request, gpu, blas, precision, bits):
+    """Precisions 1 (TF32) and 2 (BF16): the product of the operands rounded to 10 or 7 mantissa bits, accumulated
+    in FP32 or better. Against that twin within 1e-6 on the emulation (which rounds to nearest, ties to even) and
+    2e-3 on a GPU (whose tensor cores may round the operands otherwise); and further from the FP32 product than
+    1e-5, so the precision really is not FP32."""
+    M, N, K = 67, 45, 129
+    A, B, C = normal(M, K), normal(N, K), normal(M, N)
+    twin = 0.5 * (rounded(A, bits).astype(np.float64) @ rounded(B, bits).T.astype(np.float64)) + 2.0 * C
+    exact = 0.5 * (A.astype(np.float64) @ B.T.astype(np.float64)) + 2.0 * C
+    dc = gpu.put(C)
+    gpu.call("kiln_cuda_gemm", blas, 0, 1, M, N, K, 0.5, gpu.put(A).ptr, K, gpu.put(B).ptr, K, 2.0, dc.ptr, N,
+             precision)
+    emulated = request.node.callspec.params["lib"] == "emulated"
+    close(dc.to_host(), twin, 1e-6 if emulated else 2e-3, f"gemm at precision {precision}")
+    assert rel(dc.to_host(), exact) > 1e-5, f"precision {precision} computed the FP32 product"
+    with pytest.raises(RuntimeError, match="precision must be 0"):
+        gpu.call("kiln_cuda_gemm", blas, 0, 1, M, N, K, 0.5, gpu.put(A).ptr, K, gpu.put(B).ptr, K, 2.0, dc.ptr, N, 3)
+
+
 def test_gemm_strided_batched(gpu, blas):
     batch, M, N, K = 5, 33, 17, 40
     A, B = normal(batch, M, K), normal(batch, N, K)

@@ -373,3 +373,54 @@ def test_the_planned_device_bytes_are_what_a_training_step_allocates(lib, case):
     planned = planned_device_bytes(model.config, B, T, kwargs.get("lora"), kwargs.get("quantize")) \
         - BLAS_WORKSPACE_BYTES
     assert held <= planned <= 1.01 * held, (held, planned)
+
+
+def test_a_bfloat16_base_on_the_device_computes_what_the_cpu_bfloat16_route_computes(request, lib, assert_close):
+    """precision bfloat16: the frozen base's products and the output projection from bfloat16-rounded operands,
+    FP32 accumulation, on both backends (cuBLAS's BF16 tensor cores; oneDNN on the CPU): loss, logits and adapter
+    gradients within 1e-4 of the CPU's bfloat16 route on the emulation (which rounds to nearest, ties to even, as
+    oneDNN does), 3e-3 on a GPU (whose tensor cores may round otherwise); and further than 1e-3 from float32."""
+    from native_ext import onednn
+
+    if onednn.unavailable_reason() is not None:
+        pytest.skip(f"the CPU's bfloat16 route is unavailable here: {onednn.unavailable_reason()}")
+    lora = LoraConfig(rank=4, alpha=8.0)
+    for route in ("full_logits", "kt_tape_flce"):
+        cpu = make_model(lora=lora, loss_route=route, base_precision="bfloat16")
+        float32 = make_model(lora=lora, loss_route=route)
+        tolerance = TOLERANCE if request.node.callspec.params["lib"] == "emulated" else 3e-3
+        with CudaModel(make_model(lora=lora, loss_route=route), lib, precision="bfloat16") as device:
+            inputs, targets = batch(0)
+            assert_close(device.forward_backward(inputs, targets), cpu.forward_backward(inputs, targets), tolerance,
+                         f"{route} loss")
+            gradients, expected = device.gradients(), cpu_gradients(cpu)
+            for name, gradient in expected.items():
+                assert_close(gradients[name], gradient, tolerance, name)
+            assert_close(device.logits(inputs), cpu.logits(inputs), tolerance, "logits")
+            float32.forward_backward(inputs, targets)
+            apart = max(np.max(np.abs(gradients[n] - g)) / np.max(np.abs(g)) for n, g in cpu_gradients(float32).items())
+            assert apart > 1e-3, f"bfloat16 gradients within {apart:.1e} of float32: nothing was rounded"
+
+
+def test_a_tfloat32_base_rounds_only_the_base_products(lib, assert_close):
+    """precision tfloat32: the base's products on TF32 tensor cores (10-bit operands): within 1e-2 of float32,
+    further from it than 1e-5, the same bits twice; refused for a model whose base trains, and unknown names."""
+    lora = LoraConfig(rank=4, alpha=8.0)
+    float32 = make_model(lora=lora)
+    inputs, targets = batch(0)
+    loss = float32.forward_backward(inputs, targets)
+    runs = []
+    for _ in range(2):
+        with CudaModel(make_model(lora=lora), lib, precision="tfloat32") as device:
+            runs.append((device.forward_backward(inputs, targets), device.gradients()))
+    assert runs[0][0] == runs[1][0]
+    for name, gradient in cpu_gradients(float32).items():
+        assert np.array_equal(runs[0][1][name], runs[1][1][name]), name
+        assert_close(runs[0][1][name], gradient, 1e-2, name)
+    assert_close(runs[0][0], loss, 1e-3, "loss")
+    apart = max(np.max(np.abs(runs[0][1][n] - g)) / np.max(np.abs(g)) for n, g in cpu_gradients(float32).items())
+    assert apart > 1e-5, "tfloat32 gradients equal float32's: nothing was rounded"
+    with pytest.raises(ValueError, match="computes a frozen LoRA base"):
+        CudaModel(make_model(), lib, precision="tfloat32")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        CudaModel(make_model(lora=lora), lib, precision="float16")

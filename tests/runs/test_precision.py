@@ -1,6 +1,7 @@
 """config.precision through the run logic: a bfloat16 SFT run (the frozen base's products on oneDNN) resumes
 byte-identically, binds its precision into the effective configuration and the execution identity, and is
-refused where it cannot run or with a resume that asks for another precision. Runs that multiply skip with
+refused where it cannot run or with a resume that asks for another precision (the cuda backend's bfloat16 and
+tfloat32 runs: test_sft_cuda.py). Runs that multiply skip with
 the loader's reason on a CPU without BF16 dot-product instructions or without the oneDNN library."""
 
 import pytest
@@ -73,8 +74,9 @@ def test_a_float32_request_keeps_the_effective_configuration_it_had(tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"precision": "float16"}, "must be one of float32, bfloat16"),
+    ({"precision": "float16"}, "must be one of float32, bfloat16, tfloat32"),
     ({"precision": "bfloat16", "quantization": {"type": "nf4"}}, "quantized"),
+    ({"precision": "tfloat32", "quantization": {"type": "nf4"}}, "quantized"),
 ])
 def test_precision_request_errors(tmp_path, change, match):
     settings = make_settings(tmp_path)
@@ -83,14 +85,30 @@ def test_precision_request_errors(tmp_path, change, match):
     assert info.value.field == "config.precision"
 
 
-def test_bf16_on_cuda_or_without_the_route_is_backend_unavailable(tmp_path, monkeypatch):
+def test_bf16_without_the_cpu_route_and_tf32_without_a_device_are_backend_unavailable(tmp_path, monkeypatch):
+    """bfloat16 on the cpu backend needs oneDNN's route; tfloat32 exists on cuda only, so auto asks for the device
+    and cpu (asked for, or the server's default) is refused; without a device cuda is refused with the loader's
+    reason (a faked probe's here)."""
+    from trainer.runs import backend
+
     settings = make_settings(tmp_path)
-    with pytest.raises(AdmissionError, match="CPU route") as info:
-        admit_sft(bf16_request(tmp_path, backend="cuda"), settings)
-    assert info.value.code == "backend_unavailable"
     monkeypatch.setattr(onednn, "cpu_bf16_flags", lambda: ())
     with pytest.raises(AdmissionError, match="no BF16 dot-product instructions") as info:
         admit_sft(bf16_request(tmp_path), settings)
+    assert info.value.code == "backend_unavailable" and info.value.field == "config.precision"
+    for asked in ({"backend": "cpu"}, {}):  # {}: this server's default backend, cpu
+        with pytest.raises(AdmissionError, match="tensor-core precision; the cpu backend") as info:
+            admit_sft(request(write_dataset(tmp_path), precision="tfloat32", **asked), settings)
+        assert info.value.code == "backend_unavailable" and info.value.field == "config.precision"
+    monkeypatch.setattr(backend, "probe_cuda", lambda: {"available": False, "code": "no_device", "devices": [],
+                                                        "reason": "the CUDA driver sees no GPU"})
+    for asked in ({"backend": "auto"}, {"backend": "cuda"}):
+        with pytest.raises(AdmissionError, match="the CUDA driver sees no GPU; precision tfloat32 needs a CUDA "
+                                                 "device") as info:
+            admit_sft(request(write_dataset(tmp_path), precision="tfloat32", **asked), settings)
+        assert info.value.code == "backend_unavailable" and info.value.field == "config.precision"
+    with pytest.raises(AdmissionError, match="the CUDA driver sees no GPU; ask for backend cpu or auto") as info:
+        admit_sft(bf16_request(tmp_path, backend="cuda"), settings)
     assert info.value.code == "backend_unavailable"
 
 

@@ -121,3 +121,41 @@ def test_a_library_that_cannot_be_loaded_fails_the_run_with_the_loaders_reason(d
         run_sft(admission, settings, StopAt(None))
     assert refused.value.code == "backend_unavailable" and "libcuda.so.1 went away" in refused.value.message
     assert checkpoint_dir.latest_checkpoint(settings.registry, "support-bot") is None
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "tfloat32"])
+def test_a_tensor_core_precision_is_its_own_run_bound_into_its_identity(device, tmp_path, monkeypatch, precision):
+    """config.precision bfloat16 or tfloat32 on cuda: the device model's frozen base computes at it (the CPU model
+    stays float32: no oneDNN copy), the execution identity records it (without oneDNN), the run ends within 5e-2
+    of float32's losses but not on them, a cancelled run resumes to the uninterrupted run's bytes, and a resume
+    that asks for another precision is drift naming config.precision."""
+    from trainer.cuda_model import CudaModel
+
+    precisions, real_init = [], CudaModel.__init__
+
+    def spy(self, model, library=None, precision="float32"):  # (device precision, the CPU model's)
+        precisions.append((precision, model.config.base_precision))
+        real_init(self, model, library, precision)
+
+    monkeypatch.setattr(CudaModel, "__init__", spy)
+    config = dict(backend="cuda", precision=precision)
+    _, exact, _ = run(tmp_path / "float32", backend="cuda")
+    whole_settings, whole, _ = run(tmp_path / "whole", **config)
+    assert whole.status == "succeeded" and precisions[-1] == (precision, "float32")
+    assert whole.loss_history != exact.loss_history
+    assert relative(whole.loss_history, exact.loss_history) <= 5e-2
+    path = checkpoint_dir.latest_checkpoint(whole_settings.registry, "support-bot")
+    held = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS).manifest
+    assert held["execution"]["precision"] == precision and "onednn" not in held["execution"]
+    assert held["config"]["precision"] == precision
+
+    settings, first, _ = run(tmp_path / "resumed", stop=1, **config)
+    basename = first.latest_checkpoint["resume_checkpoint"]
+    other = "tfloat32" if precision == "bfloat16" else "bfloat16"
+    with pytest.raises(AdmissionError) as drift:
+        run(tmp_path / "resumed", resume=basename, backend="cuda", precision=other)
+    assert drift.value.code == "resume_drift"
+    assert "config.precision" in {d["field"] for d in drift.value.differences}
+    _, second, _ = run(tmp_path / "resumed", resume=basename, **config)
+    assert second.status == "succeeded" and second.loss_history == whole.loss_history
+    assert final_files(settings) == final_files(whole_settings)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from native_ext import onednn
 from trainer import LoraConfig
-from trainer.config import BASE_PRECISIONS, TransformerConfig
+from trainer.config import TransformerConfig
 from trainer.cuda_model import planned_device_bytes as cuda_planned_bytes
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
@@ -209,23 +209,37 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
     return c
 
 
+# how a LoRA run's frozen base computes (config.precision): float32; bfloat16 (products from bfloat16-rounded
+# operands, FP32 accumulation: oneDNN on the CPU, BF16 tensor cores on cuda); tfloat32 (TF32 tensor cores, cuda)
+PRECISIONS = ("float32", "bfloat16", "tfloat32")
+CUDA_ONLY_PRECISIONS = ("tfloat32",)
+
+
 def check_precision(c: dict) -> None:
     """config.precision: absent or float32 (then dropped, so a float32 run's effective configuration is what it
-    was before the field existed), or bfloat16 for a dense LoRA base (TransformerConfig.base_precision)."""
+    was before the field existed), or bfloat16 / tfloat32 for a dense LoRA base."""
     precision = c.pop("precision", None)
     if precision in (None, "float32"):
         return
-    if precision not in BASE_PRECISIONS:
-        raise RequestError("config.precision", f"must be one of {', '.join(BASE_PRECISIONS)} (absent: float32)")
+    if precision not in PRECISIONS:
+        raise RequestError("config.precision", f"must be one of {', '.join(PRECISIONS)} (absent: float32)")
     if c.get("quantization") is not None:
-        raise RequestError("config.precision", "bfloat16 computes a dense LoRA base; a quantized (NF4) base "
+        raise RequestError("config.precision", f"{precision} computes a dense LoRA base; a quantized (NF4) base "
                                                "computes in float32")
     c["precision"] = precision
 
 
 def precision_options(config: dict) -> dict:
-    """load_base's execution option for the effective configuration's precision."""
+    """load_base's execution option for the effective configuration's precision: the CPU model computes it on
+    cpu; on cuda the CPU model stays float32 and the device model computes it (device_precision)."""
+    if config.get("backend") == "cuda":
+        return {"base_precision": "float32"}
     return {"base_precision": config.get("precision", "float32")}
+
+
+def device_precision(config: dict) -> str:
+    """The precision a cuda run's device model computes its frozen base at (trainer.cuda_model.CudaModel)."""
+    return config.get("precision") or "float32"
 
 
 def check_request(request, inline_field: str) -> None:
@@ -339,23 +353,29 @@ def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoi
     reason, when cuda is asked for and cannot run here."""
     need_bytes = None if base is None else planned_device_bytes(config, base)
     requested = config.get("backend")
-    if config.get("precision") == "bfloat16":
-        if (requested or settings.backend) == "cuda":
-            raise AdmissionError("backend_unavailable", "precision bfloat16 is a CPU route (oneDNN) and the cuda "
-                                                        "backend computes in float32; ask for backend cpu or auto, "
-                                                        "or precision float32", field="config.precision")
-        requested = "cpu"  # auto: the route exists on the CPU only
-        reason = onednn.unavailable_reason()
-        if reason is not None:
-            raise AdmissionError("backend_unavailable", f"precision bfloat16 is unavailable here: {reason}; ask "
-                                                        "for precision float32", field="config.precision")
+    precision = config.get("precision")
+    if precision in CUDA_ONLY_PRECISIONS:
+        if (requested or settings.backend) == "cpu":
+            raise AdmissionError("backend_unavailable", f"precision {precision} is a CUDA tensor-core precision; the "
+                                                        "cpu backend computes float32 or bfloat16: ask for backend "
+                                                        "cuda or auto, or another precision", field="config.precision")
+        requested = "cuda"  # auto: the precision exists on cuda only
     try:
         choice = choose_backend(requested, settings.backend, settings.home, need_bytes)
     except BackendUnavailable as error:
-        raise AdmissionError("backend_unavailable", f"{error.message}; ask for backend cpu or auto, or run on a "
-                                                    "machine whose CUDA device the loader finds") from None
+        hint = (f"precision {precision} needs a CUDA device; ask for precision float32 or bfloat16"
+                if precision in CUDA_ONLY_PRECISIONS else
+                "ask for backend cpu or auto, or run on a machine whose CUDA device the loader finds")
+        raise AdmissionError("backend_unavailable", f"{error.message}; {hint}",
+                             field="config.precision" if precision in CUDA_ONLY_PRECISIONS else None) from None
     except ValueError as error:
         raise RequestError("config.backend", str(error)) from None
+    if precision == "bfloat16" and choice.resolved == "cpu":
+        reason = onednn.unavailable_reason()
+        if reason is not None:
+            raise AdmissionError("backend_unavailable", f"precision bfloat16 is unavailable here: {reason}; ask "
+                                                        "for precision float32, or backend cuda on a machine with "
+                                                        "a CUDA device", field="config.precision")
     config["backend"] = choice.resolved
     return choice
 

@@ -13,15 +13,15 @@ from trainer.runs.admission import AdmissionError, RunFailed
 from trainer.runs.step import clip_and_step, learning_rate_at
 
 
-def device_model(model, optimizer=None):
-    """A CudaModel of the CPU model as it stands, with the restored Adam state when OPTIMIZER has taken a step: the
-    steps run on the device from here on. AdmissionError backend_unavailable, with the loader's reason, when the
-    library cannot be loaded after all."""
+def device_model(model, optimizer=None, precision="float32"):
+    """A CudaModel of the CPU model as it stands (its frozen base computing at PRECISION), with the restored Adam
+    state when OPTIMIZER has taken a step: the steps run on the device from here on. AdmissionError
+    backend_unavailable, with the loader's reason, when the library cannot be loaded after all."""
     from native_ext.cuda import CudaUnavailable
     from trainer.cuda_model import CudaModel
 
     try:
-        device = CudaModel(model)
+        device = CudaModel(model, precision=precision)
     except CudaUnavailable as error:
         raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None
     try:
@@ -34,14 +34,15 @@ def device_model(model, optimizer=None):
 
 
 @contextmanager
-def computing_model(model, optimizer, backend: str):
-    """The model a run's loop computes on: MODEL itself on cpu; on cuda a device_model(MODEL, OPTIMIZER), closed on
+def computing_model(model, optimizer, backend: str, precision: str = "float32"):
+    """The model a run's loop computes on: MODEL itself on cpu; on cuda a device_model(MODEL, OPTIMIZER, PRECISION)
+    (the cuda run's config.precision: admission.device_precision), closed on
     the way out, whose state is downloaded into MODEL and OPTIMIZER when the block ends without an error and the
     device holds an Adam step (so the final snapshot publishes it)."""
     if backend != "cuda":
         yield model
         return
-    device = device_model(model, optimizer)
+    device = device_model(model, optimizer, precision)
     try:
         yield device
         if device.optimizer_steps > 0:

@@ -11,8 +11,10 @@ numpy, python  their versions
 native_builds  SHA-256 of each built native_ext library
 kiln           the installed distribution's version
 code           SHA-256 over the trainer/ and native_ext/ sources and built libraries that run
-precision      float32, or bfloat16 for a run whose base computes on oneDNN (config.precision); such an identity
-               adds onednn: the library's version and SHA-256 and its thread count (native_ext.onednn.identity)
+precision      float32, or the precision a LoRA run's frozen base computes at (config.precision): bfloat16 on the
+               cpu backend adds onednn, the library's version and SHA-256 and its thread count
+               (native_ext.onednn.identity); bfloat16 or tfloat32 on cuda are cuBLAS's tensor-core compute types,
+               whose library the gpu field names
 kernel_contract
 gpu            cuda only: the device's name and compute capability, the driver, runtime and cuBLAS versions
                and the SHA-256 of the CUDA library (native_ext.cuda.probe); a cpu identity has no such field
@@ -54,9 +56,12 @@ def execution_identity(backend: str, precision: str | None = None) -> dict:
 
 
 def with_precision(identity: dict, precision: str | None) -> dict:
-    """IDENTITY of a float32 run (unchanged), or of a bfloat16 one: its precision and the oneDNN it computes on."""
+    """IDENTITY of a float32 run (unchanged), or of another precision's: the precision, and on the cpu backend the
+    oneDNN it computes on."""
     if precision in (None, "float32"):
         return identity
+    if identity.get("backend") == "cuda":
+        return {**identity, "precision": precision}
     from native_ext import onednn
     return {**identity, "precision": precision, "onednn": onednn.identity()}
 

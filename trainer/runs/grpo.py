@@ -23,7 +23,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import admit_backend, loss_options, precision_options, run_backend
+from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_request, check_shared,
@@ -289,7 +289,8 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
                     batch.ref = {int(k.split("/")[1]): v for k, v in rollout.items() if k.startswith("ref/")}
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            with computing_model(model, optimizer, run_backend(admission)) as computing:
+            with computing_model(model, optimizer, run_backend(admission),
+                                 device_precision(admission.effective_config)) as computing:
                 result = _train(admission, settings, model, tokenizer, optimizer, adapters, source, loop, reference,
                                 batch, latest, hooks, computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)

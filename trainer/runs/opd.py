@@ -24,7 +24,7 @@ from native_ext.cuda import CudaUnavailable
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, objectives
-from trainer.runs.admission import admit_backend, loss_options, precision_options, run_backend
+from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -333,7 +333,8 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}, candidate "
                                        f"{loop.candidate}")
-            with computing_model(model, optimizer, run_backend(admission)) as computing:
+            with computing_model(model, optimizer, run_backend(admission),
+                                 device_precision(admission.effective_config)) as computing:
                 result = _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records,
                                 prompts, sampling, rng, loop, latest, hooks, computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)

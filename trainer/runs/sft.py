@@ -25,7 +25,8 @@ import numpy as np
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir
-from trainer.runs.admission import admit_backend, attention_options, loss_options, precision_options, run_backend
+from trainer.runs.admission import (admit_backend, attention_options, device_precision, loss_options,
+                                    precision_options, run_backend)
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
                                     check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
@@ -321,7 +322,8 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                 _restore_state(loaded, model, optimizer, loop)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            with computing_model(model, optimizer, run_backend(admission)) as computing:
+            with computing_model(model, optimizer, run_backend(admission),
+                                 device_precision(admission.effective_config)) as computing:
                 result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks,
                                 computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
