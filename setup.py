@@ -49,6 +49,8 @@ extensions = [
 # nvidia-cublas wheel found through an rpath.
 CUDA_DIR = Path("native_ext/cuda")
 CUDA_LIBRARY = "libkiln_cuda.so"
+# beside the library, one line: built, up to date, or why not (pip -q hides this script's stderr; ./dev prints it)
+CUDA_BUILD_NOTE = "libkiln_cuda.build.txt"
 CUDA_ARCHITECTURES = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
                       "-gencode", "arch=compute_90,code=compute_90"]
 NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"]
@@ -56,6 +58,7 @@ NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17", "-Xcompiler", "-fPIC", "-cuda
 
 def say(message):
     print(f"kiln build: {message}", file=sys.stderr, flush=True)
+    return message
 
 
 def find_nvcc():
@@ -85,15 +88,20 @@ def find_cublas(nvcc):
 
 
 def build_cuda_library(target_dir):
-    """Compile native_ext/cuda/*.cu into TARGET_DIR/libkiln_cuda.so, or say why not and return. A failed
-    compile is reported and leaves the Cython build standing (KILN_REQUIRE_CUDA=1 makes it fatal);
-    tests/engine/test_cuda_library.py fails where nvcc and cuBLAS are present but the library is not."""
+    """Compile native_ext/cuda/*.cu into TARGET_DIR/libkiln_cuda.so, or say why not and return; either way the
+    outcome is also written to TARGET_DIR/libkiln_cuda.build.txt. A failed compile is reported and leaves the
+    Cython build standing (KILN_REQUIRE_CUDA=1 makes it fatal); tests/engine/test_cuda_library.py fails where
+    nvcc and cuBLAS are present but the library is not."""
+    note = Path(target_dir) / CUDA_BUILD_NOTE
+    note.parent.mkdir(parents=True, exist_ok=True)
     try:
-        _build_cuda_library(target_dir)
+        outcome = _build_cuda_library(target_dir)
     except (OSError, subprocess.CalledProcessError) as error:
+        outcome = say(f"the CUDA library failed to build ({error}); the CPU backend is unaffected")
         if os.environ.get("KILN_REQUIRE_CUDA") == "1":
+            note.write_text(outcome + "\n")
             raise
-        say(f"the CUDA library failed to build ({error}); the CPU backend is unaffected")
+    note.write_text(outcome + "\n")
 
 
 def _build_cuda_library(target_dir):
@@ -101,8 +109,8 @@ def _build_cuda_library(target_dir):
         return say("KILN_SKIP_CUDA=1: the CUDA library is not built")
     nvcc = find_nvcc()
     if nvcc is None:
-        return say("nvcc not found (PATH, $CUDA_HOME, /usr/local/cuda): the CUDA library is not built; "
-                   "the CPU backend is unaffected")
+        return say("nvcc not found (KILN_NVCC, PATH, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda): the CUDA library "
+                   "is not built; the CPU backend is unaffected")
     cublas = find_cublas(nvcc)
     if cublas is None:
         return say("cuBLAS headers not found: install the wheel (pip install nvidia-cublas) or set "
@@ -130,6 +138,7 @@ def _build_cuda_library(target_dir):
         shutil.copyfile(staged, str(target) + ".tmp")
         os.chmod(str(target) + ".tmp", 0o755)
         os.replace(str(target) + ".tmp", target)  # a process that has the old file open keeps it
+    return say(f"built {target} with {nvcc} (cuBLAS from {lib})")
 
 
 class BuildWithCuda(build_ext):

