@@ -7,6 +7,7 @@ The script runs from a copy of the files it reads (itself, ./dev, setup.py) in a
 builds nothing here and finds no device kit (.whl/) of this checkout; native_ext comes from PYTHONPATH.
 """
 
+import json
 import os
 import re
 import shutil
@@ -106,10 +107,13 @@ def test_the_benchmark_exits_non_zero_naming_the_side_that_did_not_run(tmp_path)
 def test_the_benchmark_exits_zero_when_every_side_asked_for_ran(emulated_library):
     environment = {**os.environ, "KILN_CUDA_LIBRARY": str(emulated_library)}
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_step.py"), "--shape", "tiny", "--context",
-                             "16", "--batch", "2", "--steps", "1", "--sides", "kiln"], env=environment,
+                             "16", "--batch", "2", "--steps", "1", "--sides", "kiln,kiln-bf16"], env=environment,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "result: ok: kiln ran" in result.stdout
+    assert "result: ok: kiln, kiln-bf16 ran" in result.stdout
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["kiln_cuda"]["ran"] and summary["kiln_cuda_bf16"]["ran"]
+    assert summary["kiln_cuda"]["loss"] != summary["kiln_cuda_bf16"]["loss"]  # the bfloat16 base really computed
 
 
 def test_without_the_smollm2_gguf_the_benchmark_says_it_uses_random_weights(monkeypatch):
