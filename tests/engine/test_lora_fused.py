@@ -70,6 +70,7 @@ def test_fused_groups_compute_what_the_separate_products_do(targets, bias):
     close(fused.logits(inputs), separate.logits(inputs), "logits", 1e-5)
     with fused.adapter_parameters() as a, separate.adapter_parameters() as b, \
             Adam(a, learning_rate=1e-2) as opt_a, Adam(b, learning_rate=1e-2) as opt_b:
+        start = {p.name: p.value.copy() for p in a}
         for step in range(3):
             loss_a, loss_b = fused.forward_backward(inputs, targets_), separate.forward_backward(inputs, targets_)
             assert abs(loss_a - loss_b) <= 2e-6 * abs(loss_b), step
@@ -78,9 +79,14 @@ def test_fused_groups_compute_what_the_separate_products_do(targets, bias):
                 close(p.grad, q.grad, f"step {step} {p.name} gradient", 5e-5 if step == 0 else 1e-3)
             opt_a.step()
             opt_b.step()
-        # the optimizer's in-place updates of A reach the fused matrix that the products read (copied in per forward)
+        # the optimizer's in-place updates of A reach the fused matrix that the products read (copied in per forward;
+        # the losses above agree step by step). The values agree within a tenth of one step's move (1e-2): Adam
+        # divides by the gradient's own size, so where a gradient element is near zero its float32 rounding apart
+        # (another BLAS kernel orders the sums otherwise) moves the element by a visible part of the learning rate
+        # (1.4e-5 seen on an AVX-512 EPYC); an update that did not land would be up to 3e-2 off
         for p, q in zip(a, b):
-            close(p.value, q.value, p.name, 1e-5)
+            assert float(np.abs(p.value - q.value).max()) <= 1e-3, p.name
+            assert float(np.abs(p.value - q.value).max()) < float(np.abs(p.value - start[p.name]).max()), p.name
         before = fused.logits(inputs)
         a[0].value[...] += 0.5  # lora_A of the first block's q_proj, whose copy sits in its qkv group's matrix
         assert not np.array_equal(fused.logits(inputs), before)
