@@ -218,6 +218,8 @@ int kiln_cuda_blas_set_stream(void *blas, void *stream) {
     KILN_REQUIRE(handle, "no cuBLAS handle");
     KILN_BLAS(cublasSetStream(handle->handle, kiln_stream(stream)));
     handle->stream = kiln_stream(stream);
+    // cublasSetStream puts the handle back on cuBLAS's default workspace pool: set the fixed one again
+    KILN_BLAS(cublasSetWorkspace(handle->handle, handle->workspace, handle->workspace_bytes));
     return 0;
 }
 
