@@ -232,7 +232,11 @@ def _prune(args: argparse.Namespace) -> int:
 def add_qualify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
                         help="the backend to qualify (default: cpu)")
-    parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json)")
+    parser.add_argument("--precision", default="float32", choices=["float32", "bfloat16", "tfloat32"],
+                        help="the precision to qualify (default: float32); each precision has its own receipt, "
+                             "and auto computes a precision on cuda only once it is qualified there")
+    parser.add_argument("--output", help="receipt path (default: $KILN_HOME/qualification/latest-BACKEND.json, "
+                                         "latest-BACKEND-PRECISION.json for bfloat16 and tfloat32)")
     parser.add_argument("--route", action="append", choices=["sft", "grpo_inline", "grpo_streamed", "opd"],
                         help="qualify only this route (repeatable; default: every route, on either backend)")
 
@@ -244,17 +248,19 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from trainer.qualify import qualify
+    from trainer.runs.backend import receipt_stem
 
     home = Path(os.environ.get("KILN_HOME") or Path.home() / ".kiln")
-    output = Path(args.output) if args.output else home / "qualification" / f"latest-{args.backend}.json"
+    stem = receipt_stem(args.backend, args.precision)
+    output = Path(args.output) if args.output else home / "qualification" / f"latest-{stem}.json"
     try:
-        receipt = qualify(backend=args.backend, output=output, routes=args.route)
+        receipt = qualify(backend=args.backend, output=output, routes=args.route, precision=args.precision)
     except (RuntimeError, ValueError) as error:  # BackendUnavailable, or routes cuda does not run: none ran
         print(f"kiln qualify: {error}", file=sys.stderr)
         if getattr(error, "code", None) == "backend_unavailable" or isinstance(error, ValueError):
             print(f"kiln qualify: no receipt written; {output} is left as it was", file=sys.stderr)
         return 2
-    stamped = output.with_name(f"receipt-{args.backend}-{receipt['created'].replace(':', '')}.json")
+    stamped = output.with_name(f"receipt-{stem}-{receipt['created'].replace(':', '')}.json")
     stamped.write_text(json.dumps(receipt, indent=1, sort_keys=True) + "\n")
     for failure in receipt["failures"]:
         print(f"  mismatch: {failure}")

@@ -119,8 +119,8 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
     @staticmethod
     def _check_supported(config):
         if config.base_precision != "float32":
-            raise ValueError(f"base_precision {config.base_precision!r} is a CPU route (oneDNN); the "
-                             "cuda backend computes in float32")
+            raise ValueError(f"base_precision {config.base_precision!r} is a CPU route (oneDNN); on the cuda "
+                             "backend a precision is CudaModel's precision=, with a float32 CPU model")
         D = config.head_dimension
         if D > ATTENTION_MAX_HEAD:
             raise NotImplementedError(f"head_size {D}: the CUDA attention kernels take head sizes up to "

@@ -213,12 +213,34 @@ def selected_routes(table: dict, requested=None) -> list:
     return [name for name in table if not requested or name in requested]
 
 
-def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
-    """Run the qualification; returns (and writes, when `output` is given) the receipt. A backend that cannot
-    run here (cuda without a usable device) raises BackendUnavailable with the loader's reason before anything
-    runs, and no receipt is written: a receipt is evidence of runs, and none ran."""
+PRECISIONS = ("float32", "bfloat16", "tfloat32")
+
+
+def with_precision(table: dict, precision: str) -> dict:
+    """The routes' requests computing at PRECISION (float32: as they are, the config without the field)."""
+    if precision == "float32":
+        return table
+    return {name: (kind, cancel_at, {**request, "config": {**request["config"], "precision": precision}})
+            for name, (kind, cancel_at, request) in table.items()}
+
+
+def qualify(backend="cpu", output=None, routes=None, progress=print, precision="float32") -> dict:
+    """Run the qualification at PRECISION (each precision is its own envelope and receipt: the backend's `auto`
+    computes a precision on cuda only where that precision was qualified); returns (and writes, when `output` is
+    given) the receipt. A backend or precision that cannot run here (cuda without a usable device, bfloat16 on
+    cpu without oneDNN's BF16 route, tfloat32 on cpu) raises BackendUnavailable or ValueError with the reason
+    before anything runs, and no receipt is written: a receipt is evidence of runs, and none ran."""
     if backend not in ("cpu", "cuda"):
         raise ValueError(f"backend must be cpu or cuda, got {backend!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if backend == "cpu" and precision == "tfloat32":
+        raise ValueError("precision tfloat32 is a CUDA tensor-core precision: qualify it with --backend cuda")
+    if backend == "cpu" and precision == "bfloat16":
+        from native_ext import onednn
+        reason = onednn.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"precision bfloat16 cannot run on cpu here: {reason}")
     if backend == "cuda":
         require_cuda()
     from trainer.bases import load_base, show_base
@@ -229,7 +251,7 @@ def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
         model, tokenizer = load_base("kiln-tiny", bases_root)
         model.close()
         results = []
-        table = _routes(_home(work / "shared"))
+        table = with_precision(_routes(_home(work / "shared")), precision)
         selected = selected_routes(table, routes)
         for name in selected:
             kind, cancel_at, request = table[name]
@@ -245,10 +267,11 @@ def qualify(backend="cpu", output=None, routes=None, progress=print) -> dict:
             "schema": RECEIPT_SCHEMA,
             "passed": bool(results) and all(r["passed"] for r in results),
             "backend": backend,
+            "precision": precision,
             "failures": [f"{r['route']}: {r['mismatches'][0]}" for r in results if not r["passed"]],
             "envelope": {
                 "model": {"name": "kiln-tiny", "identity": base.identity, "config": base.config},
-                "execution": executions[0] if executions else execution_identity(backend),
+                "execution": executions[0] if executions else execution_identity(backend, precision),
                 "tokenizer": tokenizer.identity(),
                 "data": {r["route"]: r["dataset"] for r in results if "dataset" in r},
             },

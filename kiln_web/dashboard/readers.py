@@ -512,7 +512,8 @@ def _created(text) -> datetime | None:
 
 def read_receipt(path, backend: str) -> QualificationReceipt:
     receipt = QualificationReceipt(backend=backend, path=str(path))
-    receipt.earlier = len(list(path.parent.glob(f"receipt-{backend}-*.json")))
+    prefix = f"receipt-{backend}-"  # then the time (receipt-cuda-bfloat16-... is another precision's)
+    receipt.earlier = sum(1 for p in path.parent.glob(f"{prefix}*.json") if p.name[len(prefix):][:1].isdigit())
     try:
         document = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

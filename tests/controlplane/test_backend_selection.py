@@ -77,13 +77,14 @@ def probe(monkeypatch):
         cache.cache_clear()
 
 
-def write_receipt(home, **changes):
-    """A cuda qualification receipt for this process's cuda envelope (as `kiln qualify --backend cuda` writes)."""
+def write_receipt(home, precision=None, **changes):
+    """A cuda qualification receipt for this process's cuda envelope at PRECISION (as `kiln qualify --backend cuda
+    [--precision P]` writes)."""
+    identity = execution.with_precision(execution.compute_execution_identity("cuda"), precision)
     receipt = {"schema": backend.RECEIPT_SCHEMA, "passed": True, "backend": "cuda", "failures": [],
-               "envelope": {"execution": execution.compute_execution_identity("cuda")}, "routes": [],
-               "created": "2026-12-01T00:00:00Z"}
+               "envelope": {"execution": identity}, "routes": [], "created": "2026-12-01T00:00:00Z"}
     receipt.update(changes)
-    path = backend.receipt_path(home)
+    path = backend.receipt_path(home, precision)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(receipt))
     return path
@@ -502,3 +503,32 @@ def test_the_dashboard_form_shows_backend_unavailable_on_the_backend_field(real_
     errors = field_errors(response.content.decode(), "backend")
     assert errors and NO_DRIVER in " ".join(errors), errors
     assert not TrainingJob.objects.exists()
+
+
+def test_auto_computes_a_precision_on_cuda_only_where_that_precision_is_qualified(probe, tmp_path):
+    """Each precision is its own envelope: float32's receipt lets auto put float32 runs on the device, not bfloat16
+    ones (they go to cpu, saying which receipt is missing) nor tfloat32 ones, which exist on cuda only and are
+    refused rather than sent to cpu; with their own receipts both resolve to cuda as auto, and an explicit cuda
+    needs no receipt."""
+    probe(AVAILABLE)
+    write_receipt(tmp_path)
+    assert admission.choose_backend("auto", "auto", tmp_path).resolved == "cuda"
+    bf16 = admission.choose_backend("auto", "auto", tmp_path, precision="bfloat16")
+    assert (bf16.requested, bf16.resolved) == ("auto", "cpu")
+    assert "latest-cuda-bfloat16.json" in bf16.reason and "kiln qualify --backend cuda --precision bfloat16" in \
+        bf16.reason, bf16.reason
+    with pytest.raises(backend.BackendUnavailable, match=r"precision tfloat32 computes on cuda only, and auto needs a "
+                                                         r"passing qualification: no qualification receipt \(.*"
+                                                         r"latest-cuda-tfloat32.json\); run: kiln qualify --backend "
+                                                         r"cuda --precision tfloat32"):
+        admission.choose_backend("auto", "auto", tmp_path, precision="tfloat32")
+    assert admission.choose_backend("cuda", "auto", tmp_path, precision="tfloat32").resolved == "cuda"
+    write_receipt(tmp_path, "bfloat16")
+    write_receipt(tmp_path, "tfloat32")
+    for precision in ("bfloat16", "tfloat32"):
+        choice = admission.choose_backend("auto", "auto", tmp_path, precision=precision)
+        assert (choice.requested, choice.resolved) == ("auto", "cuda"), choice.reason
+    assert choice.reason == "auto: cuda available and qualified for this envelope (precision tfloat32 computes on " \
+                            "cuda only)"
+    write_receipt(tmp_path, "bfloat16", passed=False)
+    assert admission.choose_backend("auto", "auto", tmp_path, precision="bfloat16").resolved == "cpu"

@@ -162,3 +162,44 @@ def test_a_difference_in_a_resumed_process_on_cuda_fails_qualification(cuda_envi
     assert receipt["passed"] is False and route["passed"] is False
     assert route["mismatches"] and all(m.startswith("resumed.") for m in route["mismatches"]), route["mismatches"]
     assert "resumed.outcome.adapter_sha256" in route["mismatches"]
+
+
+def test_a_precision_is_qualified_as_its_own_envelope_and_receipt(cuda_environment, tmp_path, monkeypatch):  # noqa: F811
+    """`kiln qualify --backend cuda --precision bfloat16` runs the routes at that precision (the children's
+    execution identity records it) and writes latest-cuda-bfloat16.json beside, not over, float32's receipt;
+    that receipt is what auto needs for a bfloat16 run, and float32's is not."""
+    from kiln_web import cli
+    from trainer.runs import backend
+    from trainer.runs.execution import execution_identity
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    monkeypatch.setattr(qualification, "_routes", lambda home: {
+        k: v for k, v in real_routes(home).items() if k == "sft"})
+    float32 = backend.receipt_path(tmp_path)
+    float32.parent.mkdir(parents=True)
+    float32.write_text("float32's receipt, left as it is\n")
+    assert cli.main(["qualify", "--backend", "cuda", "--precision", "bfloat16"]) == 0
+    path = tmp_path / "qualification" / "latest-cuda-bfloat16.json"
+    assert path == backend.receipt_path(tmp_path, "bfloat16")
+    receipt = json.loads(path.read_text())
+    assert receipt["passed"] is True and receipt["precision"] == "bfloat16"
+    assert receipt["envelope"]["execution"]["precision"] == "bfloat16"
+    assert float32.read_text() == "float32's receipt, left as it is\n"
+    assert [p.name[:len("receipt-cuda-bfloat16-")] for p in path.parent.glob("receipt-*.json")] == [
+        "receipt-cuda-bfloat16-"]
+    assert backend.unqualified(tmp_path, execution_identity("cuda", "bfloat16")) is None
+    float32.write_text(path.read_text())  # a bfloat16 receipt where float32's belongs holds for another envelope
+    reason = backend.unqualified(tmp_path, execution_identity("cuda"))
+    assert "execution.precision" in reason and reason.endswith("run: kiln qualify --backend cuda"), reason
+
+
+def test_a_precision_that_cannot_run_on_cpu_writes_no_receipt(tmp_path, monkeypatch, capsys):
+    from kiln_web import cli
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    assert cli.main(["qualify", "--precision", "tfloat32"]) == 2
+    err = capsys.readouterr().err
+    assert "precision tfloat32 is a CUDA tensor-core precision: qualify it with --backend cuda" in err
+    assert "no receipt written" in err and not (tmp_path / "qualification" / "latest-cpu-tfloat32.json").exists()
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, tfloat32, got 'float16'"):
+        qualification.qualify(precision="float16")

@@ -320,10 +320,15 @@ def comparable_config(config: dict) -> dict:
 # -- identities ------------------------------------------------------------------------------
 
 
-def choose_backend(requested: str | None, default: str, home, need_bytes: int | None = None) -> BackendChoice:
-    """trainer.runs.backend.resolve_backend with this process's cuda execution identity (what a receipt must hold
-    for); ValueError or BackendUnavailable as it raises them."""
-    return resolve_backend(requested, default, home, lambda: execution_identity("cuda"), need_bytes)
+def choose_backend(requested: str | None, default: str, home, need_bytes: int | None = None,
+                   precision: str | None = None) -> BackendChoice:
+    """trainer.runs.backend.resolve_backend with this process's cuda execution identity at PRECISION (None:
+    float32), which a receipt must hold for: auto computes a precision on cuda only where that precision was
+    qualified there. A tensor-core precision (CUDA_ONLY_PRECISIONS) under auto is refused rather than sent to
+    cpu. ValueError or BackendUnavailable as it raises them."""
+    cuda_only = f"precision {precision}" if precision in CUDA_ONLY_PRECISIONS else None
+    return resolve_backend(requested, default, home, lambda: execution_identity("cuda", precision), need_bytes,
+                           cuda_only)
 
 
 def planned_device_bytes(config: dict, base) -> int | None:
@@ -359,9 +364,8 @@ def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoi
             raise AdmissionError("backend_unavailable", f"precision {precision} is a CUDA tensor-core precision; the "
                                                         "cpu backend computes float32 or bfloat16: ask for backend "
                                                         "cuda or auto, or another precision", field="config.precision")
-        requested = "cuda"  # auto: the precision exists on cuda only
     try:
-        choice = choose_backend(requested, settings.backend, settings.home, need_bytes)
+        choice = choose_backend(requested, settings.backend, settings.home, need_bytes, precision)
     except BackendUnavailable as error:
         hint = (f"precision {precision} needs a CUDA device; ask for precision float32 or bfloat16"
                 if precision in CUDA_ONLY_PRECISIONS else

@@ -113,8 +113,19 @@ def require_cuda(need_bytes: int | None = None) -> dict:
     return probe
 
 
-def receipt_path(home) -> Path:
-    return Path(home) / "qualification" / "latest-cuda.json"
+def receipt_stem(backend: str, precision: str | None = None) -> str:
+    """What names a backend's receipts (latest-STEM.json, receipt-STEM-TIME.json): the backend, then a precision
+    other than float32 (each precision is qualified apart: `kiln qualify --precision`)."""
+    return backend if precision in (None, "float32") else f"{backend}-{precision}"
+
+
+def receipt_path(home, precision: str | None = None) -> Path:
+    """The cuda receipt a run of PRECISION (None: float32) needs for `auto`."""
+    return Path(home) / "qualification" / f"latest-{receipt_stem('cuda', precision)}.json"
+
+
+def qualify_command(precision: str | None = None) -> str:
+    return "kiln qualify --backend cuda" + ("" if precision in (None, "float32") else f" --precision {precision}")
 
 
 def _differing(prefix: str, held, now, out: list) -> None:
@@ -126,33 +137,35 @@ def _differing(prefix: str, held, now, out: list) -> None:
 
 
 def unqualified(home, identity: dict) -> str | None:
-    """Why no passing cuda qualification receipt holds for IDENTITY (this process's cuda execution identity),
-    or None when one does."""
-    path = receipt_path(home)
+    """Why no passing cuda qualification receipt holds for IDENTITY (this process's cuda execution identity, of
+    the run's precision: each precision has its own receipt), or None when one does."""
+    precision = identity.get("precision") if isinstance(identity, dict) else None
+    path, command = receipt_path(home, precision), qualify_command(precision)
     try:
         receipt = json.loads(path.read_text())
     except FileNotFoundError:
-        return f"no qualification receipt ({path}); run: kiln qualify --backend cuda"
+        return f"no qualification receipt ({path}); run: {command}"
     except (OSError, ValueError) as error:
         return f"the qualification receipt {path} cannot be read ({error})"
     if not isinstance(receipt, dict) or receipt.get("schema") != RECEIPT_SCHEMA or receipt.get("backend") != "cuda":
         return f"{path} is not a cuda qualification receipt ({RECEIPT_SCHEMA})"
     if receipt.get("passed") is not True:
-        return f"the qualification receipt {path} failed; run: kiln qualify --backend cuda"
+        return f"the qualification receipt {path} failed; run: {command}"
     held = (receipt.get("envelope") or {}).get("execution")
     fields: list = []
     _differing("execution", held, identity, fields)
     if fields:
         shown = ", ".join(fields[:4]) + (", ..." if len(fields) > 4 else "")
-        return (f"the qualification receipt {path} holds for another envelope ({shown} differ); "
-                "run: kiln qualify --backend cuda")
+        return f"the qualification receipt {path} holds for another envelope ({shown} differ); run: {command}"
     return None
 
 
 def resolve_backend(requested: str | None, default: str, home, cuda_identity,
-                    need_bytes: int | None = None) -> BackendChoice:
+                    need_bytes: int | None = None, cuda_only: str | None = None) -> BackendChoice:
     """REQUESTED (a request's backend; None: DEFAULT, the server's KILN_TRAINING_BACKEND) resolved to cpu or cuda;
-    CUDA_IDENTITY() is this process's cuda execution identity, which a receipt must hold for (auto only).
+    CUDA_IDENTITY() is this process's cuda execution identity, of the run's precision, which a receipt must hold
+    for (auto only). CUDA_ONLY names why a run computes on cuda or nowhere (a tensor-core precision): auto then
+    needs cuda available and qualified like any auto run, and raises instead of falling back to cpu.
     ValueError on a name that is not a backend; BackendUnavailable (the loader's reason) when cuda is asked for
     and cannot run."""
     wanted = requested if requested is not None else default
@@ -166,8 +179,14 @@ def resolve_backend(requested: str | None, default: str, home, cuda_identity,
         return BackendChoice("cuda", "cuda", f"cuda: {source}")
     reason = cuda_unavailable(probe_cuda(), need_bytes)
     if reason is not None:
+        if cuda_only:
+            raise BackendUnavailable("cuda", f"{cuda_only} computes on cuda only, and {reason}")
         return BackendChoice("auto", "cpu", f"auto: cuda unavailable: {reason}")
     reason = unqualified(home, cuda_identity())
     if reason is not None:
+        if cuda_only:
+            raise BackendUnavailable("cuda", f"{cuda_only} computes on cuda only, and auto needs a passing "
+                                             f"qualification: {reason}")
         return BackendChoice("auto", "cpu", f"auto: cuda not qualified: {reason}")
-    return BackendChoice("auto", "cuda", "auto: cuda available and qualified for this envelope")
+    return BackendChoice("auto", "cuda", "auto: cuda available and qualified for this envelope"
+                         + (f" ({cuda_only} computes on cuda only)" if cuda_only else ""))

@@ -38,7 +38,8 @@ SFT_DEFAULTS = {
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
     "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
-    "precision": None,  # float32; or bfloat16: a LoRA base's products on oneDNN (written only when bfloat16)
+    "precision": None,  # float32; or bfloat16 (a LoRA base's products: oneDNN on cpu, BF16 tensor cores on cuda) or
+    # tfloat32 (cuda only): written only when not float32
 }
 
 GRPO_DEFAULTS = {
@@ -66,7 +67,8 @@ GRPO_DEFAULTS = {
     "base_adapter": None,  # a PEFT directory: weights-only warm start
     "activation_checkpointing": "none",
     "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
-    "precision": None,  # float32; or bfloat16: a LoRA base's products on oneDNN (written only when bfloat16)
+    "precision": None,  # float32; or bfloat16 (a LoRA base's products: oneDNN on cpu, BF16 tensor cores on cuda) or
+    # tfloat32 (cuda only): written only when not float32
 }
 
 OPD_DEFAULTS = {
@@ -92,7 +94,8 @@ OPD_DEFAULTS = {
     "guardrails": GUARDRAIL_DEFAULTS,
     "activation_checkpointing": "none",
     "backend": None,  # the server's KILN_TRAINING_BACKEND (auto, cpu or cuda); the effective one is resolved
-    "precision": None,  # float32; or bfloat16: a LoRA base's products on oneDNN (written only when bfloat16)
+    "precision": None,  # float32; or bfloat16 (a LoRA base's products: oneDNN on cpu, BF16 tensor cores on cuda) or
+    # tfloat32 (cuda only): written only when not float32
 }
 
 DEFAULTS = {"sft": SFT_DEFAULTS, "grpo": GRPO_DEFAULTS, "opd": OPD_DEFAULTS}

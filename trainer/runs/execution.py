@@ -51,7 +51,7 @@ def execution_identity(backend: str, precision: str | None = None) -> dict:
     if backend == "cuda":
         from trainer.runs.backend import cuda_unavailable, probe_cuda
         if cuda_unavailable(probe_cuda()) is not None:
-            return compute_execution_identity(backend)
+            return with_precision(compute_execution_identity(backend), precision)
     return with_precision(dict(_cached(backend)), precision)
 
 
