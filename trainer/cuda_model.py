@@ -703,14 +703,26 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
 # -- planning -----------------------------------------------------------------------------------------
 
 
-def planned_device_bytes(config, batch: int, positions: int, lora=None, quantization=None) -> int:
-    """The device bytes CudaModel allocates for training CONFIG (a TransformerConfig) on batches of BATCH rows of
+def planned_device_bytes(config, batch: int, positions: int, lora=None, quantization=None, *, training=True,
+                         logits=False, sampling=None) -> int:
+    """The device bytes CudaModel allocates for CONFIG (a TransformerConfig) computing on batches of BATCH rows of
     POSITIONS tokens: the resident weights (FP32, or NF4 codes with decoded FP32 block scales and the one tile
-    scratch), the trainable parameters' gradients and Adam moments, the activations every block keeps for backward,
-    the backward's and the loss's scratch, and the cuBLAS workspace. LORA is a trainer.lora.LoraConfig (or None:
-    the whole base trains, unless QUANTIZATION, {"block_size": ...}, freezes it). It follows _build, _forward,
-    _loss and _backward buffer by buffer; tests/engine/test_cuda_model.py holds it to the emulation's allocations.
-    The CUDA context itself is not counted (trainer.runs.admission adds an allowance)."""
+    scratch), the gradient buffers _build allocates (the adapters', or a dense base's when no adapter is attached),
+    the rope tables, the activations every block keeps (for backward; _forward keeps them whatever the call), and
+    the cuBLAS workspace. LORA is a trainer.lora.LoraConfig (or None: the whole base trains, unless QUANTIZATION,
+    {"block_size": ...}, freezes it).
+
+    TRAINING (the default) adds a training step's: Adam's moments, the loss's and the backward's scratch.
+    training=False plans a model that never steps (a native OPD teacher, a served or evaluated model): no moments,
+    no loss or backward scratch, and no forward at all when BATCH is 0 (the gradient buffers are still counted:
+    _build allocates them whatever the model is used for). LOGITS adds CudaModel.logits' whole [N,V] logits over
+    the same rows. SAMPLING, (prompt, positions), adds what trainer.generation.generate allocates to sample one
+    sequence: a KV cache of POSITIONS positions (trainer.cuda_decode.DeviceKVCache) and the decoding scratch,
+    grown to the prefill of PROMPT rows (each later token takes one row, and the scratch never shrinks).
+
+    It follows _build, _forward, logits, _loss, _backward and cuda_decode buffer by buffer;
+    tests/engine/test_cuda_model.py holds it to the emulation's allocations. The CUDA context itself is not
+    counted (trainer.runs.device_plan.CUDA_CONTEXT_BYTES is the allowance admission adds once per process)."""
     C, F, V, D = config.model_width, config.feed_forward_width, config.vocabulary_size, config.head_dimension
     H, KV, L = config.head_count, config.kv_heads, config.block_count
     N, W3 = batch * positions, (H + 2 * KV) * D
@@ -719,7 +731,8 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
     linear = sum(rows * cols for rows, cols in shapes.values())
     vectors = 2 * C + (2 * D if config.qk_norm else 0) + (W3 if config.attention_bias else 0)
     dense = (1 if config.tie_embeddings else 2) * V * C + C + L * vectors  # embeddings, norms, biases
-    floats = dense + 2 * config.maximum_context * (D // 2) * 2  # rope tables and their identity twins
+    rope = 2 * config.maximum_context * (D // 2) * 2  # rope tables and their identity twins
+    floats = dense + rope
     nbytes = BLAS_WORKSPACE_BYTES
     if quantization is None:
         floats += L * linear
@@ -727,28 +740,43 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
         block = quantization["block_size"]
         nbytes += L * sum(rows * cols // 2 + 4 * -(-rows * cols // block) for rows, cols in shapes.values())
         floats += NF4_SCRATCH_ELEMENTS
+    r = 0 if lora is None else lora.rank
+    adapted = 0 if lora is None else sum(name in lora.targets for name in shapes)  # adapted projections a block
     trainable = 0
     if lora is not None:
-        trainable = L * sum(lora.rank * (rows + cols) for name, (rows, cols) in shapes.items() if name in lora.targets)
+        trainable = L * sum(r * (rows + cols) for name, (rows, cols) in shapes.items() if name in lora.targets)
         floats += 2 * trainable  # values and gradients
-        floats += L * N * lora.rank * sum(name in lora.targets for name in shapes) + N * lora.rank  # u, du
     elif quantization is None:
-        trainable = floats - 2 * config.maximum_context * (D // 2) * 2
+        trainable = floats - rope
         floats += trainable  # gradients in the parameters' layouts
-    floats += 2 * trainable  # Adam's moments
-    # kept for backward by every block: h1, qkv, q, k, v, att, attn, x_mid, h2, gate_up, act, the block's output,
-    # and rstd1, rstd2, lse (qk_norm: the raw and normed heads and their rstd)
-    heads = N * (H + 2 * KV) * D
-    saved = 4 * N * C + N * W3 + heads + 2 * N * H * D + 3 * N * F + 2 * N + N * H
-    if config.qk_norm:
-        saved += 2 * N * (H + KV) * D + N * (H + KV)
-    floats += L * saved
-    chunk = N if config.loss_route == "full_logits" else min(config.loss_chunk_tokens, N)
-    # x.0, hidden, dhidden; the final rstd, ones, per-row losses; int64 tokens and targets; the loss's logits chunk
-    floats += 3 * N * C + 7 * N + chunk * V
-    # backward: d, dh, dact, dgate_up, dattn, datt, delta, dq, dk, dv, dqkv; RMSNorm's double partial sums
-    floats += 2 * N * C + 3 * N * F + 3 * N * H * D + N * H + 2 * N * KV * D + N * W3
-    floats += 2 * -(-N // 64) * C + C + D
-    if config.qk_norm:
-        floats += 2 * N * (H + KV) * D
+    if training:
+        floats += 2 * trainable  # Adam's moments
+    if N:
+        # kept by every block: h1, qkv, q, k, v, att, attn, x_mid, h2, gate_up, act, the block's output, and rstd1,
+        # rstd2, lse (qk_norm: the raw and normed heads and their rstd); LoRA's u of each adapted projection
+        heads = N * (H + 2 * KV) * D
+        saved = 4 * N * C + N * W3 + heads + 2 * N * H * D + 3 * N * F + 2 * N + N * H + N * r * adapted
+        if config.qk_norm:
+            saved += 2 * N * (H + KV) * D + N * (H + KV)
+        floats += L * saved
+        floats += 2 * N * C + 4 * N  # x.0 and hidden; the final rstd, ones and the int64 tokens
+        if training:
+            chunk = N if config.loss_route == "full_logits" else min(config.loss_chunk_tokens, N)
+            # dhidden; per-row losses, row scales and the int64 targets; the loss's logits chunk; LoRA's du
+            floats += N * C + 4 * N + chunk * V + N * r
+            # backward: d, dh, dact, dgate_up, dattn, datt, delta, dq, dk, dv, dqkv; RMSNorm's double partial sums
+            floats += 2 * N * C + 3 * N * F + 3 * N * H * D + N * H + 2 * N * KV * D + N * W3
+            floats += 2 * -(-N // 64) * C + C + D
+            if config.qk_norm:
+                floats += 2 * N * (H + KV) * D
+        if logits:
+            floats += N * V
+    if sampling is not None:
+        prompt, cached = sampling
+        floats += 2 * L * KV * cached * D  # the cache's keys and values of every block, one sequence
+        # dec.*: tokens (int64), x, h, hidden, rstd, qkv, gate_up, act, q, att, attn, lse, LoRA's u, ones; one
+        # row of logits (the prefill's last position, then each new token's)
+        floats += prompt * (2 + 3 * C + H + W3 + 3 * F + 3 * H * D + H + r + 1) + V
+        if config.qk_norm:
+            floats += 2 * prompt * (H + KV) * D  # dec.q_raw, dec.q_normed, dec.k_raw, dec.k_normed
     return nbytes + 4 * floats

@@ -144,6 +144,29 @@ def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) ->
     return _adapter_baseline(baseline, baseline_base, sha, "asked for")
 
 
+def _planned_bytes(user, candidate, base: str | None, max_new_tokens: int):
+    """The device plan of evaluating CANDIDATE over BASE (None: the candidate's own) for USER (runtime.planned_bytes),
+    read before anything is checked so that the backend is resolved first, as it always was; None where the request
+    is refused further on (no snapshot, an adapter USER may not see, no registered base): nothing of it runs."""
+    from kiln_web.adapters.models import Adapter
+    from kiln_web.serving import actions as serving_actions
+    from kiln_web.serving import runtime as serving_runtime
+
+    if not isinstance(candidate, str) or not serving_actions.ADAPTER_NAME.match(candidate) \
+            or not serving_runtime.has_snapshot(candidate):
+        return None
+    adapter = Adapter.objects.visible_to(user).filter(name=candidate).first()
+    if adapter is None and Adapter.objects.filter(name=candidate).exists():
+        return None  # someone else's, refused below exactly like a name that does not exist
+    if base is None and adapter is not None:
+        base = serving_actions.adapter_base(adapter)
+    elif base is None:
+        base = serving_runtime.snapshot_base(candidate)  # an unclaimed snapshot: it becomes USER's below
+    if not isinstance(base, str) or not serving_runtime.is_base(base):
+        return None
+    return runtime.planned_bytes(candidate, base, max_new_tokens)
+
+
 def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None = None, baseline: str | None = None,
                           training_job=None, purpose: str = EvalPurpose.MANUAL,
                           max_new_tokens: int = MAX_NEW_TOKENS, backend: str | None = None) -> EvalRun:
@@ -157,7 +180,7 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     from kiln_web.serving import runtime as serving_runtime
 
     try:
-        resolved, why = runtime.resolve_backend(backend)
+        resolved, why = runtime.resolve_backend(backend, _planned_bytes(user, candidate, base, max_new_tokens))
     except runtime.EvaluationError as error:
         raise ActionRefused(400, error.code, error.message, field="backend") from None
     adapter = serving_actions.adapter_for(user, candidate, manage=False)  # theirs, or shared with them

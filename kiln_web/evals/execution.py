@@ -71,7 +71,9 @@ def execute_evaluation(run_id, worker_id: str) -> str:
     _job_event(run_id, "info", _started)
     try:
         run = EvalRun.objects.select_related("suite", "candidate").get(pk=run_id)
-        runtime.require_backend(run.backend)  # a cuda run needs this worker's device now
+        need = runtime.planned_bytes(run.candidate.name, run.candidate_base, run.max_new_tokens) \
+            if run.backend == "cuda" else None
+        runtime.require_backend(run.backend, need)  # a cuda run needs this worker's device, and its memory, now
         suite = runtime.parse(run.suite.name, run.suite.content, run.suite.default_metric)
         if suite.digest != run.suite_digest:
             raise runtime.EvaluationError("suite_changed", f"suite {run.suite.name!r} no longer has the digest the "

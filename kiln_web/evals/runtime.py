@@ -22,28 +22,52 @@ class EvaluationError(Exception):
         self.code, self.message = code, message
 
 
-def resolve_backend(requested: str | None) -> tuple[str, str]:
+def planned_bytes(candidate: str, base: str, max_new_tokens: int):
+    """The device plan of evaluating CANDIDATE's PEFT snapshot over BASE (trainer.runs.device_plan.evaluation_bytes:
+    greedy generation of up to MAX_NEW_TOKENS by the candidate or by the base alone, whichever holds more, the
+    prompts at their bound, plus the CUDA context): an Unplannable need when the base does not describe its
+    architecture or the snapshot's LoRA cannot be read; None when BASE is not registered (loading it fails)."""
+    from django.conf import settings
+
+    from trainer.bases import show_base
+    from trainer.peft import read_adapter_config
+    from trainer.runs import device_plan
+
+    try:
+        info = show_base(base, settings.KILN_HOME)
+    except (LookupError, ValueError):
+        return None
+    try:
+        lora = read_adapter_config(serving_runtime.snapshot_path(candidate))
+    except (OSError, ValueError) as error:
+        return device_plan.Unplannable(f"the LoRA of adapter {candidate!r} cannot be read ({error})")
+    return device_plan.evaluation_bytes(info, lora, max_new_tokens)
+
+
+def resolve_backend(requested: str | None, need_bytes: int | None = None) -> tuple[str, str]:
     """(resolved backend, why) of REQUESTED (auto, cpu, cuda; None: KILN_TRAINING_BACKEND), as training admission
-    resolves it; EvaluationError backend_unavailable (the loader's reason) when cuda is asked for without a device."""
+    resolves it, for an evaluation that plans NEED_BYTES on the device (planned_bytes); EvaluationError
+    backend_unavailable (the reason) when cuda is asked for without a device, or one with less free memory."""
     from django.conf import settings
 
     from trainer.runs.admission import choose_backend
     from trainer.runs.backend import BackendUnavailable
 
     try:
-        choice = choose_backend(requested, settings.KILN_TRAINING_BACKEND, settings.KILN_HOME)
+        choice = choose_backend(requested, settings.KILN_TRAINING_BACKEND, settings.KILN_HOME, need_bytes=need_bytes)
     except BackendUnavailable as error:
         raise EvaluationError("backend_unavailable", f"{error.message}; ask for backend cpu or auto") from None
     return choice.resolved, choice.reason
 
 
-def require_backend(backend: str) -> None:
-    """Dequeue-time check: EvaluationError backend_unavailable unless BACKEND can run in this worker now."""
+def require_backend(backend: str, need_bytes: int | None = None) -> None:
+    """Dequeue-time check: EvaluationError backend_unavailable unless BACKEND can run in this worker now (cuda: the
+    device, with free memory for NEED_BYTES, the evaluation's plan, when given)."""
     from trainer.runs.backend import BackendUnavailable, require_cuda
 
     if backend == "cuda":
         try:
-            require_cuda()
+            require_cuda(need_bytes)
         except BackendUnavailable as error:
             raise EvaluationError("backend_unavailable", f"this worker cannot run the evaluation's backend: "
                                                          f"{error.message}") from None

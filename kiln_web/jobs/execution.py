@@ -166,29 +166,31 @@ def execute_training_job(job_id, worker_id: str, stop: threading.Event | None = 
     return final
 
 
-def _job_backend(job_id) -> tuple[str, str | None]:
-    """(backend, precision) admission resolved for JOB_ID: its effective configuration's backend (a job admitted
-    before config.backend existed: its recorded execution identity's, which was cpu) and precision (None:
-    float32)."""
+def _job_backend(job_id) -> tuple[str, str | None, dict]:
+    """(backend, precision, identities) admission resolved for JOB_ID: its effective configuration's backend (a job
+    admitted before config.backend existed: its recorded execution identity's, which was cpu), precision (None:
+    float32) and identities (where its device plan is recorded)."""
     row = TrainingJob.objects.filter(pk=job_id).values_list("effective_config", "identities").first()
     config, identities = row or ({}, {})
     backend = (config or {}).get("backend") if isinstance(config, dict) else None
     if backend is None and isinstance(identities, dict):
         backend = (identities.get("execution") or {}).get("backend")
     precision = (config or {}).get("precision") if isinstance(config, dict) else None
-    return (backend if backend in ("cpu", "cuda") else "cpu"), precision  # a stand-in's record may hold the setting
+    backend = backend if backend in ("cpu", "cuda") else "cpu"  # a stand-in's record may hold the setting
+    return backend, precision, identities if isinstance(identities, dict) else {}
 
 
-def _identity_for(backend: str, precision: str | None = None) -> dict:
+def _identity_for(backend: str, precision: str | None = None, identities=None) -> dict:
     """The execution identity this worker trains a job of BACKEND under: its own (computed at start) when that is
-    for BACKEND, else one computed for it. A cuda job on a worker whose CUDA loader finds no device is refused here,
-    at dequeue (backend_unavailable with the loader's reason), before anything is loaded."""
+    for BACKEND, else one computed for it. A cuda job on a worker whose CUDA loader finds no device, or a device
+    with less free memory than the job's recorded device plan (IDENTITIES' device_plan), is refused here, at
+    dequeue (backend_unavailable with the reason), before anything is loaded."""
     try:
-        runtime.require_backend(backend)
+        runtime.require_backend(backend, identities)
     except runtime.BackendRefused as error:
         raise runtime.BackendRefused(f"this worker cannot run the job's backend: {error.message}; run it on a "
-                                     "worker whose CUDA device the loader finds, or submit it again with backend "
-                                     "cpu") from None
+                                     "worker whose CUDA device the loader finds with the free memory the job plans, or "
+                                     "submit it again with backend cpu") from None
     if precision not in (None, "float32"):
         return runtime.execution_identity(backend, precision)
     own = runtime.execution_identity()  # cached: the one this worker computed at start

@@ -119,13 +119,16 @@ def resolve_backend(requested: str | None) -> dict:
         raise BackendRefused(error.message) from None
 
 
-def require_backend(backend: str) -> None:
+def require_backend(backend: str, identities=None) -> None:
     """Dequeue-time check: BackendRefused (backend_unavailable, the loader's reason) unless BACKEND can run in this
-    process now (cpu always can; cuda when the loader's probe finds the device)."""
+    process now (cpu always can; cuda when the loader's probe finds the device with free memory for the device plan
+    admission recorded in the job's IDENTITIES, trainer.runs.device_plan.record; a job admitted before plans were
+    recorded is checked for the device alone)."""
     if backend == "cuda":
         module = _module("trainer.runs.backend", "the backend selection")
+        need_bytes = _module("trainer.runs.device_plan", "the device plan").recorded(identities)
         try:
-            module.require_cuda()
+            module.require_cuda(need_bytes)
         except module.BackendUnavailable as error:
             raise BackendRefused(error.message) from None
 

@@ -27,7 +27,7 @@ from trainer.runs import admission, backend, checkpoint_dir, execution
 from trainer.runs.defaults import DEFAULTS
 
 from .conftest import cli_runner, sft_body
-from .rl_data import grpo_inline, opd_request
+from .rl_data import PROMPTS, grpo_inline, opd_request
 
 NO_DRIVER = "libcuda.so.1 cannot be opened (no NVIDIA driver in this test)"
 DEVICE = {"index": 0, "name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
@@ -323,33 +323,231 @@ def test_the_api_refusal_carries_the_real_loaders_reason_on_this_machine(api, ad
             cache.cache_clear()
 
 
-def test_the_planned_need_is_what_the_device_model_allocates_for_the_request():
-    """admission.planned_device_bytes maps the request onto trainer.cuda_model.planned_device_bytes (which
-    tests/engine/test_cuda_model.py holds to the device model's real allocations): SFT's micro-batch of batch_size
-    sequences of max_sequence_length tokens, capped by the base's context; GRPO's and OPD's one sequence of
-    max_completion_length or max_new_tokens tokens; the adapters and the NF4 base as the request shapes them."""
-    from trainer import LoraConfig, TransformerConfig
-    from trainer.cuda_model import planned_device_bytes
+ARCHITECTURE = dict(vocabulary_size=512, maximum_context=256, model_width=64, head_count=4, kv_head_count=2,
+                    block_count=2, feed_forward_width=128)
+LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"], "use_rslora": False}
 
-    architecture = dict(vocabulary_size=512, maximum_context=256, model_width=64, head_count=4, kv_head_count=2,
-                        block_count=2, feed_forward_width=128)
-    base = types.SimpleNamespace(config=architecture, parameter_count=1)
-    model = TransformerConfig(**architecture, loss_route="kt_tape_flce", loss_chunk_tokens=max(64, (64 << 20) // 2048))
-    lora = {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"], "use_rslora": False}
+
+def test_the_planned_need_is_what_the_device_models_allocate_plus_the_cuda_context():
+    """admission.planned_device_bytes maps the request onto trainer.cuda_model.planned_device_bytes (which
+    tests/engine/test_cuda_model.py holds to the device model's real allocations) and adds the CUDA context's
+    allowance once: SFT's micro-batch of batch_size sequences of max_sequence_length tokens, capped by the base's
+    context; GRPO's whole group (a row a completion, the prompt and the longest completion) as its admission reads
+    it, growing with the group's size and its prompt; OPD's sampling (KV cache and prefill), its scoring logits and
+    its step over the longest prompt and max_new_tokens, the prompt at its bound when unknown, and a native
+    teacher's own device model (its weights and the gradient buffers a dense device model holds, its forward and
+    logits); the adapters and the NF4 base as the request shapes them."""
+    from trainer import DecoderOnlyTransformer, LoraConfig, TransformerConfig
+    from trainer.cuda_model import planned_device_bytes
+    from trainer.runs import device_plan
+
+    context = device_plan.CUDA_CONTEXT_BYTES
+    assert 256 << 20 <= context <= 1 << 30  # the CUDA context and cuBLAS's own memory: a few hundred MiB
+    base = types.SimpleNamespace(name="described", config=ARCHITECTURE, parameter_count=1)
+    model = TransformerConfig(**ARCHITECTURE, loss_route="kt_tape_flce", loss_chunk_tokens=max(64, (64 << 20) // 2048))
     shaped = LoraConfig(rank=8, alpha=16, targets=("q_proj", "v_proj"))
     nf4 = {"type": "nf4", "block_size": 64, "double_quantization": False}
-    sft = {"batch_size": 4, "max_sequence_length": 100, "lora": lora}
-    assert admission.planned_device_bytes(sft, base) == planned_device_bytes(model, 4, 100, shaped)
+    sft = {"batch_size": 4, "max_sequence_length": 100, "lora": LORA}
+    assert admission.planned_device_bytes(sft, base) == context + planned_device_bytes(model, 4, 100, shaped)
     assert admission.planned_device_bytes({**sft, "max_sequence_length": 4096}, base) == \
-        planned_device_bytes(model, 4, 256, shaped)  # no sequence is longer than the base's context
+        context + planned_device_bytes(model, 4, 256, shaped)  # no sequence is longer than the base's context
     assert admission.planned_device_bytes({**sft, "quantization": nf4}, base) == \
-        planned_device_bytes(model, 4, 100, shaped, nf4) != admission.planned_device_bytes(sft, base)
-    grpo = {"max_completion_length": 60, "lora": lora}
-    assert admission.planned_device_bytes(grpo, base) == planned_device_bytes(model, 1, 60, shaped)
-    opd = {"max_new_tokens": 30, "lora": lora}
-    assert admission.planned_device_bytes(opd, base) == planned_device_bytes(model, 1, 30, shaped)
+        context + planned_device_bytes(model, 4, 100, shaped, nf4) != admission.planned_device_bytes(sft, base)
     assert admission.planned_device_bytes({**sft, "batch_size": 8}, base) > admission.planned_device_bytes(sft, base)
-    assert admission.planned_device_bytes(sft, types.SimpleNamespace(parameter_count=1000)) is None
+
+    grpo = {"max_completion_length": 60, "lora": LORA}
+    unknown = admission.planned_device_bytes(grpo, base)  # no configuration field bounds a group's size
+    assert isinstance(unknown, device_plan.Unplannable) and "whole group" in unknown.reason
+    group = device_plan.grpo_bytes(grpo, base, (3, 70))  # three completions after a prompt: 70 positions
+    assert group == context + planned_device_bytes(model, 3, 70, shaped) > \
+        context + planned_device_bytes(model, 1, 60, shaped)  # the old floor: one completion, no prompt
+    assert device_plan.grpo_bytes(grpo, base, (6, 70)) > group < device_plan.grpo_bytes(grpo, base, (3, 120))
+    assert device_plan.grpo_bytes(grpo, base, (3, 4096)) == context + planned_device_bytes(model, 3, 256, shaped)
+
+    opd = {"max_new_tokens": 30, "lora": LORA, "teacher": {"route": "openai"}}  # an endpoint holds nothing here
+    student = device_plan.opd_bytes(opd, base, 20)
+    assert student == context + planned_device_bytes(model, 1, 49, shaped, logits=True, sampling=(20, 50))
+    assert admission.planned_device_bytes(opd, base) == device_plan.opd_bytes(opd, base, 255) == \
+        context + planned_device_bytes(model, 1, 255, shaped, logits=True, sampling=(255, 256))  # the bound
+    assert student > context + planned_device_bytes(model, 1, 30, shaped)  # the old floor: max_new_tokens only
+    native = {**opd, "teacher": {"route": "native"}}
+    teacher_architecture = {**ARCHITECTURE, "model_width": 128, "feed_forward_width": 256}
+    teacher = types.SimpleNamespace(name="teacher", config=teacher_architecture)
+    with_teacher = device_plan.opd_bytes(native, base, 20, (teacher, None))
+    teacher_model = TransformerConfig(**teacher_architecture)
+    assert with_teacher - student == planned_device_bytes(teacher_model, 1, 49, training=False, logits=True)
+    weights = DecoderOnlyTransformer(teacher_model)
+    try:
+        teacher_bytes = 4 * sum(value.size for value in weights.fp32_state_dict().values())
+    finally:
+        weights.close()
+    assert with_teacher - student > 2 * teacher_bytes  # its weights and a dense device model's gradient buffers
+    assert device_plan.opd_bytes(native, base, 20, (teacher, shaped)) < with_teacher  # an adapter: no dense grads
+    assert isinstance(device_plan.opd_bytes(native, base, 20), device_plan.Unplannable)  # the teacher not given
+
+
+def test_a_run_whose_device_memory_cannot_be_planned_is_never_sent_to_cuda(probe, tmp_path):
+    """Fail closed: a base that does not describe its architecture plans an Unplannable need, so an explicit cuda
+    request is refused (backend_unavailable, saying why) and auto resolves to cpu with that reason, on a device
+    that would take the same request over a described base."""
+    probe(AVAILABLE)
+    write_receipt(tmp_path)
+    settings = admission.RunSettings(home=tmp_path, registry=tmp_path / "adapters", bases_root=tmp_path,
+                                     backend="auto")
+    request = {"batch_size": 1, "max_sequence_length": 64, "lora": LORA}
+    undescribed = types.SimpleNamespace(name="opaque-gguf", config={}, parameter_count=1000)
+    why = "base opaque-gguf does not describe its architecture, so its device memory cannot be planned"
+    with pytest.raises(admission.AdmissionError) as refused:
+        admission.admit_backend({**request, "backend": "cuda"}, settings, undescribed)
+    assert refused.value.code == "backend_unavailable" and why in refused.value.message, refused.value.message
+    config = dict(request)
+    choice = admission.admit_backend(config, settings, undescribed)  # the server's default: auto
+    assert (choice.requested, choice.resolved) == ("auto", "cpu") and why in choice.reason, choice.reason
+    assert config["backend"] == "cpu"
+    described = types.SimpleNamespace(name="described", config=ARCHITECTURE, parameter_count=1)
+    assert admission.admit_backend(dict(request), settings, described).resolved == "cuda"
+    assert admission.admit_backend({**request, "backend": "cuda"}, settings, described).resolved == "cuda"
+    from trainer.runs import device_plan
+    assert device_plan.record(admission.planned_device_bytes(request, undescribed)) == \
+        {"bytes": None, "unplannable": why}
+    unknown_free = copy.deepcopy(AVAILABLE)  # a device whose free memory the probe could not read
+    for device in unknown_free["devices"]:
+        device.pop("free_memory", None)
+    probe(unknown_free)
+    assert backend.cuda_unavailable(backend.probe_cuda(), admission.planned_device_bytes(request, undescribed)) == \
+        f"the run's device memory cannot be planned: {why}"
+    assert backend.cuda_unavailable(backend.probe_cuda(), admission.planned_device_bytes(request, described)) is None
+
+
+def _free(nbytes: int) -> dict:
+    """The loader's probe with a device that has NBYTES free."""
+    return {**AVAILABLE, "devices": [{**DEVICE, "free_memory": nbytes}]}
+
+
+@pytest.mark.django_db
+def test_grpo_plans_its_largest_group_and_cuda_is_refused_when_that_does_not_fit(api, adapter_name, probe,
+                                                                                  settings):
+    """GRPO's micro-batch is a whole group: the admitted plan (identities.device_plan) is a training step over
+    the largest group's rows (its completions) of prompt and longest completion, grows with the group's size and
+    its prompt, and a device with a byte less free than it refuses an explicit cuda request."""
+    from trainer.bases import show_base
+    from trainer.runs import device_plan, grpo
+    from trainer.runs.tokenizers import load_tokenizer
+
+    def admitted(groups, name):
+        body = grpo_inline(f"{adapter_name}-{name}", backend="cpu")
+        response = api.post("/v1/train/grpo", {**body, "groups": groups})
+        assert response.status_code == 201, response.content
+        return response.json()
+
+    groups = grpo_inline("x")["groups"]
+    job = admitted(groups, "three")
+    need, config = job["identities"]["device_plan"]["bytes"], job["effective_config"]
+    tokenizer = load_tokenizer("kiln-tiny", settings.KILN_HOME)
+    shapes = [grpo.group_shape(*grpo.tokenize_group(group, tokenizer, config, 512, "g")) for group in groups]
+    assert {rows for rows, _ in shapes} == {3}
+    largest = max(shapes, key=lambda shape: shape[0] * shape[1])
+    assert need == device_plan.grpo_bytes(config, show_base("kiln-tiny", settings.KILN_HOME), largest)
+    doubled = [{**group, "completions": group["completions"] * 2} for group in groups]
+    assert admitted(doubled, "six")["identities"]["device_plan"]["bytes"] > need  # twice the rows
+    longer = [{**group, "prompt": "Q: " + "a long preamble, " * 8 + "what is it?"} if "prompt" in group else group
+              for group in groups]
+    assert admitted(longer, "long-prompt")["identities"]["device_plan"]["bytes"] > need  # longer rows
+
+    probe(_free(need - 1))
+    refused = api.post("/v1/train/grpo", grpo_inline(f"{adapter_name}-cuda", backend="cuda"))
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert error["code"] == "backend_unavailable"
+    assert f"has {need - 1} bytes free; the run plans {need}" in error["message"], error["message"]
+    probe(_free(need))
+    admitted_on_cuda = api.post("/v1/train/grpo", grpo_inline(f"{adapter_name}-cuda", backend="cuda"))
+    assert admitted_on_cuda.status_code == 201, admitted_on_cuda.content
+    assert admitted_on_cuda.json()["effective_config"]["backend"] == "cuda"
+
+
+@pytest.mark.django_db
+def test_opd_plans_its_native_teachers_device_model_beside_the_students(api, adapter_name, settings):
+    """OPD's admitted plan: the student's sampling, scoring and step over the longest prompt and max_new_tokens,
+    plus the native teacher's own device model (kiln-tiny here: its weights and gradient buffers, its forward and
+    logits over the same tokens), plus the CUDA context once."""
+    from trainer.bases import show_base
+    from trainer.cuda_model import planned_device_bytes
+    from trainer.runs import device_plan, opd
+    from trainer.runs.tokenizers import load_tokenizer
+
+    response = api.post("/v1/train/opd", rl_body(api, "opd", adapter_name, backend="cpu"))
+    assert response.status_code == 201, response.content
+    job = response.json()
+    need, config = job["identities"]["device_plan"]["bytes"], job["effective_config"]
+    assert config["teacher"]["route"] == "native" and config["teacher"]["adapter"] is None
+    tiny = show_base("kiln-tiny", settings.KILN_HOME)
+    tokenizer = load_tokenizer("kiln-tiny", settings.KILN_HOME)
+    longest = max(len(opd.prompt_ids(p if isinstance(p, dict) else {"prompt": p}, tokenizer, 512, "p"))
+                  for p in PROMPTS)
+    student = device_plan.opd_bytes({**config, "teacher": {"route": "openai"}}, tiny, longest)
+    cached = min(longest + config["max_new_tokens"], 512)
+    teacher = planned_device_bytes(device_plan.architecture(tiny, None), 1, cached - 1, training=False, logits=True)
+    assert need == device_plan.opd_bytes(config, tiny, longest, (tiny, None)) == student + teacher
+    assert teacher > 2 * 4 * tiny.parameter_count  # the teacher's weights and its dense gradient buffers
+
+
+@pytest.mark.django_db
+def test_an_evaluation_is_refused_on_cuda_when_the_device_has_less_free_memory_than_it_plans(api, adapter_name,
+                                                                                              probe, settings):
+    """An evaluation's plan (greedy generation by the candidate or by the base alone: the weights, the gradient
+    buffers a device model holds, the KV cache and decoding scratch, no step; plus the CUDA context) is checked
+    against the device's free memory when it is queued: explicit cuda refused with a byte too few, auto on cpu
+    with the reason, cuda admitted with enough."""
+    from kiln_web.evals import runtime as eval_runtime
+    from kiln_web.evals.actions import MAX_NEW_TOKENS
+    from tests.serving.helpers import publish_adapter
+    from trainer.bases import show_base
+    from trainer.peft import read_adapter_config
+    from trainer.runs import device_plan
+
+    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, adapter_name)
+    suite = json.dumps({"prompt": "Say kiln.", "expected": "kiln", "metric": "contains"})
+    assert api.post("/v1/evals/suites", {"name": f"{adapter_name}-words", "content": suite}).status_code == 201
+    tiny = show_base("kiln-tiny", settings.KILN_HOME)
+    need = device_plan.evaluation_bytes(tiny, read_adapter_config(settings.KILN_ADAPTERS_DIR / adapter_name),
+                                        MAX_NEW_TOKENS)
+    assert need == eval_runtime.planned_bytes(adapter_name, "kiln-tiny", MAX_NEW_TOKENS)
+    body = {"adapter": adapter_name, "suite": f"{adapter_name}-words", "baseline": "kiln-tiny"}
+    probe(_free(need - 1))
+    refused = api.post("/v1/evals/runs", {**body, "backend": "cuda"})
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert error["code"] == "backend_unavailable"
+    assert f"has {need - 1} bytes free; the run plans {need}" in error["message"], error["message"]
+    auto = api.post("/v1/evals/runs", {**body, "backend": "auto"})
+    assert auto.status_code == 201, auto.content
+    assert auto.json()["backend"]["resolved"] == "cpu" and "bytes free" in auto.json()["backend"]["reason"]
+    probe(_free(need))
+    admitted = api.post("/v1/evals/runs", {**body, "backend": "cuda"})
+    assert admitted.status_code == 201, admitted.content
+    assert admitted.json()["backend"]["resolved"] == "cuda"
+
+
+@pytest.mark.django_db
+def test_a_worker_rechecks_the_jobs_planned_memory_at_dequeue(real_sft, api, adapter_name, probe):
+    """The plan admission recorded (identities.device_plan) is checked again when a worker dequeues a cuda job: a
+    device whose free memory fell below it refuses the job (backend_unavailable, with both figures) before anything
+    is loaded."""
+    from trainer.runs import device_plan
+
+    probe(_free(79 << 30))
+    response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, backend="cuda"))
+    assert response.status_code == 201, response.content
+    job = response.json()
+    need = job["identities"]["device_plan"]["bytes"]
+    assert need > device_plan.CUDA_CONTEXT_BYTES
+    probe(_free(need - 1))  # another process took memory meanwhile
+    assert EmbeddedWorker().run_once()
+    failed = TrainingJob.objects.get(pk=job["id"])
+    assert failed.status == JobStatus.FAILED and failed.error_code == "backend_unavailable"
+    assert f"has {need - 1} bytes free; the run plans {need}" in failed.error_message, failed.error_message
+    assert failed.committed_step == 0
 
 
 @pytest.mark.django_db

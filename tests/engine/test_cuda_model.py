@@ -375,6 +375,47 @@ def test_the_planned_device_bytes_are_what_a_training_step_allocates(lib, case):
     assert held <= planned <= 1.01 * held, (held, planned)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3-options"])
+@pytest.mark.parametrize("case", ["teacher", "served", "opd-student"])
+def test_the_planned_device_bytes_of_scoring_sampling_and_serving_are_what_the_model_allocates(lib, case, family):
+    """planned_device_bytes beyond a training step: a native OPD teacher (no adapter: its dense base's gradient
+    buffers, a forward and CudaModel.logits' whole logits, no step), a served or evaluated adapter (generate()'s
+    KV cache and decoding scratch only) and OPD's student (it samples, scores its sample with logits, then trains
+    on it): the bytes held (the model's and the sampling cache's) never above the plan, and at most 1% below."""
+    from trainer.generation import SamplingConfig, generate
+
+    options = {"llama": {}, "qwen3-options": dict(qk_norm=True, attention_bias=True, tie_embeddings=True)}[family]
+    lora = None if case == "teacher" else LoraConfig(rank=4, alpha=8.0)
+    model = make_model(lora=lora, loss_route="kt_tape_flce", **options)
+    prompt, new = [3, 1, 4, 1, 5], 6
+    cached = len(prompt) + new  # generate's cache: the prompt and max_new_tokens (within maximum_context)
+    sequence = np.asarray(prompt + [2] * new, np.int64)[None, :-1]  # [1,T] the scored and trained rows
+    targets = np.full(sequence.shape, -100)
+    targets[0, len(prompt) - 1:] = [2] * new
+    caches = []
+    with CudaModel(model, lib) as device:
+        make_cache = device.kv_cache
+        device.kv_cache = lambda *args, **kwargs: caches.append(make_cache(*args, **kwargs)) or caches[-1]
+        if case == "teacher":
+            device.logits(sequence)
+            planned = planned_device_bytes(model.config, 1, sequence.shape[1], training=False, logits=True)
+        elif case == "served":
+            generate(device, prompt, SamplingConfig(max_new_tokens=new, temperature=0))
+            planned = planned_device_bytes(model.config, 0, 0, lora, training=False, sampling=(len(prompt), cached))
+        else:
+            generate(device, prompt, SamplingConfig(max_new_tokens=new, temperature=0))
+            device.logits(sequence)
+            device.forward_backward_weighted(sequence, targets, lambda logp: np.ones_like(logp))
+            device.adam_step(learning_rate=1e-3, beta1=0.9, beta2=0.99, epsilon=1e-8, weight_decay=0.0)
+            planned = planned_device_bytes(model.config, 1, sequence.shape[1], lora, logits=True,
+                                           sampling=(len(prompt), cached))
+        held = sum(array.nbytes for array in device._arrays)
+        held += sum(array.nbytes for cache in caches for array in cache.keys + cache.values)
+    assert (len(caches) == 1) == (case != "teacher") and all(cache.positions == cached for cache in caches)
+    planned -= BLAS_WORKSPACE_BYTES
+    assert held <= planned <= 1.01 * held, (held, planned)
+
+
 def test_a_bfloat16_base_on_the_device_computes_what_the_cpu_bfloat16_route_computes(request, lib, assert_close):
     """precision bfloat16: the frozen base's products and the output projection from bfloat16-rounded operands,
     FP32 accumulation, on both backends (cuBLAS's BF16 tensor cores; oneDNN on the CPU): loss, logits and adapter

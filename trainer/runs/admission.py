@@ -10,13 +10,11 @@ import hashlib
 import json
 import math
 import secrets
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from native_ext import onednn
 from trainer import LoraConfig
-from trainer.config import TransformerConfig
-from trainer.cuda_model import planned_device_bytes as cuda_planned_bytes
 from trainer.runs import checkpoint_dir
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.fsio import file_sha256
@@ -331,32 +329,28 @@ def choose_backend(requested: str | None, default: str, home, need_bytes: int | 
                            cuda_only)
 
 
-def planned_device_bytes(config: dict, base) -> int | None:
-    """The device memory a run over BASE plans (trainer.cuda_model.planned_device_bytes: weights as they reside,
-    adapters, gradients, Adam's moments, the activations of one micro-batch and the loss's chunk), for micro-batches
-    of config.batch_size sequences of config.max_sequence_length tokens (SFT), or of one sequence of
-    max_completion_length (GRPO) or max_new_tokens (OPD) tokens: a floor there, whose prompts are longer still.
-    None when the base does not describe its architecture."""
-    architecture = getattr(base, "config", None)
-    if not isinstance(architecture, dict) or not architecture:
-        return None
-    model = TransformerConfig.from_dict(architecture)
-    route = "kt_tape_flce"  # the cuda backend's loss route (BACKEND_LOSS_ROUTES)
-    model = replace(model, **loss_options(route, model.vocabulary_size))
-    positions = config.get("max_sequence_length") or config.get("max_completion_length") \
-        or config.get("max_new_tokens") or model.maximum_context
-    lora = config.get("lora")
-    lora = None if lora is None else LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
-    return cuda_planned_bytes(model, int(config.get("batch_size") or 1), min(int(positions), model.maximum_context),
-                              lora, config.get("quantization"))
+def planned_device_bytes(config: dict, base) -> int:
+    """The device memory a run over BASE plans (trainer.runs.device_plan, on trainer.cuda_model.planned_device_bytes:
+    weights as they reside, adapters, gradients, Adam's moments, the activations of one micro-batch and the loss's
+    chunk, plus device_plan.CUDA_CONTEXT_BYTES for the CUDA context and cuBLAS's own memory): SFT's micro-batch of
+    config.batch_size sequences of config.max_sequence_length tokens; GRPO's and OPD's at their bounds (their
+    admissions plan from the data: device_plan.grpo_bytes, opd_bytes, handed to admit_backend as need_bytes).
+    Never None: a run whose plan cannot be computed (a base that does not describe its architecture, a GRPO
+    configuration without its groups) plans a device_plan.Unplannable need, larger than any device, which
+    backend.cuda_unavailable refuses with its reason (explicit cuda: backend_unavailable; auto: cpu)."""
+    from trainer.runs import device_plan
+
+    return device_plan.run_bytes(config, base)
 
 
-def admit_backend(config: dict, settings: RunSettings, base=None) -> BackendChoice:
+def admit_backend(config: dict, settings: RunSettings, base=None, need_bytes: int | None = None) -> BackendChoice:
     """Resolve config.backend (None: the server's settings.backend) for a run from capabilities
-    (trainer.runs.backend; the device must have free at least the floor of what the run over BASE needs) and
-    record the resolved one in the effective configuration; AdmissionError backend_unavailable, with the loader's
-    reason, when cuda is asked for and cannot run here."""
-    need_bytes = None if base is None else planned_device_bytes(config, base)
+    (trainer.runs.backend; the device must have free at least NEED_BYTES, the run's plan, by default what
+    planned_device_bytes gives from the configuration over BASE) and record the resolved one in the effective
+    configuration; AdmissionError backend_unavailable, with the loader's reason, when cuda is asked for and cannot
+    run here."""
+    if need_bytes is None and base is not None:
+        need_bytes = planned_device_bytes(config, base)
     requested = config.get("backend")
     precision = config.get("precision")
     if precision in CUDA_ONLY_PRECISIONS:

@@ -96,6 +96,9 @@ def cuda_unavailable(probe: dict, need_bytes: int | None = None) -> str | None:
     device = cuda_device(probe)
     if device is None:
         return f"no device of compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    unplanned = getattr(need_bytes, "reason", None)  # device_plan.Unplannable: refused whatever the device reports
+    if unplanned:
+        return f"the run's device memory cannot be planned: {unplanned}"
     free = device.get("free_memory")
     if need_bytes and isinstance(free, int) and free < need_bytes:
         return f"device {device.get('index')} has {free} bytes free; the run plans {need_bytes}"

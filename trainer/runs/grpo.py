@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainer.model import IGNORE_INDEX
-from trainer.runs import checkpoint_dir, objectives
+from trainer.runs import checkpoint_dir, device_plan, objectives
 from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
@@ -117,11 +117,16 @@ def group_rewards(record) -> np.ndarray:
     return np.array([objectives.completion_reward(c, weights) for c in record["completions"]], np.float64)
 
 
+def group_shape(prompt_ids, completions) -> tuple:
+    """(rows, positions) of the micro-batch group_batch makes of one group: a row a completion, each the prompt and
+    the longest completion less one token."""
+    return len(completions), len(prompt_ids) + max(len(c) for c in completions) - 1
+
+
 def group_batch(prompt_ids, completions, pad: int):
     """inputs [G,T], targets [G,T] (completion tokens, IGNORE elsewhere) and mask [G,T] of one group."""
     P = len(prompt_ids)
-    T = P + max(len(c) for c in completions) - 1
-    G = len(completions)
+    G, T = group_shape(prompt_ids, completions)
     inputs = np.full((G, T), pad, np.int64)  # [G,T]
     targets = np.full((G, T), IGNORE_INDEX, np.int64)  # [G,T]
     for row, completion in enumerate(completions):
@@ -147,19 +152,28 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, base = _prepare(request, settings)
-    backend = admit_backend(config, settings, base)
-    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
-    kind, dataset, _, path = read_groups(
-        request, config, settings, lambda r, where: tokenize_group(r, tokenizer, config, context, where))
+    largest = [0, 0]  # (rows, positions) of the largest micro-batch, one group's, for the device plan
+
+    def check(record, where):
+        prompt_ids, completions = tokenize_group(record, tokenizer, config, context, where)
+        shape = group_shape(prompt_ids, completions)
+        if shape[0] * shape[1] > largest[0] * largest[1]:
+            largest[:] = shape
+
+    kind, dataset, _, path = read_groups(request, config, settings, check)
     if dataset["groups"] == 0:
         raise RequestError("groups", "the dataset has no groups")
+    need = device_plan.grpo_bytes(config, base, tuple(largest))
+    backend = admit_backend(config, settings, base, need_bytes=need)
+    loss_route = select_loss_route(backend.resolved)
     steps_per_epoch = math.ceil(dataset["groups"] / config["groups_per_step"])
     total_steps = steps_per_epoch * config["epochs"] * config["num_iterations"]
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route),
                                 backend)
     identities["base_adapter"] = base_adapter_identity(config)
+    identities["device_plan"] = device_plan.record(need)
     resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)

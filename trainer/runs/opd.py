@@ -23,7 +23,7 @@ import numpy as np
 from native_ext.cuda import CudaUnavailable
 from trainer import teachers
 from trainer.model import IGNORE_INDEX
-from trainer.runs import checkpoint_dir, objectives
+from trainer.runs import checkpoint_dir, device_plan, objectives
 from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
@@ -143,6 +143,23 @@ def prompt_ids(record, tokenizer, maximum_context, where) -> list:
 # -- identities -------------------------------------------------------------------------------
 
 
+def native_teacher(config: dict, settings: RunSettings):
+    """(BaseInfo, LoraConfig or None) of the configuration's native teacher, whose own device model a cuda run holds
+    beside the student's (trainer.teachers.NativeTeacher); None for an endpoint teacher. AdmissionError
+    teacher_unavailable when its base is not registered or its adapter cannot be read."""
+    from trainer.bases import show_base
+    from trainer.peft import read_adapter_config
+
+    spec = teachers.parse_teacher(config["teacher"])
+    if spec.route != "native":
+        return None
+    try:
+        base = show_base(spec.base, settings.bases_root)
+        return base, None if spec.adapter is None else read_adapter_config(spec.adapter)
+    except (LookupError, OSError, ValueError) as error:
+        raise AdmissionError("teacher_unavailable", f"teacher {spec.alias}: {error}") from None
+
+
 def teacher_identity(config: dict, settings: RunSettings) -> dict:
     """The alias, its identity revision and its content revision reconstructed now."""
     spec = teachers.parse_teacher(config["teacher"])
@@ -181,17 +198,18 @@ def _prepare(request: dict, settings: RunSettings):
 
 def admit_opd(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
-    from trainer.bases import show_base
     config, records, raw, kind, base = _prepare(request, settings)
-    backend = admit_backend(config, settings, base)
-    loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
-    for index, record in enumerate(records):
-        prompt_ids(record, tokenizer, context, f"prompts[{index}]")
+    longest = max(len(prompt_ids(record, tokenizer, context, f"prompts[{index}]"))
+                  for index, record in enumerate(records))
+    native = native_teacher(config, settings)
+    need = device_plan.opd_bytes(config, base, longest, native)
+    backend = admit_backend(config, settings, base, need_bytes=need)
+    loss_route = select_loss_route(backend.resolved)
     teacher = teacher_identity(config, settings)
-    if teacher["route"] == "native":
-        teacher_base = show_base(config["teacher"]["base"], settings.bases_root)
+    if native is not None:
+        teacher_base = native[0]
         if teacher_base.tokenizer != tokenizer.identity():
             raise AdmissionError("teacher_tokenizer_mismatch", f"teacher {teacher['alias']} uses another tokenizer "
                                  "than the student; distillation scores the student's own tokens",
@@ -200,7 +218,7 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
                "order": "source"}
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route),
                                 backend)
-    identities.update(teacher=teacher, base_adapter=base_adapter_identity(config))
+    identities.update(teacher=teacher, base_adapter=base_adapter_identity(config), device_plan=device_plan.record(need))
     resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)

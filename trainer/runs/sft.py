@@ -24,7 +24,7 @@ import numpy as np
 
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
-from trainer.runs import checkpoint_dir
+from trainer.runs import checkpoint_dir, device_plan
 from trainer.runs.admission import (admit_backend, attention_options, device_precision, loss_options,
                                     precision_options, run_backend)
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
@@ -198,7 +198,8 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, records, raw, kind, base = _prepare(request, settings)
-    backend = admit_backend(config, settings, base)
+    need = device_plan.sft_bytes(config, base)
+    backend = admit_backend(config, settings, base, need_bytes=need)
     loss_route = select_loss_route(backend.resolved)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
@@ -208,6 +209,7 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(config, loss_route),
                                 backend)
     identities["base_adapter"] = base_adapter_identity(config)
+    identities["device_plan"] = device_plan.record(need)
     resume = None
     if config["resume_checkpoint"] is not None:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], "sft", settings)
