@@ -97,3 +97,18 @@ def test_a_file_that_is_not_a_receipt_is_reported(signed_in, home):
     (home / "latest-cpu.json").write_text(json.dumps({"schema": "something.else", "passed": True}))
     cpu = section(text(signed_in.get("/qualification/")), "cpu")
     assert "not a kiln.qualification-receipt.v1 receipt" in cpu and ">passed<" not in cpu
+
+
+def test_each_precisions_receipt_is_its_own_section_with_its_own_stamped_copies(signed_in, home, real_receipt):
+    """`kiln qualify --precision bfloat16` writes latest-cpu-bfloat16.json and receipt-cpu-bfloat16-TIME.json: its own
+    section, and its stamped copies are not counted beside float32's receipt (nor float32's beside it)."""
+    stamp = real_receipt["created"].replace(":", "")
+    bf16 = {**real_receipt, "precision": "bfloat16"}
+    (home / "latest-cpu.json").write_text(json.dumps(real_receipt))
+    (home / "latest-cpu-bfloat16.json").write_text(json.dumps(bf16))
+    for name in (f"receipt-cpu-{stamp}.json", f"receipt-cpu-bfloat16-{stamp}.json",
+                 "receipt-cpu-bfloat16-20311231T000000Z.json"):
+        (home / name).write_text(json.dumps(real_receipt))
+    page = text(signed_in.get("/qualification/"))
+    assert "1 stamped receipt beside it" in section(page, "cpu")
+    assert "2 stamped receipts beside it" in section(page, "cpu-bfloat16")
