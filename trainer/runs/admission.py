@@ -16,6 +16,7 @@ from pathlib import Path
 from native_ext import onednn
 from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
+from trainer.runs.loss_chunks import LOSS_CHUNK_BYTES, loss_options  # noqa: F401  (re-exported)
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.fsio import file_sha256
 from trainer.runs.backend import BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, probe_cuda, resolve_backend
@@ -401,18 +402,7 @@ def select_loss_route(backend: str, capabilities: dict | None = None) -> str:
     return routes[0]
 
 
-# the fused route's logits chunk in a run: about this many bytes of [rows, vocabulary] logits at a time (at
-# least the engine's 64 rows). Larger chunks make the two products per chunk efficient (measured at the
-# SmolLM2 shape: 256 rows take 0.6x the time of 64) while the route still never forms the whole logits
-LOSS_CHUNK_BYTES = 64 << 20
-
-
-def loss_options(route: str, vocabulary_size: int) -> dict:
-    """load_base's loss execution options for a run on ROUTE over a base of VOCABULARY_SIZE: the chunk rows
-    of kt_tape_flce follow from the vocabulary alone, so a resume computes the same ones."""
-    if route != "kt_tape_flce":
-        return {"loss_route": route}
-    return {"loss_route": route, "loss_chunk_tokens": max(64, LOSS_CHUNK_BYTES // (4 * int(vocabulary_size)))}
+# a run's loss execution options: trainer.runs.loss_chunks (device_plan plans with them too)
 
 
 # a run whose sequences may be longer than this computes the tiled attention (online softmax over 128-position

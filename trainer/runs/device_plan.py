@@ -14,6 +14,7 @@ from dataclasses import replace
 from trainer import LoraConfig
 from trainer.config import TransformerConfig
 from trainer.cuda_model import planned_device_bytes
+from trainer.runs.loss_chunks import loss_options
 
 # The CUDA context of the process that computes, which trainer.cuda_model.planned_device_bytes does not count: the
 # driver's per-context reservations (the local memory of every thread the device can hold resident, the printf and
@@ -60,8 +61,6 @@ def architecture(base, route: str | None = "kt_tape_flce"):
         return None
     if route is None:
         return model
-    from trainer.runs.admission import loss_options
-
     return replace(model, **loss_options(route, model.vocabulary_size))
 
 
