@@ -43,11 +43,12 @@ def measure(library: str, mkl_path, threads: int) -> list:
     if library == "openblas":
         threadpool_limits(threads, "blas")
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        os.environ["KILN_CPU_GEMM"] = "openblas"  # native_ext.blas.gemm on numpy's OpenBLAS, not oneDNN's
         from native_ext import blas
     elif library.startswith("onednn"):
-        threadpool_limits(1, "blas")  # as native_ext.onednn.computing holds it: one pool owns the cores
+        threadpool_limits(1, "blas")  # as native_ext.bf16.computing holds it: one pool owns the cores
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from native_ext import onednn
+        from native_ext import bf16, onednn
         os.environ["OMP_NUM_THREADS"] = str(threads)  # before libgomp loads, with oneDNN
         onednn.require()
     else:
@@ -70,7 +71,7 @@ def measure(library: str, mkl_path, threads: int) -> list:
             def call():
                 onednn.sgemm(c, a, b, trans_b=transposed)
         elif library == "onednn-bf16":
-            a16, b16 = onednn.to_bf16(a), onednn.to_bf16(b)  # the frozen weight is converted once; so is a here
+            a16, b16 = bf16.to_bf16(a), bf16.to_bf16(b)  # the frozen weight is converted once; so is a here
 
             def call():
                 onednn.gemm(c, a16, b16, trans_b=transposed)

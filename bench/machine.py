@@ -33,16 +33,56 @@ def has_bf16_compute() -> bool:
 
 
 def gemm_peak(repeats=5, n=2048) -> float:
-    """FLOP/s of numpy's float32 matmul at n^3, best of `repeats` (the BLAS Kiln computes with)."""
+    """FLOP/s of numpy's float32 matmul at n^3 on every core, best of `repeats`. On every core even after the
+    engine has loaded: where oneDNN computes Kiln's float32 products, native_ext.blas holds numpy's OpenBLAS
+    at one thread (onednn_gemm_peak measures oneDNN's own)."""
+    from threadpoolctl import threadpool_limits
+
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
-    np.matmul(a, b)
-    best = np.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
+    with threadpool_limits(limits=os.cpu_count(), user_api="blas"):
         np.matmul(a, b)
-        best = min(best, time.perf_counter() - start)
+        best = np.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            np.matmul(a, b)
+            best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+ONEDNN_PEAK = """
+import sys, time
+import numpy as np
+from native_ext import onednn
+if onednn.float32_unavailable_reason():
+    print("nan"); sys.exit()
+n, repeats = int(sys.argv[1]), int(sys.argv[2])
+a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+c = np.empty((n, n), np.float32)
+onednn.sgemm(c, a, b)
+best = np.inf
+for _ in range(repeats):
+    start = time.perf_counter()
+    onednn.sgemm(c, a, b)
+    best = min(best, time.perf_counter() - start)
+print(2 * n**3 / best)
+"""
+
+
+def onednn_gemm_peak(repeats=5, n=2048) -> float:
+    """FLOP/s of oneDNN's dnnl_sgemm at n^3 on every core (in a child process, so that its OpenMP threads never
+    spin beside this one's), or NaN where it does not load."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-c", ONEDNN_PEAK, str(n), str(repeats)], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1], check=False)
+    try:
+        return float(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return float("nan")
 
 
 def blas() -> str:
@@ -57,5 +97,7 @@ def describe(peak=None) -> str:
     """One line: CPU, flags, cores, BLAS and the measured sgemm peak."""
     model, flags = cpu()
     peak = gemm_peak() if peak is None else peak
+    onednn = onednn_gemm_peak()
     return (f"machine: {model}; flags {' '.join(flags) or '-'}; {os.cpu_count()} cores; numpy BLAS {blas()}; "
-            f"measured float32 GEMM peak (numpy 2048^3) {peak / 1e9:.1f} GFLOP/s")
+            f"measured float32 GEMM peak (numpy 2048^3) {peak / 1e9:.1f} GFLOP/s"
+            + (f"; oneDNN's float32 GEMM at 2048^3 {onednn / 1e9:.1f} GFLOP/s" if onednn == onednn else ""))

@@ -179,7 +179,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     blas, code = identity.get("blas") or {}, (identity.get("code") or {}).get("sha256") or ""
     print(f"worker {worker.worker_id}: backend {identity.get('backend')}, BLAS {blas.get('library')} "
-          f"{blas.get('version')} ({blas.get('architecture')}, {blas.get('threads')} threads), numpy "
+          f"{blas.get('version')} ({blas.get('architecture')}, {blas.get('threads')} threads), float32 products "
+          f"on {blas.get('float32_gemm', 'openblas')}, numpy "
           f"{identity.get('numpy')}, kiln {identity.get('kiln')}, code {code[:12]}", flush=True)
     # Ctrl-C stops even when SIGINT arrived ignored (a shell starts background jobs that way, and Python
     # then installs no KeyboardInterrupt handler of its own)
@@ -264,8 +265,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         # where OpenBLAS's threaded jobs run: Kiln's pool (native_ext/pool.h), which its kernels share
         report["thread_pool"] = {"openblas_jobs": kiln_blas.THREAD_POOL, "threads": kiln_blas.threads(),
                                  "spin_us": os.environ.get("KILN_POOL_SPIN_US", "200")}
-        line("threads", f"{kiln_blas.threads()} for products and kernels; OpenBLAS's jobs run on "
-                        f"{kiln_blas.THREAD_POOL} (KILN_OPENBLAS_THREADS=own keeps OpenBLAS's pool)")
+        report["float32_gemm"] = {"library": kiln_blas.FLOAT32_GEMM, "why": kiln_blas.GEMM_NOTE}
+        line("float32", f"products on {kiln_blas.FLOAT32_GEMM} ({kiln_blas.GEMM_NOTE}; KILN_CPU_GEMM=auto, "
+                        "onednn or openblas chooses)")
+        kernels_on = "oneDNN's OpenMP threads" if kiln_blas.FLOAT32_GEMM == "onednn" else "Kiln's pool"
+        line("threads", f"{kiln_blas.threads()} for products and kernels (kernels on {kernels_on}); OpenBLAS's "
+                        f"jobs run on {kiln_blas.THREAD_POOL} (KILN_OPENBLAS_THREADS=own keeps OpenBLAS's pool)")
 
     from native_ext import cuda
 

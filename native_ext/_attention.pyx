@@ -14,6 +14,7 @@ ctypedef float f32
 cdef extern from "pool.h" nogil:
     void kiln_pool_openblas_callback(int sync, void *dojob, int numjobs, size_t size, void *jobs, int data)
     int kiln_pool_run(int n, void *task, void *arg)
+    void kiln_pool_use_openmp(void *parallel, void *thread_num)
 
 
 cdef extern from "attention.h" nogil:
@@ -30,6 +31,12 @@ cdef extern from "attention.h" nogil:
 def openblas_callback():
     """The address of pool.h's OpenBLAS threads callback (native_ext.blas registers it)."""
     return <size_t><void *>kiln_pool_openblas_callback
+
+
+def use_openmp(size_t parallel, size_t thread_num):
+    """Run Kiln's kernels on GNU OpenMP's threads (the addresses of libgomp's GOMP_parallel and
+    omp_get_thread_num), or on pool.h's pthreads again when both are 0 (native_ext.blas decides)."""
+    kiln_pool_use_openmp(<void *>parallel, <void *>thread_num)
 
 
 def pool_run():

@@ -9,16 +9,28 @@ with the caller's alpha, beta and leading dimensions, so a product lands scaled 
 a row view (the LoRA path adds its low-rank products into the columns of a fused projection
 output this way, with no temporary). Where numpy's BLAS cannot be found it falls back to
 numpy (a temporary product, scaled and added), which gives the same values up to rounding.
+
+Where oneDNN loads (the onednn-cpu-gomp wheel, x86-64 Linux), the engine's float32 products go to its
+dnnl_sgemm instead (KILN_CPU_GEMM: auto, the default, onednn or openblas; FLOAT32_GEMM says which, and a run's
+execution identity records it): on the LoRA step's shapes (256 to 1024 token rows against 576 to 3,072 wide
+weights) its two threads split the work better than OpenBLAS's and compute a step 15-25% faster on the
+project's 2-core machines (docs/engine.md, bench/gemm_libraries.py). oneDNN computes on GNU OpenMP's threads,
+which spin for milliseconds after each product; so then Kiln's kernels run on those threads too
+(pool.h, kiln_pool_use_openmp) and numpy's own products on one thread: one set of threads, never two
+spinning against each other. GNU OpenMP cannot start again in a process forked after its threads started, so
+a forked child computes on OpenBLAS (the fork hook below).
 """
 
 import contextlib
 import contextvars
 import ctypes
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from native_ext import onednn
 from native_ext.validate import built
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
@@ -31,6 +43,8 @@ _CANDIDATES = (("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctyp
 # the thread-count query and the threads-callback setter beside each sgemm symbol, same prefix and suffix
 _THREAD_QUERIES = {"scipy_cblas_sgemm64_": "scipy_openblas_get_num_threads64_",
                    "cblas_sgemm64_": "openblas_get_num_threads64_", "cblas_sgemm": "openblas_get_num_threads"}
+_THREAD_SETTERS = {"scipy_cblas_sgemm64_": "scipy_openblas_set_num_threads64_",
+                   "cblas_sgemm64_": "openblas_set_num_threads64_", "cblas_sgemm": "openblas_set_num_threads"}
 _CALLBACK_SETTERS = {"scipy_cblas_sgemm64_": "scipy_openblas_set_threads_callback_function64_",
                      "cblas_sgemm64_": "openblas_set_threads_callback_function64_",
                      "cblas_sgemm": "openblas_set_threads_callback_function"}
@@ -61,6 +75,9 @@ _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only aft
 _THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_QUERIES[SYMBOL], None) if SYMBOL else None
 if _THREADS is not None:
     _THREADS.argtypes, _THREADS.restype = [], ctypes.c_int
+_SET_THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_SETTERS[SYMBOL], None) if SYMBOL else None
+if _SET_THREADS is not None:
+    _SET_THREADS.argtypes, _SET_THREADS.restype = [ctypes.c_int], None
 
 
 def _share_threads():
@@ -88,17 +105,67 @@ THREAD_POOL = _share_threads() if _SGEMM is not None else "numpy (no OpenBLAS fo
 
 
 def threads() -> int:
-    """How many threads numpy's OpenBLAS computes on now (a threadpool_limits scope included); 1 where
-    it cannot be asked. native_ext.attention runs its kernel on as many."""
+    """How many threads the engine's products and kernels compute on: oneDNN's OpenMP threads where it computes
+    the float32 products, else numpy's OpenBLAS's now (a threadpool_limits scope included; 1 where it cannot be
+    asked). native_ext.attention and the row kernels run on as many."""
+    if FLOAT32_GEMM == "onednn":
+        return max(1, onednn.compute_threads())
     return max(1, _THREADS()) if _THREADS is not None else 1
+
+
+GEMM_ENV = "KILN_CPU_GEMM"
+GEMM_CHOICES = ("auto", "onednn", "openblas")
+
+
+def _choose_gemm() -> tuple:
+    """(library, why): "onednn" where KILN_CPU_GEMM (default auto) allows it and oneDNN loads, else "openblas"."""
+    asked = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if asked not in GEMM_CHOICES:
+        raise ValueError(f"{GEMM_ENV}={asked!r}: use one of {', '.join(GEMM_CHOICES)}")
+    if asked == "openblas" or _SGEMM is None:
+        return "openblas", f"{GEMM_ENV}={asked}" if _SGEMM is not None else "numpy's OpenBLAS not found"
+    reason = onednn.float32_unavailable_reason()
+    if reason is None:
+        return "onednn", f"{GEMM_ENV}={asked}"
+    if asked == "onednn":
+        print(f"kiln: {GEMM_ENV}=onednn asked, but {reason}; float32 products run on OpenBLAS", file=sys.stderr)
+    return "openblas", reason
+
+
+def _use_onednn():
+    """oneDNN's threads compute everything from here on: the products, Kiln's kernels (pool.h on GNU OpenMP);
+    numpy's OpenBLAS on one thread. Returns OpenBLAS's thread count before, for a forked child to restore."""
+    before = _THREADS() if _THREADS is not None else None
+    if _SET_THREADS is not None:
+        _SET_THREADS(1)
+    _POOL.use_openmp(*onednn.openmp_entry_points())
+    os.register_at_fork(after_in_child=_forked_child)
+    return before
+
+
+def _forked_child():
+    """In a child forked without exec: GNU OpenMP would wait forever on the parent's threads, so OpenBLAS computes
+    the float32 products and pool.h's pthreads run the kernels, on OpenBLAS's thread count from before."""
+    global FLOAT32_GEMM, GEMM_NOTE, _DEFAULT_GEMM
+    FLOAT32_GEMM, _DEFAULT_GEMM = "openblas", None
+    GEMM_NOTE = "a child forked after GNU OpenMP's threads started (OpenMP cannot run here)"
+    _POOL.use_openmp(0, 0)
+    if _SET_THREADS is not None and _OPENBLAS_THREADS_BEFORE:
+        _SET_THREADS(_OPENBLAS_THREADS_BEFORE)
+
+
+FLOAT32_GEMM, GEMM_NOTE = _choose_gemm()  # which library computes the engine's float32 products, and why
+_OPENBLAS_THREADS_BEFORE = _use_onednn() if FLOAT32_GEMM == "onednn" else None
 # a gemm with this module's contract that takes every product inside routed(), else None; per thread (a context
 # variable), so a serving thread's float32 products never go where a training thread's bfloat16 scope sends its own
 _ROUTE = contextvars.ContextVar("kiln_blas_route", default=None)
+# where products go outside routed(): oneDNN's sgemm (FLOAT32_GEMM "onednn"), or None for numpy's OpenBLAS
+_DEFAULT_GEMM = onednn.sgemm if FLOAT32_GEMM == "onednn" else None
 
 
 @contextlib.contextmanager
 def routed(gemm_function):
-    """gemm() and matmul() called from this thread go to GEMM_FUNCTION inside (native_ext.onednn.computing)."""
+    """gemm() and matmul() called from this thread go to GEMM_FUNCTION inside (native_ext.bf16.computing)."""
     token = _ROUTE.set(gemm_function)
     try:
         yield
@@ -107,14 +174,15 @@ def routed(gemm_function):
 
 
 def route():
-    """The gemm this thread's products are routed to, or None (numpy's OpenBLAS)."""
-    return _ROUTE.get()
+    """The gemm this thread's products go to, or None (numpy's OpenBLAS)."""
+    return _ROUTE.get() or _DEFAULT_GEMM
 
 
 def matmul(a, b, out=None):
     """np.matmul of float32 2-d matrices or equal stacks of them ([G,M,K] @ [G,K,N]); exactly np.matmul
-    unless routed(), where each matrix product goes to the routed gemm (operands may be transposed views)."""
-    routed_gemm = _ROUTE.get()
+    unless routed() or oneDNN computes the float32 products, where each matrix product goes to that gemm
+    (operands may be transposed views)."""
+    routed_gemm = _ROUTE.get() or _DEFAULT_GEMM
     if routed_gemm is None:
         return np.matmul(a, b, out=out)
     if a.ndim == 2:
@@ -160,7 +228,7 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
     if M == 0 or N == 0:
         return
-    routed_gemm = _ROUTE.get()
+    routed_gemm = _ROUTE.get() or _DEFAULT_GEMM
     if routed_gemm is not None and K:
         routed_gemm(c, a, b, trans_a, trans_b, alpha, beta)
         return

@@ -8,15 +8,20 @@ numpy's twin (native_ext.reference.from_bf16 then a float32 matmul) agrees to fl
 
 The route needs the library and a CPU with BF16 dot-product instructions (`avx512_bf16` or `amx_bf16`
 in /proc/cpuinfo); without them oneDNN would emulate BF16 several times slower than float32, so
-`unavailable_reason()` refuses instead. oneDNN runs on GNU OpenMP: its threads are told to sleep when
-idle (OMP_WAIT_POLICY=PASSIVE, unless set), as spinning ones would take the cores from numpy's
-OpenBLAS between products. Results are deterministic for one library, CPU and thread count
-(`identity()`, recorded in a bfloat16 run's execution identity).
+`unavailable_reason()` refuses instead. oneDNN runs on GNU OpenMP: its idle threads spin GOMP_SPINCOUNT
+times before they sleep, so the next product finds them awake, and native_ext.blas runs Kiln's kernels on the
+same threads while oneDNN computes the float32 products too. Results are deterministic for one library, CPU and
+thread count (`identity()`, recorded in the execution identity of a bfloat16 run and of every run whose float32
+products oneDNN computes).
+
+Its float32 GEMM, dnnl_sgemm, needs no BF16 instructions: native_ext.blas sends the engine's float32 products
+there wherever the library loads (`float32_unavailable_reason()`). GNU OpenMP cannot compute in a child forked
+(without exec) after its threads started: it would wait forever for the parent's threads, so such a child is
+told why instead (`unavailable_reason`, `float32_unavailable_reason`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
@@ -69,6 +74,9 @@ def _load():
     # libgomp reads this when it loads (next, as oneDNN's dependency): idle threads spin about 30 million
     # times (milliseconds) before they sleep, so the next product finds them awake
     os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+    # one setting sizes both libraries: oneDNN's threads follow OPENBLAS_NUM_THREADS unless OMP_NUM_THREADS is set
+    if os.environ.get("OPENBLAS_NUM_THREADS") and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"]
     try:
         library = ctypes.CDLL(str(path))
     except OSError as error:
@@ -86,12 +94,41 @@ def _load():
     return library, gemm, None
 
 
+_computed = False  # whether this process has called oneDNN (its OpenMP threads may have started)
+_forked = False  # whether this process is a child forked after that
+
+
+def _after_fork_in_child():
+    global _forked
+    _forked = _forked or _computed
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+FORKED_REASON = ("this process was forked after oneDNN's GNU OpenMP threads started, and GNU OpenMP cannot "
+                 "compute in such a child (start the process afresh, or fork before the first product)")
+
+
+def float32_unavailable_reason() -> str | None:
+    """None where oneDNN's float32 GEMM (dnnl_sgemm) can compute here, else why not."""
+    if _forked:
+        return FORKED_REASON
+    return _load()[2]
+
+
 def unavailable_reason() -> str | None:
     """None where bfloat16 base products can run here, else why not (CPU first, then the library)."""
     if not cpu_bf16_flags():
         return ("this CPU has no BF16 dot-product instructions (avx512_bf16 or amx_bf16 in /proc/cpuinfo); "
                 "base_precision 'bfloat16' needs them")
-    return _load()[2]
+    return float32_unavailable_reason()
+
+
+def openmp_entry_points() -> tuple:
+    """The addresses of GOMP_parallel and omp_get_thread_num in the GNU OpenMP oneDNN loaded, for pool.h to run
+    Kiln's kernels on oneDNN's threads (native_ext.blas)."""
+    gomp = ctypes.CDLL("libgomp.so.1")  # already loaded as oneDNN's dependency: the same copy
+    return tuple(ctypes.cast(getattr(gomp, name), ctypes.c_void_p).value
+                 for name in ("GOMP_parallel", "omp_get_thread_num"))
 
 
 def require():
@@ -104,7 +141,21 @@ def threads() -> int:
     """The OpenMP threads oneDNN computes with (OMP_NUM_THREADS, else every core); 0 without the library."""
     if _load()[0] is None:
         return 0
-    return int(ctypes.CDLL("libgomp.so.1").omp_get_max_threads())  # the loaded one: oneDNN's dependency
+    return int(_max_threads()())
+
+
+@functools.cache
+def _max_threads():
+    """libgomp's omp_get_max_threads, found once (the kernels ask before every call)."""
+    return ctypes.CDLL("libgomp.so.1").omp_get_max_threads  # the loaded one: oneDNN's dependency
+
+
+def compute_threads() -> int:
+    """threads(), for work about to run on GNU OpenMP's threads (Kiln's kernels, native_ext.blas.threads):
+    a child forked after it may not compute on them."""
+    global _computed
+    _computed = True
+    return threads()
 
 
 def identity() -> dict:
@@ -142,6 +193,8 @@ def gemm(c, a, b, trans_b=False, beta=0.0):
     lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
     if M == 0 or N == 0:
         return
+    global _computed
+    _computed = True
     status = _load()[1](b"N", b"T" if trans_b else b"N", M, N, K, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb,
                         float(beta), c.ctypes.data, ldc)
     if status != 0:
@@ -154,39 +207,12 @@ def sgemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     N = b.shape[0] if trans_b else b.shape[1]
     if M == 0 or N == 0:
         return
+    if _forked:
+        raise RuntimeError(FORKED_REASON)
+    global _computed
+    _computed = True
     status = _load()[0].dnnl_sgemm(b"T" if trans_a else b"N", b"T" if trans_b else b"N", M, N, K, float(alpha),
                                    a.ctypes.data, _rows("a", a), b.ctypes.data, _rows("b", b), float(beta),
                                    c.ctypes.data, _rows("c", c))
     if status != 0:
         raise RuntimeError(f"dnnl_sgemm failed with status {status}")
-
-
-@contextlib.contextmanager
-def computing():
-    """Every product inside runs on oneDNN's one OpenMP pool: native_ext.blas routes its float32 products
-    to dnnl_sgemm, and numpy's OpenBLAS is held at one thread, since its idle worker spins for tens of
-    milliseconds after each call and would take a core from oneDNN's threads."""
-    from native_ext import blas
-
-    require()
-    with _blas_pools().limit(limits=1), blas.routed(sgemm):
-        yield
-
-
-@functools.cache
-def _blas_pools():
-    """The BLAS thread pools loaded now (numpy's OpenBLAS among them), found once: limiting them is then cheap
-    enough for every generated token (about 12 us, against 0.35 ms for a fresh threadpool_limits)."""
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController().select(user_api="blas")
-
-
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    """A new uint16 array of x's bfloat16 bits (x: 2-d float32)."""
-    from native_ext import kernels
-
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty(x.shape, np.uint16)
-    kernels.to_bf16(x, out)
-    return out

@@ -122,14 +122,15 @@ static void kiln_pool_register(void) {
     pthread_atfork(kiln_pool_prepare, kiln_pool_parent, kiln_pool_child);
 }
 
-static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
-    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+static pthread_once_t kiln_pool_registered = PTHREAD_ONCE_INIT;
+
+static int kiln_pool_run_threads(int n, kiln_pool_task task, void *arg) {
     if (n <= 1) {
         task(arg, 0);
         return 0;
     }
     if (n > KILN_POOL_MAX) n = KILN_POOL_MAX;
-    pthread_once(&registered, kiln_pool_register);
+    pthread_once(&kiln_pool_registered, kiln_pool_register);
     kiln_pool_spin_ns(); /* read before any pool thread does */
     pthread_mutex_lock(&kiln_pool.turn);
     while (kiln_pool.started < n - 1) {
@@ -173,6 +174,55 @@ static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
     return 0;
 }
 
+/* Kiln's kernels on GNU OpenMP's threads instead (kiln_pool_use_openmp), when oneDNN computes the float32
+ * products (native_ext.blas, KILN_CPU_GEMM): oneDNN's GNU OpenMP threads spin for milliseconds after each
+ * product, so the kernels run on those same threads rather than beside them. GOMP_parallel (the entry point
+ * GCC compiles `#pragma omp parallel` to) and omp_get_thread_num are found in the libgomp oneDNN loaded, so
+ * this library links no OpenMP of its own. The kernels' tasks take work items from a shared counter
+ * (parallel.h, attention.h), so they are correct on a team of any size; OpenBLAS's jobs, which wait on each
+ * other, always run on the pthreads above (kiln_pool_openblas_callback). */
+typedef void (*kiln_gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
+static kiln_gomp_parallel_fn kiln_gomp_parallel = NULL;
+static int (*kiln_omp_thread_num)(void) = NULL;
+
+/* PARALLEL and THREAD_NUM: libgomp's GOMP_parallel and omp_get_thread_num, or both NULL for the pthreads */
+static void kiln_pool_use_openmp(void *parallel, void *thread_num) {
+    pthread_once(&kiln_pool_registered, kiln_pool_register); /* a fork while a kernel runs leaves turn usable */
+    pthread_mutex_lock(&kiln_pool.turn);
+    kiln_omp_thread_num = (int (*)(void))thread_num;
+    kiln_gomp_parallel = (kiln_gomp_parallel_fn)parallel;
+    pthread_mutex_unlock(&kiln_pool.turn);
+}
+
+typedef struct {
+    kiln_pool_task task;
+    void *arg;
+} kiln_gomp_call;
+
+static void kiln_gomp_task(void *data) {
+    kiln_gomp_call *call = (kiln_gomp_call *)data;
+    call->task(call->arg, kiln_omp_thread_num());
+}
+
+/* task(arg, i) for i = 0..n-1 at once: on GNU OpenMP's threads when kiln_pool_use_openmp named them (a team
+ * of up to n; the kernels' tasks share their work through a counter), else on the pthreads above. */
+static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
+    if (n <= 1) {
+        task(arg, 0);
+        return 0;
+    }
+    pthread_mutex_lock(&kiln_pool.turn);
+    kiln_gomp_parallel_fn parallel = kiln_gomp_parallel;
+    if (parallel != NULL) {
+        kiln_gomp_call call = {task, arg};
+        parallel(kiln_gomp_task, &call, (unsigned)(n > KILN_POOL_MAX ? KILN_POOL_MAX : n), 0);
+        pthread_mutex_unlock(&kiln_pool.turn);
+        return 0;
+    }
+    pthread_mutex_unlock(&kiln_pool.turn);
+    return kiln_pool_run_threads(n, task, arg);
+}
+
 /* OpenBLAS's threads callback: dojob(i, job i, dojob_data) for its numjobs jobs, all at once. */
 typedef void (*kiln_openblas_dojob)(int thread, void *job, int data);
 typedef struct {
@@ -191,7 +241,7 @@ static void kiln_pool_openblas_callback(int sync, kiln_openblas_dojob dojob, int
                                         int data) {
     (void)sync; /* OpenBLAS always waits (sync = 1); so does kiln_pool_run */
     kiln_openblas_call call = {dojob, (char *)jobs, size, data};
-    if (kiln_pool_run(numjobs, kiln_pool_openblas_task, &call) != 0) {
+    if (kiln_pool_run_threads(numjobs, kiln_pool_openblas_task, &call) != 0) {
         fprintf(stderr, "kiln: could not start %d threads for OpenBLAS\n", numjobs);
         abort();
     }

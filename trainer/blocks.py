@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from native_ext import blas, kernels, onednn
+from native_ext import bf16, blas, kernels, onednn
 from trainer import attention, quantization
 from trainer.parameters import Parameter
 
@@ -40,7 +40,7 @@ def accumulate_weight_grad(grad, dy, x, accumulate):
     if accumulate:
         blas.accumulate_at_b(grad, dy, x)
     else:
-        np.matmul(dy.T, x, out=grad)
+        blas.matmul(dy.T, x, out=grad)
 
 
 def rope_tables(config):
@@ -229,7 +229,7 @@ class Block:
         fused = self._fused(group)
         if fused is not None:
             stacked = self._stacked_adapters(group)  # the A rows as they are now, which the backward reads too
-            wide = np.matmul(x, fused.T)  # [N, out + n*r]
+            wide = blas.matmul(x, fused.T)  # [N, out + n*r]
         else:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in self._group_adapters(group)])
             wide = self.base_forward(group, x, stacked)
@@ -261,12 +261,12 @@ class Block:
         self.lora_backward(group, x, dy, None, saved, du=wide[:, out:])
         fused = self._fused(group)
         if fused is not None:
-            return np.matmul(wide, fused)  # dy @ W + du @ [A_1; ..; A_n]
+            return blas.matmul(wide, fused)  # dy @ W + du @ [A_1; ..; A_n]
         return self.base_input_grad(group, wide, saved[1])  # the A the forward used (no step in between)
 
     def freeze_bf16(self):
         """Keep the bfloat16 bits of each frozen group weight: base products read them from here on."""
-        self.bf16 = {group: onednn.to_bf16(self.dense_weight(group)) for group in GROUPS}
+        self.bf16 = {group: bf16.to_bf16(self.dense_weight(group)) for group in GROUPS}
 
     def base_forward(self, group, x, extra=None):
         """x [N,in] @ W.T for the projections writing `group`: one fused product (float32, or from
@@ -275,11 +275,11 @@ class Block:
         if self.bf16 is not None:
             weight = self.bf16[group]  # [out,in]
             y = np.empty((x.shape[0], weight.shape[0]), np.float32)
-            onednn.gemm(y, onednn.to_bf16(x), weight, trans_b=True)
+            onednn.gemm(y, bf16.to_bf16(x), weight, trans_b=True)
             return y
         weight = self.dense_weight(group)
         if weight is not None:
-            return np.matmul(x, weight.T)
+            return blas.matmul(x, weight.T)
         total = sum(self.projection(name).shape[0] for name in GROUPS[group])
         y = np.empty((x.shape[0], total + (0 if extra is None else extra.shape[0])), np.float32)  # [N,out(+e)]
         for first, scratch in self._tiles(group, extra):
@@ -293,11 +293,11 @@ class Block:
         if self.bf16 is not None:
             weight = self.bf16[group]  # [out,in]
             dx = np.empty((dy.shape[0], weight.shape[1]), np.float32)
-            onednn.gemm(dx, onednn.to_bf16(dy), weight)
+            onednn.gemm(dx, bf16.to_bf16(dy), weight)
             return dx
         weight = self.dense_weight(group)
         if weight is not None:
-            return np.matmul(dy, weight)
+            return blas.matmul(dy, weight)
         dx = None
         for first, scratch in self._tiles(group, extra):
             if dx is None:
@@ -334,7 +334,7 @@ class Block:
         if stacked is None:
             stacked = np.concatenate([adapter.A.value for _, adapter, _ in adapters])  # [n*r, in]
         if u is None:
-            u = np.matmul(x, stacked.T)  # [N, n*r]
+            u = blas.matmul(x, stacked.T)  # [N, n*r]
         r = adapters[0][1].A.value.shape[0]
         for j, (_, adapter, columns) in enumerate(adapters):
             blas.gemm(y[:, columns], u[:, j * r:(j + 1) * r], adapter.B.value, trans_b=True,
@@ -361,7 +361,7 @@ class Block:
                       beta=1.0 if adapter.B.pending else 0.0)  # [out,r]
             adapter.B.pending = True
             blas.gemm(du[:, rank], dy[:, columns], adapter.B.value, alpha=adapter.scaling)  # [N,r]
-        dA = np.matmul(du.T, x)  # [n*r, in]
+        dA = blas.matmul(du.T, x)  # [n*r, in]
         for j, (_, adapter, _) in enumerate(adapters):
             if adapter.A.pending:
                 adapter.A.grad += dA[j * r:(j + 1) * r]

@@ -11,7 +11,7 @@ full-logits route).
 
 import numpy as np
 
-from native_ext import blas, kernels, onednn
+from native_ext import bf16, blas, kernels, onednn
 from trainer.blocks import accumulate_weight_grad
 
 IGNORE_INDEX = -100  # target id that contributes no loss (padding, prompt tokens)
@@ -55,7 +55,7 @@ def fused_linear_cross_entropy(hidden, weight, targets, chunk, grad_scale=None, 
         if weight_bf16 is None:
             blas.matmul(logits, weight, out=dhidden[rows])  # [n,C]
         else:
-            onednn.gemm(dhidden[rows], onednn.to_bf16(logits), weight_bf16)
+            onednn.gemm(dhidden[rows], bf16.to_bf16(logits), weight_bf16)
         if head is not None:
             accumulate_weight_grad(head.grad, logits, hidden[rows], head.pending)  # [V,C]
             head.pending = True
@@ -69,5 +69,5 @@ def output_product(hidden, weight, weight_bf16=None):
     if weight_bf16 is None:
         return blas.matmul(hidden, weight.T)
     logits = np.empty((hidden.shape[0], weight_bf16.shape[0]), np.float32)
-    onednn.gemm(logits, onednn.to_bf16(hidden), weight_bf16, trans_b=True)
+    onednn.gemm(logits, bf16.to_bf16(hidden), weight_bf16, trans_b=True)
     return logits

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from native_ext import kernels, onednn
+from native_ext import bf16, kernels, onednn
 from trainer.blocks import Block, block_backward, block_forward, rmsnorm_backward, rope_tables
 from trainer.config import TransformerConfig
 from trainer.crossentropy import IGNORE_INDEX, fused_linear_cross_entropy, output_product
@@ -217,17 +217,17 @@ class DecoderOnlyTransformer(Closeable):
             onednn.require()  # the CPU's BF16 instructions and the oneDNN library, or why not
             for block in self._blocks:
                 block.freeze_bf16()
-            self._output_bf16 = onednn.to_bf16(self.output_weight)  # the output projection is frozen too
+            self._output_bf16 = bf16.to_bf16(self.output_weight)  # the output projection is frozen too
 
     def _computing(self):
-        """The scope every forward and backward runs in: oneDNN's (native_ext.onednn.computing) under
+        """The scope every forward and backward runs in: oneDNN's (native_ext.bf16.computing) under
         base_precision "bfloat16", which is refused until the base is frozen by attach_lora."""
         if self.config.base_precision == "float32":
             return contextlib.nullcontext()
         if self.lora_config is None:
             raise ValueError("base_precision 'bfloat16' computes the frozen base of a LoRA model: attach_lora "
                              "first (a trainable base computes in float32)")
-        return onednn.computing()
+        return bf16.computing()
 
     # -- QLoRA: packed NF4 Linear bases --------------------------------------------------
 

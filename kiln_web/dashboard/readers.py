@@ -467,8 +467,10 @@ def _envelope_rows(envelope: dict) -> list[tuple[str, str]]:
             value = ", ".join(str(part) for part in (value.get("machine"), value.get("cpu_model")) if part) + (
                 f" ({' '.join(map(str, flags))})" if flags else "")
         elif key == "blas" and isinstance(value, dict):
+            gemm = value.get("float32_gemm")
             value = " ".join(str(value[k]) for k in ("library", "version", "architecture", "threading_layer")
-                             if value.get(k)) + f", {value.get('threads')} threads"
+                             if value.get(k)) + f", {value.get('threads')} threads" + (
+                f"; float32 products on {gemm}" if gemm else "")
         elif key == "code" and isinstance(value, dict):
             value = (f"sha256 {str(value.get('sha256'))[:16]}… over {value.get('files')} files of trainer/ "
                      "and native_ext/")

@@ -58,8 +58,9 @@ def _register_worker(sender=None, **kwargs) -> None:
         logger.warning("worker %s cannot register its execution identity", worker_id, exc_info=True)
         return
     blas = identity.get("blas") or {}
-    logger.info("worker %s: backend %s, BLAS %s %s (%s threads), kiln %s, code %s", worker_id,
-                identity.get("backend"), blas.get("library"), blas.get("version"), blas.get("threads"),
+    logger.info("worker %s: backend %s, BLAS %s %s (%s threads), float32 products on %s, kiln %s, code %s",
+                worker_id, identity.get("backend"), blas.get("library"), blas.get("version"), blas.get("threads"),
+                blas.get("float32_gemm", "openblas"),
                 identity.get("kiln"), ((identity.get("code") or {}).get("sha256") or "")[:12])
     threading.Thread(target=_beat, args=(worker_id,), name="kiln-worker-heartbeat", daemon=True).start()
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from native_ext import blas, kernels, onednn, reference
+from native_ext import bf16, blas, kernels, onednn, reference
 from tests.engine.test_lora import batch_with_ignored_prefix, peft_twin, randomise_adapters, tiny
 from trainer import DecoderOnlyTransformer, LoraConfig, TransformerConfig
 
@@ -50,8 +50,8 @@ def test_to_bf16_equals_its_numpy_twin_and_pytorch():
 @pytest.mark.parametrize("trans_b", [False, True])
 def test_bf16_gemm_is_float32_arithmetic_on_the_rounded_operands(trans_b):
     rng = np.random.default_rng(1)
-    a = onednn.to_bf16(rng.standard_normal((70, 300), dtype=np.float32))
-    b = onednn.to_bf16(rng.standard_normal((50, 300) if trans_b else (300, 50), dtype=np.float32))
+    a = bf16.to_bf16(rng.standard_normal((70, 300), dtype=np.float32))
+    b = bf16.to_bf16(rng.standard_normal((50, 300) if trans_b else (300, 50), dtype=np.float32))
     expected = reference.from_bf16(a).astype(np.float64) @ (reference.from_bf16(b).T if trans_b else
                                                             reference.from_bf16(b))
     c = np.full((70, 50), np.nan, np.float32)
@@ -274,13 +274,16 @@ def test_computing_holds_numpys_blas_at_one_thread_and_routes_its_products():
     def numpys_threads():
         return next(i["num_threads"] for i in threadpool_info() if i["filepath"] == str(blas.LIBRARY_PATH))
 
-    before = numpys_threads()
-    with onednn.computing():
+    before, default = numpys_threads(), blas.route()  # None, or oneDNN's sgemm where it computes float32 too
+    counting = []
+    with bf16.computing(), blas.routed(lambda *args: counting.append(args) or onednn.sgemm(*args)):
         assert numpys_threads() == 1  # its idle worker would spin beside oneDNN's threads
-        assert blas.route() is onednn.sgemm
+        assert blas.route() is not default
         other = []
         thread = threading.Thread(target=lambda: other.append(blas.route()))
         thread.start()
         thread.join()
-        assert other == [None]  # another thread's products (a serving thread's) stay on OpenBLAS
-    assert numpys_threads() == before and blas.route() is None
+        assert other == [default]  # another thread's products (a serving thread's) stay where they were
+    with bf16.computing():
+        assert blas.route() is onednn.sgemm
+    assert numpys_threads() == before and blas.route() is default

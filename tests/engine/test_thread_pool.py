@@ -67,11 +67,67 @@ def test_a_forked_child_starts_the_pool_again():
         os.close(writer)
         child = os.read(reader, 100).decode()
         _, status = os.waitpid(pid, 0)
-        print(json.dumps([before, child, status, work(3)]))
+        print(json.dumps([before, child, status, work(3), blas.FLOAT32_GEMM]))
     """)
-    before, child, status, after = result
+    before, child, status, after, gemm = result
     assert status == 0
-    assert child == before == after
+    assert before == after
+    if gemm == "openblas":
+        assert child == before
+    else:  # GNU OpenMP cannot compute in the child: it computes as a process on OpenBLAS would (no hang)
+        assert child == run_child("print(json.dumps(work(3)))", env={"KILN_CPU_GEMM": "openblas"})
+
+
+def test_the_float32_gemm_is_chosen_once_and_said():
+    onednn_side = run_child("""
+        from native_ext import onednn
+        from trainer.runs.execution import blas_identity
+        a = np.random.default_rng(0).standard_normal((300, 200), dtype=np.float32)
+        c = np.empty((300, 300), np.float32)
+        blas.gemm(c, a, a, trans_b=True)
+        direct = np.empty_like(c)
+        onednn.sgemm(direct, a, a, trans_b=True)
+        print(json.dumps([blas.FLOAT32_GEMM, blas.GEMM_NOTE, blas.threads(), blas_identity(),
+                          bool((c == direct).all()), bool((blas.matmul(a, a.T) == direct).all()),
+                          bool(np.allclose(c, a @ a.T, rtol=1e-5, atol=1e-4))]))
+    """, env={"KILN_CPU_GEMM": "auto"})
+    gemm, note, threads, identity, equal, matmul_equal, close = onednn_side
+    assert identity["float32_gemm"] == gemm
+    if gemm == "onednn":
+        assert note == "KILN_CPU_GEMM=auto" and equal and matmul_equal and close
+        assert identity["onednn"]["version"] and identity["threads"] == threads
+    openblas_side = run_child("""
+        from trainer.runs.execution import blas_identity
+        a = np.random.default_rng(0).standard_normal((300, 200), dtype=np.float32)
+        c = np.empty((300, 300), np.float32)
+        blas.gemm(c, a, a, trans_b=True)
+        print(json.dumps([blas.FLOAT32_GEMM, blas.GEMM_NOTE, blas_identity(), bool((c == a @ a.T).all())]))
+    """, env={"KILN_CPU_GEMM": "openblas"})
+    assert openblas_side[:2] == ["openblas", "KILN_CPU_GEMM=openblas"]
+    assert openblas_side[2]["float32_gemm"] == "openblas" and "onednn" not in openblas_side[2]
+    assert openblas_side[3]  # the same OpenBLAS call as numpy's matmul
+    refused = subprocess.run([sys.executable, "-c", "import native_ext.blas"], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "KILN_CPU_GEMM": "mkl"})
+    assert refused.returncode != 0 and "KILN_CPU_GEMM='mkl': use one of auto, onednn, openblas" in refused.stderr
+
+
+def test_kernels_give_the_same_bytes_on_openmp_threads_and_on_the_pool():
+    """With oneDNN computing the products, Kiln's kernels run on GNU OpenMP's threads (pool.h); their work is
+    split by the caller, so the attention kernel's bytes are the pool's, at any thread count."""
+    body = """
+        rng = np.random.default_rng(5)
+        q = rng.standard_normal((3, 600, 64), dtype=np.float32)
+        k = rng.standard_normal((3, 200, 64), dtype=np.float32)
+        out, lse = attention.forward(q, k, k, 0.125, 3, 32, threads=2)
+        grads = attention.backward(out, q, k, k, out, lse, 0.125, 3, 32, threads=2)
+        one = attention.forward(q, k, k, 0.125, 3, 32, threads=1)[0]
+        digest = hashlib.sha256(b"".join(p.tobytes() for p in (out, lse, *grads))).hexdigest()
+        print(json.dumps([blas.FLOAT32_GEMM, digest, bool((one == out).all())]))
+    """
+    openmp = run_child(body, env={"KILN_CPU_GEMM": "auto"})
+    pool = run_child(body, env={"KILN_CPU_GEMM": "openblas"})
+    assert pool[0] == "openblas" and pool[2] and openmp[2]
+    assert openmp[1] == pool[1]
 
 
 @needs_callback
@@ -96,7 +152,7 @@ def test_threads_follows_threadpool_limits():
     from threadpoolctl import threadpool_limits
 
     before = blas.threads()
-    with threadpool_limits(1, user_api="blas"):
+    with threadpool_limits(1):  # numpy's OpenBLAS and the OpenMP oneDNN computes on
         assert blas.threads() == 1
     assert blas.threads() == before
 
@@ -108,5 +164,25 @@ def test_kiln_doctor_says_where_openblas_jobs_run(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["thread_pool"]["openblas_jobs"] == blas.THREAD_POOL
     assert report["thread_pool"]["threads"] == blas.threads()
+    assert report["float32_gemm"] == {"library": blas.FLOAT32_GEMM, "why": blas.GEMM_NOTE}
     main(["doctor"])
-    assert f"OpenBLAS's jobs run on {blas.THREAD_POOL}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"OpenBLAS's jobs run on {blas.THREAD_POOL}" in out
+    assert f"products on {blas.FLOAT32_GEMM} ({blas.GEMM_NOTE};" in out
+
+
+def test_openblas_num_threads_sizes_onednn_too():
+    """Workers are told to set OPENBLAS_NUM_THREADS (docs/deployment.md): where oneDNN computes the products,
+    its OpenMP threads follow it unless OMP_NUM_THREADS says otherwise, and the identity records that count."""
+    body = """
+        from trainer.runs.execution import blas_identity
+        print(json.dumps([blas.FLOAT32_GEMM, blas.threads(), blas_identity()["threads"]]))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    code = CHILD_PRELUDE + textwrap.dedent(body)
+    for threads in (1, 2):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                env={**env, "OPENBLAS_NUM_THREADS": str(threads)})
+        assert result.returncode == 0, result.stderr
+        gemm, engine_threads, recorded = json.loads(result.stdout.strip().splitlines()[-1])
+        assert engine_threads == recorded == threads, gemm

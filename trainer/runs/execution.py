@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -69,6 +70,10 @@ def with_precision(identity: dict, precision: str | None) -> dict:
 @functools.cache
 def _cached(backend: str) -> dict:
     return compute_execution_identity(backend)
+
+
+# a child forked without exec may compute on another library than its parent (native_ext.blas): ask it afresh
+os.register_at_fork(after_in_child=_cached.cache_clear)
 
 
 def compute_execution_identity(backend: str) -> dict:
@@ -141,19 +146,26 @@ def device_identity(cpuinfo: Path = CPUINFO) -> dict:
 
 
 def blas_identity() -> dict:
-    """numpy's BLAS (the one the engine computes with; others loaded in the process, torch's or scipy's,
-    do not touch training arithmetic): {library, version, architecture, threading_layer, threads}."""
+    """numpy's BLAS (others loaded in the process, torch's or scipy's, do not touch training arithmetic):
+    {library, version, architecture, threading_layer}; threads, how many threads the engine's products and
+    kernels compute on (OpenBLAS's, or oneDNN's where it computes the float32 products); and float32_gemm, the
+    library of those products: "openblas", or "onednn" with its version and SHA-256 as `onednn`."""
     from threadpoolctl import threadpool_info
 
     from native_ext import blas as engine_blas
+    from native_ext import onednn
 
+    gemm = {"float32_gemm": engine_blas.FLOAT32_GEMM}
+    if engine_blas.FLOAT32_GEMM == "onednn":
+        gemm["onednn"] = {k: v for k, v in onednn.identity().items() if k != "threads"}  # threads: above
     for info in threadpool_info():
         if info.get("user_api") == "blas" and str(engine_blas.LIBRARY_PATH) == info.get("filepath"):
+            threads = engine_blas.threads() if engine_blas.FLOAT32_GEMM == "onednn" else info.get("num_threads")
             return {"library": info.get("internal_api"), "version": _text(info.get("version")),
                     "architecture": _text(info.get("architecture")),
-                    "threading_layer": _text(info.get("threading_layer")), "threads": info.get("num_threads")}
+                    "threading_layer": _text(info.get("threading_layer")), "threads": threads, **gemm}
     return {"library": None, "version": None, "architecture": None, "threading_layer": None,
-            "threads": None}
+            "threads": engine_blas.threads() if engine_blas.FLOAT32_GEMM == "onednn" else None, **gemm}
 
 
 def code_digest(roots) -> dict:
