@@ -10,12 +10,16 @@ peaks measured in the variant's own process just before and just after its steps
 whose speed drifts by tens of percent over minutes the median's share moves with the drift:
 
     python bench/adapter_step.py [--steps 5] [--contexts 256,1024] [--real] [--rounds 1]
-        [--variants kiln-lora,kiln-lora-bf16,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora]
+        [--variants kiln-lora,kiln-lora-bf16,peft-lora,peft-lora-bf16,kiln-qlora,peft-qlora,kiln-lora-openblas]
 
 --rounds R measures every variant R times, the order reversed in every other round, so that a drift of the
 machine's speed lands on both sides of a comparison: the table then shows each variant's median over the rounds
 (best step: the best of all; adjacent peak: that step's round), and each ratio is also given round by round
 (variants measured minutes apart) with the median of those.
+
+kiln-lora computes its float32 products where the engine does by default (oneDNN's dnnl_sgemm where it loads,
+docs/engine.md "Float32 products on oneDNN"); kiln-lora-openblas is the same step on numpy's OpenBLAS
+(KILN_CPU_GEMM=openblas), not run unless named.
 
 kiln-lora-bf16 is Kiln's base_precision "bfloat16": the frozen base's products from bfloat16 operands
 on oneDNN (float32 accumulation; the output projection too; attention and adapters in float32), where the CPU and the
@@ -179,11 +183,16 @@ def run_peft(quantized, steps, real=False, context=CONTEXT, bf16=False):
     return times[1:], {}
 
 
-VARIANTS = ("kiln-lora", "kiln-lora-bf16", "peft-lora", "peft-lora-bf16", "kiln-qlora", "peft-qlora")
+VARIANTS = ("kiln-lora", "kiln-lora-openblas", "kiln-lora-bf16", "peft-lora", "peft-lora-bf16", "kiln-qlora",
+            "peft-qlora")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "kiln-lora-openblas")
+# what a variant's child process needs in its environment beyond this one's
+CHILD_ENV = {"kiln-lora-openblas": {"KILN_CPU_GEMM": "openblas"}}
 
 
 def child(variant, steps, real, context):
     runner = {"kiln-lora": lambda: run_kiln(False, steps, real, context),
+              "kiln-lora-openblas": lambda: run_kiln(False, steps, real, context),
               "kiln-lora-bf16": lambda: run_kiln(False, steps, real, context, precision="bfloat16"),
               "kiln-qlora": lambda: run_kiln(True, steps, context=context),
               "peft-lora": lambda: run_peft(False, steps, real, context),
@@ -212,7 +221,7 @@ def measure(variants, steps, real, context) -> dict:
                 continue
         out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(steps),
                               "--contexts", str(context)] + (["--real"] if real else []),
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env={**os.environ, **CHILD_ENV.get(variant, {})})
         if out.returncode != 0:
             print(f"{variant}: failed\n{out.stderr[-2000:]}")
             continue
@@ -244,7 +253,8 @@ def round_ratios(per_round: list, ours: str, theirs: str) -> list:
             if ours in results and theirs in results]
 
 
-PAIRS = (("kiln-lora", "peft-lora"), ("kiln-lora", "peft-lora-bf16"), ("kiln-lora-bf16", "peft-lora-bf16"),
+PAIRS = (("kiln-lora", "peft-lora"), ("kiln-lora", "kiln-lora-openblas"), ("kiln-lora", "peft-lora-bf16"),
+         ("kiln-lora-bf16", "peft-lora-bf16"),
          ("kiln-qlora", "peft-qlora"))
 
 
@@ -277,7 +287,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--contexts", default="256,1024", help="comma-separated contexts (default 256,1024)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--real", action="store_true", help="real SmolLM2 weights for the LoRA variants")
     parser.add_argument("--rounds", type=int, default=1, help="measure every variant this many times (default 1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)

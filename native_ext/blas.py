@@ -197,10 +197,13 @@ def matmul(a, b, out=None):
 
 
 def _row_major(x):
-    """(array, transposed) with the array's last axis contiguous: x itself, or x.T with transposed."""
-    if x.strides[-1] == x.itemsize:
+    """(array, transposed) with the array's last axis contiguous and its rows at least that long apart (a
+    leading dimension BLAS accepts): x itself, or x.T with transposed, else a contiguous copy. A one-row
+    view may have any row stride (a transposed [2, 1] slice: strides 4, 4), which BLAS would refuse."""
+    size = x.itemsize
+    if x.strides[-1] == size and x.strides[0] >= size * max(1, x.shape[1]) and x.strides[0] % size == 0:
         return x, False
-    if x.strides[0] == x.itemsize:
+    if x.strides[0] == size and x.strides[1] >= size * max(1, x.shape[0]) and x.strides[1] % size == 0:
         return x.T, True
     return np.ascontiguousarray(x), False
 

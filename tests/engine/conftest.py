@@ -86,11 +86,14 @@ def batch():
     return make
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _single_threaded_torch():
     """Tiny tensors gain nothing from threads. Torch's OpenMP pool spinning beside another
     thread pool (the engine's former prange kernels) once made this suite 20x slower on a
-    2-core machine (one finite-difference test: 41 s instead of 0.1 s)."""
+    2-core machine (one finite-difference test: 41 s instead of 0.1 s). Per test, and set back after it:
+    torch's set_num_threads sets GNU OpenMP's thread count for the calling thread, which oneDNN (the
+    engine's float32 products) computes with too, so a later test outside tests/engine would otherwise
+    train in this process on one thread and a fresh process on two (another execution identity)."""
     try:
         import torch
     except ImportError:  # pragma: no cover - the engine tests that need torch import it

@@ -1,4 +1,5 @@
-"""native_ext.blas.gemm: numpy's own OpenBLAS with alpha, beta and leading dimensions, into row views."""
+"""native_ext.blas.gemm: the engine's float32 GEMM (oneDNN's where it loads, else numpy's own OpenBLAS) with alpha,
+beta and leading dimensions, into row views."""
 
 import numpy as np
 import pytest
@@ -84,3 +85,18 @@ def test_a_step_is_bit_identical_across_fresh_processes_at_the_same_thread_count
     for threads in (1, 2):
         first, second = _lora_step(threads), _lora_step(threads)
         assert first == second, f"{threads} thread(s): two runs differ"
+
+
+@pytest.mark.parametrize("rows,keys", [(2, 1), (1, 3), (1, 1), (3, 2)])
+def test_matmul_of_views_with_any_row_stride_matches_numpy(rows, keys):
+    """A transposed [rows, 1] slice is a one-row view whose row stride is one float: BLAS refuses such a leading
+    dimension (oneDNN's dnnl_sgemm with status 2), so blas.matmul copies it (a GRPO group of two sequences of
+    one key each met this in attention's backward)."""
+    rng = np.random.default_rng(rows * 10 + keys)
+    probs = rng.standard_normal((3, rows, keys), dtype=np.float32)
+    dout = rng.standard_normal((3, rows, 5), dtype=np.float32)
+    got = blas.matmul(probs.transpose(0, 2, 1), dout)
+    assert got.shape == (3, keys, 5)
+    assert np.allclose(got, np.matmul(probs.transpose(0, 2, 1), dout), rtol=1e-5, atol=1e-6)
+    assert np.allclose(blas.matmul(dout.transpose(0, 2, 1), probs), np.matmul(dout.transpose(0, 2, 1), probs),
+                       rtol=1e-5, atol=1e-6)
