@@ -15,6 +15,7 @@ cdef extern from "pool.h" nogil:
     void kiln_pool_openblas_callback(int sync, void *dojob, int numjobs, size_t size, void *jobs, int data)
     int kiln_pool_run(int n, void *task, void *arg)
     void kiln_pool_use_openmp(void *parallel, void *thread_num)
+    void kiln_pool_use_pthreads_here()
 
 
 cdef extern from "attention.h" nogil:
@@ -37,6 +38,11 @@ def use_openmp(size_t parallel, size_t thread_num):
     """Run Kiln's kernels on GNU OpenMP's threads (the addresses of libgomp's GOMP_parallel and
     omp_get_thread_num), or on pool.h's pthreads again when both are 0 (native_ext.blas decides)."""
     kiln_pool_use_openmp(<void *>parallel, <void *>thread_num)
+
+
+def use_pthreads_here():
+    """Run the calling thread's kernels on pool.h's pthreads whatever use_openmp said (native_ext.blas)."""
+    kiln_pool_use_pthreads_here()
 
 
 def pool_run():

@@ -76,6 +76,10 @@ _THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_QUERIES[SYMBOL], None
 if _THREADS is not None:
     _THREADS.argtypes, _THREADS.restype = [], ctypes.c_int
 _SET_THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_SETTERS[SYMBOL], None) if SYMBOL else None
+# OpenBLAS >= 0.3.27: the calling thread's own thread count (serve_on_openblas)
+_SET_THREADS_HERE = getattr(ctypes.CDLL(str(LIBRARY_PATH)), "openblas_set_num_threads_local", None) if SYMBOL else None
+if _SET_THREADS_HERE is not None:
+    _SET_THREADS_HERE.argtypes, _SET_THREADS_HERE.restype = [ctypes.c_int], ctypes.c_int
 if _SET_THREADS is not None:
     _SET_THREADS.argtypes, _SET_THREADS.restype = [ctypes.c_int], None
 
@@ -108,9 +112,24 @@ def threads() -> int:
     """How many threads the engine's products and kernels compute on: oneDNN's OpenMP threads where it computes
     the float32 products, else numpy's OpenBLAS's now (a threadpool_limits scope included; 1 where it cannot be
     asked). native_ext.attention and the row kernels run on as many."""
-    if FLOAT32_GEMM == "onednn":
+    if FLOAT32_GEMM == "onednn" and _ROUTE.get() is not OPENBLAS:
         return max(1, onednn.compute_threads())
     return max(1, _THREADS()) if _THREADS is not None else 1
+
+
+def serve_on_openblas():
+    """The calling thread computes on numpy's OpenBLAS and Kiln's pthread pool from here on, whatever the process
+    does: a completion thread, one of several serving requests side by side. Where oneDNN computes the float32
+    products, each calling thread gets GNU OpenMP threads of its own that spin after every product, and eight
+    serving threads took the cores from each other (bench/serving.py at 8 clients: 12 tokens/s against
+    OpenBLAS's 16; on one OpenMP thread each, 12); on OpenBLAS their products take turns on the one pool. A
+    no-op where OpenBLAS computes everything already."""
+    if FLOAT32_GEMM != "onednn":
+        return
+    _ROUTE.set(OPENBLAS)
+    _POOL.use_pthreads_here()
+    if _SET_THREADS_HERE is not None and _OPENBLAS_THREADS_BEFORE:
+        _SET_THREADS_HERE(_OPENBLAS_THREADS_BEFORE)  # numpy's OpenBLAS is held at one thread elsewhere
 
 
 GEMM_ENV = "KILN_CPU_GEMM"
@@ -161,6 +180,14 @@ _OPENBLAS_THREADS_BEFORE = _use_onednn() if FLOAT32_GEMM == "onednn" else None
 _ROUTE = contextvars.ContextVar("kiln_blas_route", default=None)
 # where products go outside routed(): oneDNN's sgemm (FLOAT32_GEMM "onednn"), or None for numpy's OpenBLAS
 _DEFAULT_GEMM = onednn.sgemm if FLOAT32_GEMM == "onednn" else None
+OPENBLAS = "openblas"  # a thread's route that means numpy's OpenBLAS whatever the default (serve_on_openblas)
+
+
+def _current():
+    routed_gemm = _ROUTE.get()
+    if routed_gemm is None:
+        return _DEFAULT_GEMM
+    return None if routed_gemm is OPENBLAS else routed_gemm
 
 
 @contextlib.contextmanager
@@ -175,14 +202,14 @@ def routed(gemm_function):
 
 def route():
     """The gemm this thread's products go to, or None (numpy's OpenBLAS)."""
-    return _ROUTE.get() or _DEFAULT_GEMM
+    return _current()
 
 
 def matmul(a, b, out=None):
     """np.matmul of float32 2-d matrices or equal stacks of them ([G,M,K] @ [G,K,N]); exactly np.matmul
     unless routed() or oneDNN computes the float32 products, where each matrix product goes to that gemm
     (operands may be transposed views)."""
-    routed_gemm = _ROUTE.get() or _DEFAULT_GEMM
+    routed_gemm = _current()
     if routed_gemm is None:
         return np.matmul(a, b, out=out)
     if a.ndim == 2:
@@ -231,7 +258,7 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
     if M == 0 or N == 0:
         return
-    routed_gemm = _ROUTE.get() or _DEFAULT_GEMM
+    routed_gemm = _current()
     if routed_gemm is not None and K:
         routed_gemm(c, a, b, trans_a, trans_b, alpha, beta)
         return

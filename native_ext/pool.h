@@ -184,6 +184,11 @@ static int kiln_pool_run_threads(int n, kiln_pool_task task, void *arg) {
 typedef void (*kiln_gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
 static kiln_gomp_parallel_fn kiln_gomp_parallel = NULL;
 static int (*kiln_omp_thread_num)(void) = NULL;
+/* set in a thread that computes on OpenBLAS and these pthreads whatever the process does (a serving thread:
+ * native_ext.blas.serve_on_openblas) */
+static __thread int kiln_pool_pthreads_here = 0;
+
+static void kiln_pool_use_pthreads_here(void) { kiln_pool_pthreads_here = 1; }
 
 /* PARALLEL and THREAD_NUM: libgomp's GOMP_parallel and omp_get_thread_num, or both NULL for the pthreads */
 static void kiln_pool_use_openmp(void *parallel, void *thread_num) {
@@ -212,7 +217,7 @@ static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
         return 0;
     }
     pthread_mutex_lock(&kiln_pool.turn);
-    kiln_gomp_parallel_fn parallel = kiln_gomp_parallel;
+    kiln_gomp_parallel_fn parallel = kiln_pool_pthreads_here ? NULL : kiln_gomp_parallel;
     if (parallel != NULL) {
         kiln_gomp_call call = {task, arg};
         parallel(kiln_gomp_task, &call, (unsigned)(n > KILN_POOL_MAX ? KILN_POOL_MAX : n), 0);

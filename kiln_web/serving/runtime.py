@@ -181,10 +181,18 @@ def canary(adapter: str, base: str) -> tuple[bool, str, str]:
     return passed, reason, sha
 
 
+def _serve_on_openblas():
+    from native_ext import blas
+
+    blas.serve_on_openblas()
+
+
 class ServingRuntime:
     def __init__(self, home: Path, adapters: Path, threads: int, backend: str = "cpu"):
         self.pool = ServingPool(home, adapters, backend)
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kiln-serving")
+        # completion threads compute on OpenBLAS and Kiln's pthread pool (native_ext.blas.serve_on_openblas)
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kiln-serving",
+                                           initializer=_serve_on_openblas)
         self._lock = threading.RLock()  # one load, unload or reconcile at a time
         self._loaded = {}  # name -> (generation, sha256) this process holds
         self._refused = {}  # name -> (generation, ServingError): not retried until the generation changes

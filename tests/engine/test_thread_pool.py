@@ -186,3 +186,35 @@ def test_openblas_num_threads_sizes_onednn_too():
         assert result.returncode == 0, result.stderr
         gemm, engine_threads, recorded = json.loads(result.stdout.strip().splitlines()[-1])
         assert engine_threads == recorded == threads, gemm
+
+
+def test_a_serving_thread_computes_on_openblas_whatever_the_process_does():
+    """kiln_web.serving's completion threads call blas.serve_on_openblas: their products go to numpy's OpenBLAS
+    (at the thread count it had before oneDNN held it at one) and their kernels to pool.h's pthreads, while the
+    process's other threads keep computing where they did (and with the same bytes as before)."""
+    result = run_child("""
+        a = np.random.default_rng(1).standard_normal((300, 200), dtype=np.float32)
+        def product():
+            c = np.empty((300, 300), np.float32)
+            blas.gemm(c, a, a, trans_b=True)
+            return hashlib.sha256(c.tobytes()).hexdigest()
+        before = product()
+        seen = []
+        def serve():
+            blas.serve_on_openblas()
+            seen.extend([blas.route() is None, product(), work(4), blas.threads()])
+        thread = threading.Thread(target=serve)
+        thread.start()
+        thread.join()
+        print(json.dumps([blas.FLOAT32_GEMM, before, product(), blas.route() is None, seen]))
+    """)
+    gemm, before, after, main_on_openblas, (served_on_openblas, served, kernels, threads) = result
+    assert before == after and served_on_openblas and threads >= 1
+    assert main_on_openblas == (gemm == "openblas")
+    reference = run_child("""
+        a = np.random.default_rng(1).standard_normal((300, 200), dtype=np.float32)
+        c = np.empty((300, 300), np.float32)
+        blas.gemm(c, a, a, trans_b=True)
+        print(json.dumps([hashlib.sha256(c.tobytes()).hexdigest(), work(4)]))
+    """, env={"KILN_CPU_GEMM": "openblas"})
+    assert [served, kernels] == reference
