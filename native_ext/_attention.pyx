@@ -14,8 +14,9 @@ ctypedef float f32
 cdef extern from "pool.h" nogil:
     void kiln_pool_openblas_callback(int sync, void *dojob, int numjobs, size_t size, void *jobs, int data)
     int kiln_pool_run(int n, void *task, void *arg)
-    void kiln_pool_use_openmp(void *parallel, void *thread_num)
-    void kiln_pool_use_pthreads_here()
+    void kiln_pool_find_openmp(void *parallel, void *thread_num)
+    void kiln_pool_use_openmp(int on)
+    int kiln_pool_choose_here(int choice)
 
 
 cdef extern from "attention.h" nogil:
@@ -34,15 +35,27 @@ def openblas_callback():
     return <size_t><void *>kiln_pool_openblas_callback
 
 
-def use_openmp(size_t parallel, size_t thread_num):
-    """Run Kiln's kernels on GNU OpenMP's threads (the addresses of libgomp's GOMP_parallel and
-    omp_get_thread_num), or on pool.h's pthreads again when both are 0 (native_ext.blas decides)."""
-    kiln_pool_use_openmp(<void *>parallel, <void *>thread_num)
+def find_openmp(size_t parallel, size_t thread_num):
+    """Name GNU OpenMP's entry points (the addresses of libgomp's GOMP_parallel and omp_get_thread_num), or none
+    when both are 0 (a forked child): kernels can run on OpenMP only after this (native_ext.blas)."""
+    kiln_pool_find_openmp(<void *>parallel, <void *>thread_num)
 
 
-def use_pthreads_here():
-    """Run the calling thread's kernels on pool.h's pthreads whatever use_openmp said (native_ext.blas)."""
-    kiln_pool_use_pthreads_here()
+def use_openmp(bint on):
+    """Run Kiln's kernels on GNU OpenMP's threads (once found), or on pool.h's pthreads, in every thread that
+    made no choice of its own (choose_here)."""
+    kiln_pool_use_openmp(on)
+
+
+HERE_FOLLOWS_PROCESS, HERE_PTHREADS, HERE_OPENMP = 0, 1, 2
+
+
+def choose_here(int choice):
+    """The calling thread's kernels: HERE_FOLLOWS_PROCESS, HERE_PTHREADS or HERE_OPENMP from now on, whatever
+    use_openmp said. Returns the choice it replaces (native_ext.blas)."""
+    if choice not in (HERE_FOLLOWS_PROCESS, HERE_PTHREADS, HERE_OPENMP):
+        raise ValueError(f"choice must be 0, 1 or 2, got {choice}")
+    return kiln_pool_choose_here(choice)
 
 
 def pool_run():

@@ -1,9 +1,8 @@
 """The validating public layer over the fused tiled attention in native_ext._attention.
 
 forward() and backward() check dtypes, shapes and contiguity, then call the C kernel, which releases
-the GIL and runs on `threads` threads (default: as many as numpy's OpenBLAS computes on at the call,
-native_ext.blas.threads(): one inside the bfloat16 route's scope, whose oneDNN threads hold the other
-cores); the bytes are the same for every thread count. The numpy twins with the same arguments are
+the GIL and runs on `threads` threads (default: as many as the engine's products compute on at the call,
+native_ext.blas.threads()); the bytes are the same for every thread count. The numpy twins with the same arguments are
 native_ext.reference's attention_forward and attention_backward. Dimension letters as in trainer/attention.py.
 """
 

@@ -12,11 +12,12 @@ from native_ext import blas, kernels, onednn
 
 @contextlib.contextmanager
 def computing():
-    """Every product inside runs on oneDNN's one OpenMP pool: native_ext.blas routes its float32 products
-    to dnnl_sgemm, and numpy's OpenBLAS is held at one thread, since its idle worker spins for tens of
-    milliseconds after each call and would take a core from oneDNN's threads."""
+    """Everything inside computes on oneDNN's one OpenMP pool: native_ext.blas routes its float32 products
+    to dnnl_sgemm and Kiln's kernels to the same OpenMP threads (a serving thread's too), and numpy's OpenBLAS is
+    held at one thread, since its idle worker spins for tens of milliseconds after each call and would take a core
+    from oneDNN's threads."""
     onednn.require()
-    with _blas_pools().limit(limits=1), blas.routed(onednn.sgemm):
+    with _blas_pools().limit(limits=1), blas.routed(onednn.sgemm), blas.kernels_on_openmp():
         yield
 
 

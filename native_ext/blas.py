@@ -26,6 +26,7 @@ import contextvars
 import ctypes
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +113,8 @@ def threads() -> int:
     """How many threads the engine's products and kernels compute on: oneDNN's OpenMP threads where it computes
     the float32 products, else numpy's OpenBLAS's now (a threadpool_limits scope included; 1 where it cannot be
     asked). native_ext.attention and the row kernels run on as many."""
-    if FLOAT32_GEMM == "onednn" and _ROUTE.get() is not OPENBLAS:
+    route = _ROUTE.get()
+    if route is not OPENBLAS and (route is not None or FLOAT32_GEMM == "onednn"):
         return max(1, onednn.compute_threads())
     return max(1, _THREADS()) if _THREADS is not None else 1
 
@@ -127,7 +129,7 @@ def serve_on_openblas():
     if FLOAT32_GEMM != "onednn":
         return
     _ROUTE.set(OPENBLAS)
-    _POOL.use_pthreads_here()
+    _POOL.choose_here(_POOL.HERE_PTHREADS)
     if _SET_THREADS_HERE is not None and _OPENBLAS_THREADS_BEFORE:
         _SET_THREADS_HERE(_OPENBLAS_THREADS_BEFORE)  # numpy's OpenBLAS is held at one thread elsewhere
 
@@ -157,18 +159,50 @@ def _use_onednn():
     before = _THREADS() if _THREADS is not None else None
     if _SET_THREADS is not None:
         _SET_THREADS(1)
-    _POOL.use_openmp(*onednn.openmp_entry_points())
+    _find_openmp()
+    _POOL.use_openmp(True)
     os.register_at_fork(after_in_child=_forked_child)
     return before
+
+
+_OPENMP = threading.Lock()
+_openmp_found = False
+
+
+def _find_openmp():
+    """Hands pool.h the GNU OpenMP oneDNN loaded, once (oneDNN must have loaded)."""
+    global _openmp_found
+    if _openmp_found:  # read without the lock: a child forked while another thread held it must not wait
+        return
+    with _OPENMP:
+        if not _openmp_found:
+            _POOL.find_openmp(*onednn.openmp_entry_points())
+            _openmp_found = True
+
+
+@contextlib.contextmanager
+def kernels_on_openmp():
+    """Kiln's kernels called from this thread run on GNU OpenMP's threads inside, where oneDNN computes the
+    products: the bfloat16 scope (native_ext.bf16.computing), whose products only oneDNN computes, in a serving
+    thread too (serve_on_openblas put its kernels on the pthreads) and where OpenBLAS computes the float32
+    products elsewhere. Kernels on the pthreads beside oneDNN's threads, which spin for milliseconds after each
+    product, would share the cores with them."""
+    _find_openmp()
+    before = _POOL.choose_here(_POOL.HERE_OPENMP)
+    try:
+        yield
+    finally:
+        _POOL.choose_here(before)
 
 
 def _forked_child():
     """In a child forked without exec: GNU OpenMP would wait forever on the parent's threads, so OpenBLAS computes
     the float32 products and pool.h's pthreads run the kernels, on OpenBLAS's thread count from before."""
-    global FLOAT32_GEMM, GEMM_NOTE, _DEFAULT_GEMM
-    FLOAT32_GEMM, _DEFAULT_GEMM = "openblas", None
+    global FLOAT32_GEMM, GEMM_NOTE, _DEFAULT_GEMM, _openmp_found
+    FLOAT32_GEMM, _DEFAULT_GEMM, _openmp_found = "openblas", None, True  # found: none, for good
     GEMM_NOTE = "a child forked after GNU OpenMP's threads started (OpenMP cannot run here)"
-    _POOL.use_openmp(0, 0)
+    _POOL.find_openmp(0, 0)
+    _POOL.use_openmp(False)
     if _SET_THREADS is not None and _OPENBLAS_THREADS_BEFORE:
         _SET_THREADS(_OPENBLAS_THREADS_BEFORE)
 

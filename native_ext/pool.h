@@ -182,20 +182,36 @@ static int kiln_pool_run_threads(int n, kiln_pool_task task, void *arg) {
  * (parallel.h, attention.h), so they are correct on a team of any size; OpenBLAS's jobs, which wait on each
  * other, always run on the pthreads above (kiln_pool_openblas_callback). */
 typedef void (*kiln_gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
-static kiln_gomp_parallel_fn kiln_gomp_parallel = NULL;
+static kiln_gomp_parallel_fn kiln_gomp_parallel = NULL; /* libgomp's, once named (kiln_pool_find_openmp) */
 static int (*kiln_omp_thread_num)(void) = NULL;
-/* set in a thread that computes on OpenBLAS and these pthreads whatever the process does (a serving thread:
- * native_ext.blas.serve_on_openblas) */
-static __thread int kiln_pool_pthreads_here = 0;
+static int kiln_pool_openmp = 0; /* the process's kernels run on OpenMP (kiln_pool_use_openmp) */
+/* the calling thread's own choice, whatever the process does: 0 follows the process, 1 the pthreads (a serving
+ * thread: native_ext.blas.serve_on_openblas), 2 OpenMP (the bfloat16 scope, whose products only oneDNN computes:
+ * native_ext.blas.kernels_on_openmp) */
+static __thread int kiln_pool_here = 0;
 
-static void kiln_pool_use_pthreads_here(void) { kiln_pool_pthreads_here = 1; }
+/* Sets the calling thread's choice (0, 1 or 2 as above) and returns the one it replaces. */
+static int kiln_pool_choose_here(int choice) {
+    int before = kiln_pool_here;
+    kiln_pool_here = choice;
+    return before;
+}
 
-/* PARALLEL and THREAD_NUM: libgomp's GOMP_parallel and omp_get_thread_num, or both NULL for the pthreads */
-static void kiln_pool_use_openmp(void *parallel, void *thread_num) {
+/* PARALLEL and THREAD_NUM: libgomp's GOMP_parallel and omp_get_thread_num, or both NULL (a forked child, where
+ * GNU OpenMP cannot run): without them every kernel runs on the pthreads */
+static void kiln_pool_find_openmp(void *parallel, void *thread_num) {
     pthread_once(&kiln_pool_registered, kiln_pool_register); /* a fork while a kernel runs leaves turn usable */
     pthread_mutex_lock(&kiln_pool.turn);
     kiln_omp_thread_num = (int (*)(void))thread_num;
     kiln_gomp_parallel = (kiln_gomp_parallel_fn)parallel;
+    pthread_mutex_unlock(&kiln_pool.turn);
+}
+
+/* ON: every thread that made no choice of its own runs its kernels on OpenMP (once found), else on the pthreads */
+static void kiln_pool_use_openmp(int on) {
+    pthread_once(&kiln_pool_registered, kiln_pool_register);
+    pthread_mutex_lock(&kiln_pool.turn);
+    kiln_pool_openmp = on;
     pthread_mutex_unlock(&kiln_pool.turn);
 }
 
@@ -209,7 +225,7 @@ static void kiln_gomp_task(void *data) {
     call->task(call->arg, kiln_omp_thread_num());
 }
 
-/* task(arg, i) for i = 0..n-1 at once: on GNU OpenMP's threads when kiln_pool_use_openmp named them (a team
+/* task(arg, i) for i = 0..n-1 at once: on GNU OpenMP's threads where the caller's choice says so (a team
  * of up to n; the kernels' tasks share their work through a counter), else on the pthreads above. */
 static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
     if (n <= 1) {
@@ -217,7 +233,8 @@ static int kiln_pool_run(int n, kiln_pool_task task, void *arg) {
         return 0;
     }
     pthread_mutex_lock(&kiln_pool.turn);
-    kiln_gomp_parallel_fn parallel = kiln_pool_pthreads_here ? NULL : kiln_gomp_parallel;
+    int openmp = kiln_pool_here ? kiln_pool_here == 2 : kiln_pool_openmp;
+    kiln_gomp_parallel_fn parallel = openmp ? kiln_gomp_parallel : NULL;
     if (parallel != NULL) {
         kiln_gomp_call call = {task, arg};
         parallel(kiln_gomp_task, &call, (unsigned)(n > KILN_POOL_MAX ? KILN_POOL_MAX : n), 0);

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from native_ext import blas
+from native_ext import blas, onednn
 
 CHILD_PRELUDE = textwrap.dedent("""
     import hashlib, json, os, sys, threading
@@ -218,3 +218,61 @@ def test_a_serving_thread_computes_on_openblas_whatever_the_process_does():
         print(json.dumps([hashlib.sha256(c.tobytes()).hexdigest(), work(4)]))
     """, env={"KILN_CPU_GEMM": "openblas"})
     assert [served, kernels] == reference
+
+
+needs_onednn = pytest.mark.skipif(onednn.float32_unavailable_reason() is not None,
+                                  reason=f"oneDNN cannot compute here: {onednn.float32_unavailable_reason()}")
+
+
+@needs_onednn
+def test_the_bfloat16_scope_puts_a_threads_kernels_on_openmp_beside_its_products():
+    """Inside blas.kernels_on_openmp (the bfloat16 scope: its products run on oneDNN's OpenMP threads, which spin
+    after each product), the calling thread's kernels run on those OpenMP threads too, on as many as oneDNN
+    computes with: in a serving thread (whose kernels are on the pthreads otherwise) and in a process whose
+    float32 products are on OpenBLAS alike. The choice is the thread's own, undone on leaving, and the bytes
+    are those of the pthreads."""
+    body = """
+        from native_ext import _attention as pool, onednn
+        seen = {}
+        def here():  # read, then put back
+            choice = pool.choose_here(pool.HERE_PTHREADS)
+            pool.choose_here(choice)
+            return choice
+        def serve():
+            blas.serve_on_openblas()
+            seen["before"] = here()
+            with blas.kernels_on_openmp(), blas.routed(onednn.sgemm):
+                seen["inside"], seen["threads"], seen["other"] = here(), blas.threads(), []
+                other = threading.Thread(target=lambda: seen["other"].append(here()))
+                other.start()
+                other.join()
+                seen["bytes"] = work(4)
+            seen["after"] = here()
+        thread = threading.Thread(target=serve)
+        thread.start()
+        thread.join()
+        print(json.dumps([blas.FLOAT32_GEMM, onednn.compute_threads(), seen, work(4)]))
+    """
+    for env in ({}, {"KILN_CPU_GEMM": "openblas"}):
+        gemm, onednn_threads, seen, outside = run_child(body, env=env)
+        pthreads = 0 if gemm == "openblas" else 1  # serve_on_openblas is a no-op where OpenBLAS computes anyway
+        assert [seen["before"], seen["inside"], seen["after"]] == [pthreads, 2, pthreads], (env, seen)
+        assert seen["other"] == [0] and seen["threads"] == onednn_threads >= 1
+        assert seen["bytes"] == outside
+
+
+@pytest.mark.skipif(onednn.unavailable_reason() is not None,
+                    reason=f"the bfloat16 route cannot run here: {onednn.unavailable_reason()}")
+def test_bf16_computing_is_a_kernels_on_openmp_scope():
+    from native_ext import _attention as pool
+    from native_ext import bf16
+
+    def here():
+        choice = pool.choose_here(pool.HERE_PTHREADS)
+        pool.choose_here(choice)
+        return choice
+
+    before = here()
+    with bf16.computing():
+        assert here() == pool.HERE_OPENMP
+    assert here() == before
