@@ -66,11 +66,20 @@ def test_bf16_gemm_is_float32_arithmetic_on_the_rounded_operands(trans_b):
         onednn.gemm(c, a.view(np.int16), b, trans_b=trans_b)
 
 
-def test_blas_matmul_is_numpys_matmul_outside_a_route():
+def test_blas_matmul_is_numpys_matmul_on_openblas_and_the_process_gemm_outside_a_route():
     rng = np.random.default_rng(2)
     q, k = rng.standard_normal((3, 20, 8), dtype=np.float32), rng.standard_normal((3, 12, 8), dtype=np.float32)
-    assert blas.matmul(q, k.transpose(0, 2, 1)).tobytes() == np.matmul(q, k.transpose(0, 2, 1)).tobytes()
-    assert blas.matmul(q[0], k[0].T).tobytes() == np.matmul(q[0], k[0].T).tobytes()
+    with blas.routed(blas.OPENBLAS):
+        assert blas.matmul(q, k.transpose(0, 2, 1)).tobytes() == np.matmul(q, k.transpose(0, 2, 1)).tobytes()
+        assert blas.matmul(q[0], k[0].T).tobytes() == np.matmul(q[0], k[0].T).tobytes()
+    expected = np.empty((3, 20, 12), np.float32)
+    for g in range(3):
+        if blas.FLOAT32_GEMM == "onednn":  # each matrix product on oneDNN, whose bytes may differ from OpenBLAS's
+            onednn.sgemm(expected[g], q[g], k[g], trans_b=True)
+        else:
+            expected[g] = np.matmul(q[g], k[g].T)
+    assert blas.matmul(q, k.transpose(0, 2, 1)).tobytes() == expected.tobytes()
+    assert blas.matmul(q[0], k[0].T).tobytes() == expected[0].tobytes()
 
 
 @needs_bf16
