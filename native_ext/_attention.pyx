@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""Cython wrappers of the fused tiled attention in attention.h (forward and backward).
+"""Cython wrappers of the fused tiled attention in attention.h (forward and backward), and of its row work on one
+key block (flash_block_forward, flash_block_backward).
 
 Private module: the validating entry points are in native_ext.attention and the numpy twins in
 native_ext.reference. Each wrapper takes C-contiguous float32 memoryviews, releases the GIL and runs
@@ -28,6 +29,12 @@ cdef extern from "attention.h" nogil:
                                 int64_t kv_stride, const float *out, const float *lse, float *delta, float *dq, float *dk,
                                 float *dv, float scale, int64_t G, int64_t R, int64_t S, int64_t D,
                                 int64_t g, int64_t past, int64_t window, int64_t block, int threads)
+    int kiln_attention_flash_block_forward(float *scores, float *running_max, float *running_sum, float *alpha,
+                                           float scale, int64_t G, int64_t R, int64_t S, int64_t g, int64_t past,
+                                           int64_t key_start)
+    int kiln_attention_flash_block_backward(float *scores, const float *logsumexp, float *dprobs,
+                                            const float *delta, float scale, int64_t G, int64_t R, int64_t S,
+                                            int64_t g, int64_t past, int64_t key_start)
 
 
 def openblas_callback():
@@ -88,3 +95,31 @@ def backward(const f32[:, :, ::1] dout, const f32[:, :, ::1] q, const f32[:, :, 
                                          group_size, past, window, block, threads)
     if status != 0:
         raise MemoryError("the attention kernel could not allocate its scratch memory")
+
+
+def flash_block_forward(f32[:, :, ::1] scores, f32[:, ::1] running_max, f32[:, ::1] running_sum,
+                        f32[:, ::1] alpha, double scale, Py_ssize_t group_size,
+                        Py_ssize_t past, Py_ssize_t key_start):
+    cdef int status = 0
+    if scores.shape[0] * scores.shape[1] * scores.shape[2] == 0:
+        return
+    with nogil:
+        status = kiln_attention_flash_block_forward(&scores[0, 0, 0], &running_max[0, 0], &running_sum[0, 0],
+                                                    &alpha[0, 0], <float>scale, scores.shape[0], scores.shape[1],
+                                                    scores.shape[2], group_size, past, key_start)
+    if status != 0:
+        raise MemoryError("the attention row kernel could not allocate its tile")
+
+
+def flash_block_backward(f32[:, :, ::1] scores, const f32[:, ::1] logsumexp, f32[:, :, ::1] dprobs,
+                         const f32[:, ::1] delta, double scale, Py_ssize_t group_size,
+                         Py_ssize_t past, Py_ssize_t key_start):
+    cdef int status = 0
+    if scores.shape[0] * scores.shape[1] * scores.shape[2] == 0:
+        return
+    with nogil:
+        status = kiln_attention_flash_block_backward(&scores[0, 0, 0], &logsumexp[0, 0], &dprobs[0, 0, 0],
+                                                     &delta[0, 0], <float>scale, scores.shape[0], scores.shape[1],
+                                                     scores.shape[2], group_size, past, key_start)
+    if status != 0:
+        raise MemoryError("the attention row kernel could not allocate its tile")

@@ -24,12 +24,6 @@ cdef extern from "kiln_kernels.h" nogil:
                                      int64_t S, int64_t group_size, int64_t past)
     void kiln_softmax_backward(const float *probs, float *dprobs, float scale, int64_t rows,
                                int64_t S)
-    void kiln_flash_block_forward(float *scores, float *running_max, float *running_sum,
-                                  float *alpha, float scale, int64_t G, int64_t R, int64_t S,
-                                  int64_t group_size, int64_t past, int64_t key_start)
-    void kiln_flash_block_backward(float *scores, const float *logsumexp, float *dprobs,
-                                   const float *delta, float scale, int64_t G, int64_t R,
-                                   int64_t S, int64_t group_size, int64_t past, int64_t key_start)
     void kiln_log_softmax_gather(const float *logits, const int64_t *targets, float *out,
                                  float *scratch, int64_t N, int64_t V)
     void kiln_to_bf16(const float *x, uint16_t *out, int64_t n)
@@ -122,28 +116,6 @@ def softmax_backward(const f32[:, :, ::1] probs, f32[:, :, ::1] dprobs, double s
     with nogil:
         kiln_softmax_backward(&probs[0, 0, 0], &dprobs[0, 0, 0], <float>scale,
                               probs.shape[0] * probs.shape[1], probs.shape[2])
-
-
-def flash_block_forward(f32[:, :, ::1] scores, f32[:, ::1] running_max, f32[:, ::1] running_sum,
-                        f32[:, ::1] alpha, double scale, Py_ssize_t group_size,
-                        Py_ssize_t past, Py_ssize_t key_start):
-    if scores.shape[0] * scores.shape[1] * scores.shape[2] == 0:
-        return
-    with nogil:
-        kiln_flash_block_forward(&scores[0, 0, 0], &running_max[0, 0], &running_sum[0, 0],
-                                 &alpha[0, 0], <float>scale, scores.shape[0], scores.shape[1],
-                                 scores.shape[2], group_size, past, key_start)
-
-
-def flash_block_backward(f32[:, :, ::1] scores, const f32[:, ::1] logsumexp, f32[:, :, ::1] dprobs,
-                         const f32[:, ::1] delta, double scale, Py_ssize_t group_size,
-                         Py_ssize_t past, Py_ssize_t key_start):
-    if scores.shape[0] * scores.shape[1] * scores.shape[2] == 0:
-        return
-    with nogil:
-        kiln_flash_block_backward(&scores[0, 0, 0], &logsumexp[0, 0], &dprobs[0, 0, 0],
-                                  &delta[0, 0], <float>scale, scores.shape[0], scores.shape[1],
-                                  scores.shape[2], group_size, past, key_start)
 
 
 def swiglu_forward(const f32[:, :] gate_up, f32[:, ::1] out, int threads=1):

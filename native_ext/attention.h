@@ -4,15 +4,15 @@
  * Layout as in trainer/attention.py: queries q [G,R,D] with R = T*g rows per head group (row r is the
  * query at position past + r/g), keys and values k, v [G,S,D]. The forward walks key blocks of
  * `block` keys (multiples of block from the first one a query can see) with the online softmax of
- * kiln_flash_block_forward; the backward recomputes each tile's probabilities from the forward's
- * logsumexp. Both run on `threads` threads over independent work items (a head group and a run of query
+ * attention_rows.h; the backward recomputes each tile's probabilities from the forward's logsumexp. Both run on `threads` threads over independent work items (a head group and a run of query
  * rows, or a head group and a key block): each item writes only its own rows, and every output element is
  * one fixed sequence of operations, so the bytes are the same for every thread count and item order.
  *
  * The products are tile GEMMs (kiln_tile_gemm): every element of C is advanced as
  * c = fma(A(i,0), B(0,j), c), c = fma(A(i,1), B(1,j), c), ... in k order, one rounding per step. That
  * sequence does not depend on how the tile is cut into registers, so the AVX-512, AVX2 and portable
- * versions give the same bytes (KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one: tests).
+ * versions give the same bytes, as do attention_rows.h's versions of the row work
+ * (KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one version of both: tests).
  * The threads are native_ext/pool.h's, which OpenBLAS computes on too: the pool's threads spin briefly
  * between tasks, then sleep, and nothing else spins beside them.
  */
@@ -165,15 +165,30 @@ KILN_TILE_256(1)
 KILN_TILE_GEMM(kiln_tile_gemm_avx2, "avx2,fma", kiln_tile_256)
 #endif
 
+#include "attention_rows.h"
+
+/* One instruction-set version of the kernel's pieces: the tile GEMM and the rows' softmax work. */
+typedef struct {
+    kiln_tile_gemm_fn gemm;
+    kiln_flash_forward_fn flash_forward;
+    kiln_flash_backward_fn flash_backward;
+} kiln_attention_version;
+
 /* The version this CPU runs, chosen once: KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one. */
-static kiln_tile_gemm_fn kiln_tile_gemm_version(void) {
-    static kiln_tile_gemm_fn chosen = NULL;
+static const kiln_attention_version *kiln_attention_version_chosen(void) {
+    static const kiln_attention_version versions[] = {
+        {kiln_tile_gemm_portable, kiln_rows_flash_forward_portable, kiln_rows_flash_backward_portable},
+#ifdef KILN_ATTENTION_X86
+        {kiln_tile_gemm_avx2, kiln_rows_flash_forward_avx2, kiln_rows_flash_backward_avx2},
+        {kiln_tile_gemm_avx512, kiln_rows_flash_forward_avx512, kiln_rows_flash_backward_avx512},
+#endif
+    };
+    static const kiln_attention_version *chosen = NULL;
     if (chosen) return chosen;
 #ifdef KILN_ATTENTION_X86
-    static const kiln_tile_gemm_fn versions[] = {kiln_tile_gemm_portable, kiln_tile_gemm_avx2, kiln_tile_gemm_avx512};
-    chosen = versions[kiln_isa_pick("KILN_ATTENTION_GEMM", 1)];
+    chosen = &versions[kiln_isa_pick("KILN_ATTENTION_GEMM", 1)];
 #else
-    chosen = kiln_tile_gemm_portable;
+    chosen = &versions[0];
 #endif
     return chosen;
 }
@@ -196,6 +211,7 @@ typedef struct {
     float *partials;  /* backward: dQ over key range j >= 1 of group gi, rows from first_row(j) on */
     float scale;
     int64_t G, R, S, D, g, past, window, block, key_blocks, step, query_items;
+    int64_t ld; /* floats between two rows of a score tile: block rounded up to whole vectors (attention_rows.h) */
     int64_t kv_stride; /* elements between two head groups' keys (values): S * D, or more for a cache's view */
     int64_t range_blocks, ranges, partial_rows; /* partial_rows: rows of one group's partials */
     int64_t items, next;
@@ -209,12 +225,12 @@ static int64_t kiln_attention_first_key(int64_t first_query, int64_t window, int
 }
 
 /* -inf where key key_start + j lies W or more before row r's position (trainer.attention.hide_outside_window). */
-static void kiln_attention_hide(float *tile, int64_t rows, int64_t width, int64_t g, int64_t first_query,
-                                int64_t key_start, int64_t window) {
+static void kiln_attention_hide(float *tile, int64_t ld, int64_t rows, int64_t width, int64_t g,
+                                int64_t first_query, int64_t key_start, int64_t window) {
     if (window <= 0) return;
     for (int64_t r = 0; r < rows; r++) {
         int64_t last_hidden = first_query + r / g - window - key_start; /* keys j <= this are hidden */
-        for (int64_t j = 0; j <= last_hidden && j < width; j++) tile[r * width + j] = -INFINITY;
+        for (int64_t j = 0; j <= last_hidden && j < width; j++) tile[r * ld + j] = -INFINITY;
     }
 }
 
@@ -245,8 +261,9 @@ typedef struct {
 /* Rows [r0, r1) of head group gi: the rows' queries attend key blocks up to their last position. */
 static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_attention_scratch *s,
                                         int64_t gi, int64_t r0, int64_t r1) {
-    const kiln_tile_gemm_fn gemm = kiln_tile_gemm_version();
-    const int64_t D = job->D, S = job->S, g = job->g, block = job->block, rows = r1 - r0;
+    const kiln_attention_version *version = kiln_attention_version_chosen();
+    const kiln_tile_gemm_fn gemm = version->gemm;
+    const int64_t D = job->D, S = job->S, g = job->g, block = job->block, ld = job->ld, rows = r1 - r0;
     const int64_t first_query = job->past + r0 / g, last_query = job->past + (r1 - 1) / g;
     const float *q = job->q + (gi * job->R + r0) * D;
     const int64_t last_key = last_query + 1 < S ? last_query + 1 : S;
@@ -258,16 +275,16 @@ static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_atte
     for (int64_t ks = kiln_attention_first_key(first_query, job->window, block); ks < last_key; ks += block) {
         const int64_t width = (ks + block < last_key ? ks + block : last_key) - ks;
         const float *kt = job->kt + (gi * job->key_blocks + ks / block) * D * block;
-        gemm(rows, width, D, q, D, 1, kt, block, s->tile, width, 1); /* scores [rows, width] */
-        kiln_attention_hide(s->tile, rows, width, g, first_query, ks, job->window);
-        kiln_flash_block_forward(s->tile, s->running_max, s->running_sum, s->alpha, job->scale, 1, rows,
-                                 width, g, first_query, ks);
+        gemm(rows, width, D, q, D, 1, kt, block, s->tile, ld, 1); /* scores [rows, width] */
+        kiln_attention_hide(s->tile, ld, rows, width, g, first_query, ks, job->window);
+        version->flash_forward(s->tile, ld, s->running_max, s->running_sum, s->alpha, job->scale, rows, width, g,
+                               first_query, ks);
         for (int64_t r = 0; r < rows; r++) {
             const float a = s->alpha[r];
             float *acc = s->acc + r * D;
             for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * a;
         }
-        gemm(rows, D, width, s->tile, width, 1, job->v + gi * job->kv_stride + ks * D, D, s->acc, D, 0);
+        gemm(rows, D, width, s->tile, ld, 1, job->v + gi * job->kv_stride + ks * D, D, s->acc, D, 0);
     }
     float *out = job->result + (gi * job->R + r0) * D;
     float *lse = job->result_lse + gi * job->R + r0;
@@ -279,12 +296,13 @@ static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_atte
 }
 
 /* Key range j of head group gi: for every run of query rows that sees it, and each of its key blocks in
- * order, the tile's probabilities P and softmax gradient dS (kiln_flash_block_backward), then
+ * order, the tile's probabilities P and softmax gradient dS (attention_rows.h), then
  * dV += P.T @ dO and dK += dS.T @ Q for the block, and the rows' dQ over the range += dS @ K. */
 static void kiln_attention_backward_item(const kiln_attention_job *job, kiln_attention_scratch *s, int64_t gi,
                                          int64_t j) {
-    const kiln_tile_gemm_fn gemm = kiln_tile_gemm_version();
-    const int64_t D = job->D, S = job->S, g = job->g, block = job->block, R = job->R;
+    const kiln_attention_version *version = kiln_attention_version_chosen();
+    const kiln_tile_gemm_fn gemm = version->gemm;
+    const int64_t D = job->D, S = job->S, g = job->g, block = job->block, ld = job->ld, R = job->R;
     const int64_t first_block = j * job->range_blocks;
     const int64_t end_block = first_block + job->range_blocks < job->key_blocks ? first_block + job->range_blocks
                                                                                  : job->key_blocks;
@@ -303,14 +321,14 @@ static void kiln_attention_backward_item(const kiln_attention_job *job, kiln_att
             if (ks < first_key) continue;
             const int64_t width = (ks + block < last_key ? ks + block : last_key) - ks;
             const int64_t packed = (gi * job->key_blocks + kb) * D * block;
-            gemm(rows, width, D, q, D, 1, job->kt + packed, block, s->tile, width, 1);
-            kiln_attention_hide(s->tile, rows, width, g, first_query, ks, job->window);
-            gemm(rows, width, D, dout, D, 1, job->vt + packed, block, s->dtile, width, 1);
-            kiln_flash_block_backward(s->tile, job->lse + gi * R + r0, s->dtile, job->delta + gi * R + r0,
-                                      job->scale, 1, rows, width, g, first_query, ks);
-            gemm(width, D, rows, s->tile, 1, width, dout, D, job->dv + (gi * S + ks) * D, D, 0);  /* P.T @ dO */
-            gemm(width, D, rows, s->dtile, 1, width, q, D, job->dk + (gi * S + ks) * D, D, 0);    /* dS.T @ Q */
-            gemm(rows, D, width, s->dtile, width, 1, job->k + gi * job->kv_stride + ks * D, D, dq_rows + r0 * D, D, 0);
+            gemm(rows, width, D, q, D, 1, job->kt + packed, block, s->tile, ld, 1);
+            kiln_attention_hide(s->tile, ld, rows, width, g, first_query, ks, job->window);
+            gemm(rows, width, D, dout, D, 1, job->vt + packed, block, s->dtile, ld, 1);
+            version->flash_backward(s->tile, s->dtile, ld, job->lse + gi * R + r0, job->delta + gi * R + r0,
+                                    job->scale, rows, width, g, first_query, ks);
+            gemm(width, D, rows, s->tile, 1, ld, dout, D, job->dv + (gi * S + ks) * D, D, 0);  /* P.T @ dO */
+            gemm(width, D, rows, s->dtile, 1, ld, q, D, job->dk + (gi * S + ks) * D, D, 0);    /* dS.T @ Q */
+            gemm(rows, D, width, s->dtile, ld, 1, job->k + gi * job->kv_stride + ks * D, D, dq_rows + r0 * D, D, 0);
         }
     }
 }
@@ -344,17 +362,18 @@ static void kiln_attention_run_item(const kiln_attention_job *job, kiln_attentio
 
 static void kiln_attention_worker(void *arg, int thread) {
     kiln_attention_job *job = (kiln_attention_job *)arg;
-    const int64_t rows = job->step, D = job->D, block = job->block;
+    const int64_t rows = job->step, D = job->D, ld = job->ld;
     kiln_attention_scratch s;
     (void)thread;
-    float *memory = (float *)malloc(sizeof(float) * (2 * rows * block + rows * D + 3 * rows));
+    /* zeroed: a tile's scratch columns are read as whole vectors before anything is written there */
+    float *memory = (float *)calloc((size_t)(2 * rows * ld + rows * D + 3 * rows), sizeof(float));
     if (memory == NULL) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     s.tile = memory;
-    s.dtile = s.tile + rows * block;
-    s.acc = s.dtile + rows * block;
+    s.dtile = s.tile + rows * ld;
+    s.acc = s.dtile + rows * ld;
     s.running_max = s.acc + rows * D;
     s.running_sum = s.running_max + rows;
     s.alpha = s.running_sum + rows;
@@ -382,6 +401,7 @@ static int kiln_attention_phase(kiln_attention_job *job, int phase, int threads)
 /* The job's derived sizes and its keys (and for the backward values) packed per key block. */
 static int kiln_attention_prepare(kiln_attention_job *job, int backward) {
     job->key_blocks = (job->S + job->block - 1) / job->block;
+    job->ld = (job->block + KILN_LANES - 1) / KILN_LANES * KILN_LANES;
     job->step = KILN_ATTENTION_POSITIONS * job->g;
     job->query_items = (job->R + job->step - 1) / job->step;
     job->range_blocks = (job->key_blocks + KILN_ATTENTION_KEY_RANGES - 1) / KILN_ATTENTION_KEY_RANGES;
@@ -404,6 +424,55 @@ static int kiln_attention_prepare(kiln_attention_job *job, int backward) {
             if (backward)
                 kiln_attention_pack(job->v + gi * job->kv_stride + ks * job->D, width, job->D, job->block, job->vt + at);
         }
+    return 0;
+}
+
+/* The row work of one key block on scores [G,R,S] (rows S floats apart) as the kernel does it on its tiles:
+ * each head group's rows copied into a tile of rows KILN_LANES-aligned and back (native_ext.kernels'
+ * flash_block_forward and flash_block_backward, which tests compare with their numpy twins). Row r of a
+ * group is the query at position past + r / g, key j at key_start + j. 0, or -1 when out of memory. */
+static float *kiln_attention_block_tile(int64_t R, int64_t S, int64_t *ld) {
+    *ld = (S + KILN_LANES - 1) / KILN_LANES * KILN_LANES;
+    return (float *)calloc((size_t)(2 * R * *ld), sizeof(float));
+}
+
+static void kiln_attention_block_copy(float *to, int64_t to_ld, const float *from, int64_t from_ld, int64_t R,
+                                      int64_t S) {
+    for (int64_t r = 0; r < R; r++) memcpy(to + r * to_ld, from + r * from_ld, sizeof(float) * S);
+}
+
+static int kiln_attention_flash_block_forward(float *scores, float *running_max, float *running_sum, float *alpha,
+                                              float scale, int64_t G, int64_t R, int64_t S, int64_t g, int64_t past,
+                                              int64_t key_start) {
+    int64_t ld;
+    float *tile = kiln_attention_block_tile(R, S, &ld);
+    if (tile == NULL) return -1;
+    for (int64_t gi = 0; gi < G; gi++) {
+        kiln_attention_block_copy(tile, ld, scores + gi * R * S, S, R, S);
+        kiln_attention_version_chosen()->flash_forward(tile, ld, running_max + gi * R, running_sum + gi * R,
+                                                       alpha + gi * R, scale, R, S, g, past, key_start);
+        kiln_attention_block_copy(scores + gi * R * S, S, tile, ld, R, S);
+    }
+    free(tile);
+    return 0;
+}
+
+static int kiln_attention_flash_block_backward(float *scores, const float *logsumexp, float *dprobs,
+                                               const float *delta, float scale, int64_t G, int64_t R, int64_t S,
+                                               int64_t g, int64_t past, int64_t key_start) {
+    int64_t ld;
+    float *tile = kiln_attention_block_tile(R, S, &ld);
+    if (tile == NULL) return -1;
+    float *dtile = tile + R * ld;
+    for (int64_t gi = 0; gi < G; gi++) {
+        kiln_attention_block_copy(tile, ld, scores + gi * R * S, S, R, S);
+        kiln_attention_block_copy(dtile, ld, dprobs + gi * R * S, S, R, S);
+        kiln_attention_version_chosen()->flash_backward(tile, dtile, ld, logsumexp + gi * R, delta + gi * R, scale,
+                                                        R, S, g, past, key_start);
+        kiln_attention_block_copy(scores + gi * R * S, S, tile, ld, R, S);
+        kiln_attention_block_copy(dprobs + gi * R * S, S, dtile, ld, R, S);
+    }
+    free(tile);
     return 0;
 }
 

@@ -1,4 +1,5 @@
-"""The validating public layer over the Cython kernels in native_ext._kernels.
+"""The validating public layer over the Cython kernels in native_ext._kernels (and the attention kernel's row work
+on one key block, in native_ext._attention).
 
 Every function checks dtypes, shapes and contiguity, then calls the kernel, which
 releases the GIL. The numpy twins with the same signatures live in native_ext.reference.
@@ -11,6 +12,7 @@ from native_ext.validate import built
 from native_ext.validate import check_array as _check
 
 _kernels = built("_kernels", "the Cython kernels")
+_attention = built("_attention", "the fused attention kernel")
 # RMSNorm, rotary positions, SwiGLU, the cross-entropy rows and Adam run on the process's one thread pool
 # (native_ext/pool.h, shared with OpenBLAS), on as many threads as OpenBLAS computes on at the call; their
 # bytes do not depend on it
@@ -133,8 +135,8 @@ def flash_block_forward(scores, running_max, running_sum, alpha, scale, group_si
         _check(name, a, F32, 2, True)
         _same(name, a.shape, scores.shape[:2])
     _check_positions(scores, group_size, past, key_start)
-    _kernels.flash_block_forward(scores, running_max, running_sum, alpha, float(scale),
-                                 int(group_size), int(past), int(key_start))
+    _attention.flash_block_forward(scores, running_max, running_sum, alpha, float(scale),
+                                   int(group_size), int(past), int(key_start))
 
 
 def flash_block_backward(scores, logsumexp, dprobs, delta, scale, group_size, past, key_start):
@@ -145,8 +147,8 @@ def flash_block_backward(scores, logsumexp, dprobs, delta, scale, group_size, pa
         _check(name, a, F32, 2)
         _same(name, a.shape, scores.shape[:2])
     _check_positions(scores, group_size, past, key_start)
-    _kernels.flash_block_backward(scores, logsumexp, dprobs, delta, float(scale),
-                                  int(group_size), int(past), int(key_start))
+    _attention.flash_block_backward(scores, logsumexp, dprobs, delta, float(scale),
+                                    int(group_size), int(past), int(key_start))
 
 
 def swiglu_forward(gate_up, out):

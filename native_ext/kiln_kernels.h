@@ -216,53 +216,6 @@ static void kiln_softmax_backward(const float *probs, float *dprobs, float scale
     }
 }
 
-KILN_CLONES
-static void kiln_flash_block_forward(float *scores, float *running_max, float *running_sum,
-                                     float *alpha, float scale, int64_t G, int64_t R, int64_t S,
-                                     int64_t group_size, int64_t past, int64_t key_start) {
-    for (int64_t gr = 0; gr < G * R; gr++) {
-        int64_t r = gr % R;
-        int64_t visible = past + r / group_size - key_start + 1;
-        if (visible > S) visible = S;
-        if (visible < 0) visible = 0;
-        float *row = scores + gr * S;
-        float old = running_max[gr];
-        float mx = visible > 0 ? kiln_row_max(row, visible) * scale : -INFINITY;
-        mx = old > mx ? old : mx;
-        float safe = mx == -INFINITY ? 0.0f : mx;
-        float a = mx == -INFINITY ? 1.0f : (old == -INFINITY ? 0.0f : kiln_expf(old - safe));
-        double total = kiln_row_exp_sum(row, row, visible, scale, safe);
-        for (int64_t j = visible; j < S; j++) row[j] = 0.0f;
-        running_sum[gr] = running_sum[gr] * a + (float)total;
-        running_max[gr] = mx;
-        alpha[gr] = a;
-    }
-}
-
-KILN_CLONES
-static void kiln_flash_block_backward(float *scores, const float *logsumexp, float *dprobs,
-                                      const float *delta, float scale, int64_t G, int64_t R,
-                                      int64_t S, int64_t group_size, int64_t past,
-                                      int64_t key_start) {
-    for (int64_t gr = 0; gr < G * R; gr++) {
-        int64_t r = gr % R;
-        int64_t visible = past + r / group_size - key_start + 1;
-        if (visible > S) visible = S;
-        if (visible < 0) visible = 0;
-        float *row = scores + gr * S, *d = dprobs + gr * S;
-        float lse = logsumexp[gr], dl = delta[gr];
-        for (int64_t j = 0; j < visible; j++) {
-            float p = kiln_expf(row[j] * scale - lse);
-            row[j] = p;
-            d[j] = p * (d[j] - dl) * scale;
-        }
-        for (int64_t j = visible; j < S; j++) {
-            row[j] = 0.0f;
-            d[j] = 0.0f;
-        }
-    }
-}
-
 /* logits [N,V] in place -> dlogits * grad_scale (times row_scales[n] when given); losses [N]. */
 KILN_CLONES
 static void kiln_cross_entropy(float *logits, const int64_t *targets, float *losses,

@@ -1,10 +1,11 @@
-"""The fused tiled attention (native_ext.attention, C in attention.h) against its numpy twin
-(native_ext.reference.attention_forward/backward), and its bytes across thread counts and tile GEMM versions.
+"""The fused tiled attention (native_ext.attention, C in attention.h and attention_rows.h) against its numpy twin
+(native_ext.reference.attention_forward/backward), and its bytes across thread counts and instruction-set versions
+(the tile GEMM and the rows' softmax work, chosen together).
 
 Dimension letters as in trainer/attention.py. Tolerance: max |kernel - twin| / max |twin| <= 1e-5 (the
 kernel's products are chains of fused multiply-adds, the twin's are BLAS's, and the kernel sums dQ over key
 ranges). Bytes: every output element is one fixed sequence of roundings, so the thread count, the order
-threads take work items in and the GEMM version (AVX-512, AVX2, portable) must not change a single bit.
+threads take work items in and the version (AVX-512, AVX2, portable) must not change a single bit.
 """
 
 import hashlib
@@ -89,8 +90,9 @@ def digest(*arrays):
 def run_all(threads):
     """One digest over forward and backward of three shapes at THREADS threads."""
     parts = []
+    # block 20: tiles whose rows are padded to whole vectors; window 33: rows with hidden keys
     for G, T, g, D, past, window, block in [(3, 300, 3, 64, 0, None, 32), (2, 170, 2, 40, 9, 33, 16),
-                                            (1, 1100, 1, 64, 0, None, 16)]:
+                                            (1, 1100, 1, 64, 0, None, 16), (2, 97, 3, 24, 5, 41, 20)]:
         q, k, v, dout = inputs(G, T, g, D, past, seed=("bytes",))
         out, lse = attention.forward(q, k, v, 0.3, g, block, past, window, threads=threads)
         grads = attention.backward(dout, q, k, v, out, lse, 0.3, g, block, past, window, threads=threads)
@@ -113,9 +115,9 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("version,flag", [("portable", None), ("avx2", "avx2"), ("avx512", "avx512f")])
-def test_every_gemm_version_gives_the_same_bytes(version, flag):
-    """Each tile GEMM version in a fresh process (the version is chosen once per process) against the
-    bytes this process computes with the version its CPU picked."""
+def test_every_version_gives_the_same_bytes(version, flag):
+    """Each version (tile GEMM and row work) in a fresh process (the version is chosen once per process) against
+    the bytes this process computes with the version its CPU picked."""
     from trainer.runs.execution import device_identity
 
     if flag is not None and flag not in (device_identity()["cpu_flags"] or ()):
