@@ -202,11 +202,11 @@ static const kiln_attention_version *kiln_attention_version_chosen(void) {
  * only, never of the thread count). */
 #define KILN_ATTENTION_KEY_RANGES 8
 
-enum { KILN_ATTENTION_FORWARD, KILN_ATTENTION_BACKWARD, KILN_ATTENTION_SUM };
+enum { KILN_ATTENTION_PREPARE, KILN_ATTENTION_FORWARD, KILN_ATTENTION_BACKWARD, KILN_ATTENTION_SUM };
 
 typedef struct {
-    const float *q, *k, *v, *dout, *lse, *delta;
-    float *result, *result_lse, *dq, *dk, *dv;
+    const float *q, *k, *v, *dout, *out, *lse;
+    float *delta, *result, *result_lse, *dq, *dk, *dv;
     float *kt, *vt;   /* keys and values transposed per key block: [G][blocks][D][block] */
     float *partials;  /* backward: dQ over key range j >= 1 of group gi, rows from first_row(j) on */
     float scale;
@@ -215,7 +215,7 @@ typedef struct {
     int64_t kv_stride; /* elements between two head groups' keys (values): S * D, or more for a cache's view */
     int64_t range_blocks, ranges, partial_rows; /* partial_rows: rows of one group's partials */
     int64_t items, next;
-    int phase, failed;
+    int backward, phase, failed;
 } kiln_attention_job;
 
 static int64_t kiln_attention_first_key(int64_t first_query, int64_t window, int64_t block) {
@@ -345,7 +345,41 @@ static void kiln_attention_sum_item(const kiln_attention_job *job, int64_t gi, i
     }
 }
 
+/* The work before the products, in items of their own so that every thread takes part: item < G * key_blocks
+ * packs a head group's key block (and for the backward its values, and zeroes its dK and dV rows); then, for
+ * the backward, a run of query rows' delta (dO . O) and zeroed dQ, and a head group's partial of key range
+ * j >= 1, zeroed. */
+static void kiln_attention_prepare_item(const kiln_attention_job *job, int64_t item) {
+    const int64_t G = job->G, D = job->D, block = job->block;
+    if (item < G * job->key_blocks) {
+        const int64_t gi = item % G, kb = item / G, ks = kb * block;
+        const int64_t width = (ks + block < job->S ? ks + block : job->S) - ks, at = (gi * job->key_blocks + kb) * D * block;
+        kiln_attention_pack(job->k + gi * job->kv_stride + ks * D, width, D, block, job->kt + at);
+        if (!job->backward) return;
+        kiln_attention_pack(job->v + gi * job->kv_stride + ks * D, width, D, block, job->vt + at);
+        memset(job->dk + (gi * job->S + ks) * D, 0, sizeof(float) * width * D);
+        memset(job->dv + (gi * job->S + ks) * D, 0, sizeof(float) * width * D);
+        return;
+    }
+    item -= G * job->key_blocks;
+    if (item < G * job->query_items) {
+        const int64_t gi = item % G, r0 = item / G * job->step, r1 = r0 + job->step < job->R ? r0 + job->step : job->R;
+        for (int64_t row = gi * job->R + r0; row < gi * job->R + r1; row++)
+            job->delta[row] = (float)kiln_row_dot(job->dout + row * D, job->out + row * D, D);
+        memset(job->dq + (gi * job->R + r0) * D, 0, sizeof(float) * (r1 - r0) * D);
+        return;
+    }
+    item -= G * job->query_items;
+    const int64_t gi = item % G, j = item / G + 1;
+    const int64_t rows = job->R - kiln_attention_first_row(job, j * job->range_blocks * block);
+    memset(kiln_attention_partial(job, gi, j), 0, sizeof(float) * rows * D);
+}
+
 static void kiln_attention_run_item(const kiln_attention_job *job, kiln_attention_scratch *s, int64_t item) {
+    if (job->phase == KILN_ATTENTION_PREPARE) {
+        kiln_attention_prepare_item(job, item);
+        return;
+    }
     if (job->phase == KILN_ATTENTION_BACKWARD) {
         /* items from the first key range (the most query rows) to the last */
         kiln_attention_backward_item(job, s, item % job->G, item / job->G);
@@ -389,7 +423,10 @@ static void kiln_attention_worker(void *arg, int thread) {
  * (an item no thread could take is then left undone: the caller raises). */
 static int kiln_attention_phase(kiln_attention_job *job, int phase, int threads) {
     job->phase = phase;
-    job->items = job->G * (phase == KILN_ATTENTION_BACKWARD ? job->ranges : job->query_items);
+    if (phase == KILN_ATTENTION_PREPARE)
+        job->items = job->G * (job->key_blocks + (job->backward ? job->query_items + job->ranges - 1 : 0));
+    else
+        job->items = job->G * (phase == KILN_ATTENTION_BACKWARD ? job->ranges : job->query_items);
     job->next = 0;
     job->failed = 0;
     if (threads > job->items) threads = (int)job->items;
@@ -398,8 +435,10 @@ static int kiln_attention_phase(kiln_attention_job *job, int phase, int threads)
     return job->failed && job->next < job->items ? -1 : 0;
 }
 
-/* The job's derived sizes and its keys (and for the backward values) packed per key block. */
-static int kiln_attention_prepare(kiln_attention_job *job, int backward) {
+/* The job's derived sizes and the memory for its packed keys (and for the backward its values and dQ partials);
+ * then the prepare phase fills them. 0, or -1 when out of memory. */
+static int kiln_attention_prepare(kiln_attention_job *job, int backward, int threads) {
+    job->backward = backward;
     job->key_blocks = (job->S + job->block - 1) / job->block;
     job->ld = (job->block + KILN_LANES - 1) / KILN_LANES * KILN_LANES;
     job->step = KILN_ATTENTION_POSITIONS * job->g;
@@ -415,15 +454,10 @@ static int kiln_attention_prepare(kiln_attention_job *job, int backward) {
     if (job->kt == NULL) return -1;
     job->vt = backward ? job->kt + packed : NULL;
     job->partials = backward ? job->kt + 2 * packed : NULL;
-    if (partials) memset(job->partials, 0, sizeof(float) * partials);
-    for (int64_t gi = 0; gi < job->G; gi++)
-        for (int64_t kb = 0; kb < job->key_blocks; kb++) {
-            const int64_t ks = kb * job->block, width = (ks + job->block < job->S ? ks + job->block : job->S) - ks;
-            const int64_t at = (gi * job->key_blocks + kb) * job->D * job->block;
-            kiln_attention_pack(job->k + gi * job->kv_stride + ks * job->D, width, job->D, job->block, job->kt + at);
-            if (backward)
-                kiln_attention_pack(job->v + gi * job->kv_stride + ks * job->D, width, job->D, job->block, job->vt + at);
-        }
+    if (kiln_attention_phase(job, KILN_ATTENTION_PREPARE, threads) != 0) {
+        free(job->kt);
+        return -1;
+    }
     return 0;
 }
 
@@ -486,7 +520,7 @@ static int kiln_attention_forward(const float *q, const float *k, const float *v
     job.q = q; job.k = k; job.v = v; job.kv_stride = kv_stride; job.result = out; job.result_lse = lse;
     job.scale = scale; job.G = G; job.R = R; job.S = S; job.D = D; job.g = g; job.past = past;
     job.window = window; job.block = block;
-    if (kiln_attention_prepare(&job, 0) != 0) return -1;
+    if (kiln_attention_prepare(&job, 0, threads) != 0) return -1;
     int status = kiln_attention_phase(&job, KILN_ATTENTION_FORWARD, threads);
     free(job.kt);
     return status;
@@ -498,18 +532,14 @@ static int kiln_attention_backward(const float *dout, const float *q, const floa
                                    int64_t kv_stride, const float *out, const float *lse, float *delta, float *dq, float *dk,
                                    float *dv, float scale, int64_t G, int64_t R, int64_t S, int64_t D,
                                    int64_t g, int64_t past, int64_t window, int64_t block, int threads) {
-    for (int64_t row = 0; row < G * R; row++)
-        delta[row] = (float)kiln_row_dot(dout + row * D, out + row * D, D);
-    memset(dq, 0, sizeof(float) * G * R * D);
-    memset(dk, 0, sizeof(float) * G * S * D);
-    memset(dv, 0, sizeof(float) * G * S * D);
     kiln_attention_job job;
     memset(&job, 0, sizeof(job));
-    job.q = q; job.k = k; job.v = v; job.kv_stride = kv_stride; job.dout = dout; job.lse = lse; job.delta = delta;
+    job.q = q; job.k = k; job.v = v; job.kv_stride = kv_stride; job.dout = dout; job.out = out; job.lse = lse;
+    job.delta = delta;
     job.dq = dq; job.dk = dk; job.dv = dv;
     job.scale = scale; job.G = G; job.R = R; job.S = S; job.D = D; job.g = g; job.past = past;
     job.window = window; job.block = block;
-    if (kiln_attention_prepare(&job, 1) != 0) return -1;
+    if (kiln_attention_prepare(&job, 1, threads) != 0) return -1;
     int status = kiln_attention_phase(&job, KILN_ATTENTION_BACKWARD, threads);
     if (status == 0 && job.ranges > 1) status = kiln_attention_phase(&job, KILN_ATTENTION_SUM, threads);
     free(job.kt);
