@@ -281,6 +281,7 @@ static void kiln_attention_forward_item(const kiln_attention_job *job, kiln_atte
                                first_query, ks);
         for (int64_t r = 0; r < rows; r++) {
             const float a = s->alpha[r];
+            if (a == 1.0f) continue; /* the row's maximum held: acc * 1 is acc, bit for bit */
             float *acc = s->acc + r * D;
             for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * a;
         }
