@@ -35,7 +35,8 @@ extensions = [
         [f"native_ext/{module}.pyx"],
         include_dirs=[numpy.get_include(), "native_ext"],
         depends=[f"native_ext/{header}", "native_ext/kiln_kernels.h", "native_ext/nf4.h", "native_ext/parallel.h",
-                 "native_ext/pool.h", "native_ext/isa.h", "native_ext/attention_rows.h"],
+                 "native_ext/pool.h", "native_ext/isa.h", "native_ext/attention_rows.h",
+                 "native_ext/attention_rows_body.h"],
         extra_compile_args=COMPILE_ARGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

@@ -3,13 +3,16 @@
  * same roundings in the same order, so all three give the same bytes (tests/engine/test_attention_kernel.py
  * forces each). Included by attention.h, which picks the version together with the tile GEMM's.
  *
+ * The work is written once, in attention_rows_body.h, over a chunk of 16 lanes; this file defines the chunk
+ * three times (16 floats in C, two AVX2 vectors, one AVX-512 vector) and compiles the body for each.
+ *
  * A tile holds `rows` query rows of `width` key scores, rows `ld` floats apart, ld a multiple of KILN_LANES:
  * the columns from width to ld are scratch (read as whole vectors, never used). Row r is the query at
  * position first_query + r / g; its key j (at position key_start + j) is visible when it is at or before
  * the query's position, and a visible key hidden by a window holds -inf. The exponential is
- * kiln_attention_expf, lane by lane (x * scale - shift is one fused multiply-add). Each reduction runs over KILN_LANES lanes (lane j takes the row's
- * elements j, j + 16, j + 32, ... in order), then over the lanes by a fixed tree (lane j with lane j + 8,
- * then j + 4, j + 2, j + 1): no reduction is a chain as long as the row.
+ * kiln_attention_expf, lane by lane (x * scale - shift is one fused multiply-add). Each reduction runs over
+ * KILN_LANES lanes (lane j takes the row's elements j, j + 16, j + 32, ... in order), then over the lanes by a
+ * fixed tree (lane j with lane j + 8, then j + 4, j + 2, j + 1): no reduction is a chain as long as the row.
  */
 
 typedef void (*kiln_flash_forward_fn)(float *tile, int64_t ld, float *running_max, float *running_sum,
@@ -63,260 +66,236 @@ static inline float kiln_rows_shift(float mx) {
     return mx == -INFINITY ? 0.0f : mx;
 }
 
-/* One key block of the online softmax: each row's maximum over its visible scores (times scale) joins
- * running_max, the scores become exp(score * scale - max) (0 where not visible), their sum joins
- * running_sum, and alpha is the factor the rows' earlier accumulators are rescaled by. */
-static void kiln_rows_flash_forward_portable(float *tile, int64_t ld, float *running_max, float *running_sum,
-                                             float *alpha, float scale, int64_t rows, int64_t width, int64_t g,
-                                             int64_t first_query, int64_t key_start) {
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        float *row = tile + r * ld;
-        float lanes[KILN_LANES];
-        for (int j = 0; j < KILN_LANES; j++) lanes[j] = -INFINITY;
-        for (int64_t c = 0; c < visible; c += KILN_LANES)
-            for (int j = 0; j < KILN_LANES; j++) {
-                const float x = c + j < visible ? row[c + j] : -INFINITY;
-                lanes[j] = x > lanes[j] ? x : lanes[j];
-            }
-        for (int half = KILN_LANES / 2; half > 0; half /= 2)
-            for (int j = 0; j < half; j++) lanes[j] = lanes[j + half] > lanes[j] ? lanes[j + half] : lanes[j];
-        float a;
-        const float mx = kiln_rows_join_max(visible > 0 ? lanes[0] * scale : -INFINITY, running_max[r], &a);
-        const float safe = kiln_rows_shift(mx);
-        double sums[KILN_LANES] = {0};
-        for (int64_t c = 0; c < width; c += KILN_LANES)
-            for (int j = 0; j < KILN_LANES; j++) {
-                const float p = c + j < visible ? kiln_attention_expf(fmaf(row[c + j], scale, -safe)) : 0.0f;
-                row[c + j] = p;
-                sums[j] += (double)p;
-            }
-        for (int half = KILN_LANES / 2; half > 0; half /= 2)
-            for (int j = 0; j < half; j++) sums[j] = sums[j] + sums[j + half];
-        running_sum[r] = running_sum[r] * a + (float)sums[0];
-        running_max[r] = mx;
-        alpha[r] = a;
-    }
+/* The portable chunk: 16 floats, and 16 double sums. */
+typedef struct { float v[KILN_LANES]; } kiln_chunk_portable;
+typedef struct { double v[KILN_LANES]; } kiln_sums_portable;
+
+static inline kiln_chunk_portable kiln_chunk_load_portable(const float *p) {
+    kiln_chunk_portable x;
+    memcpy(x.v, p, sizeof x.v);
+    return x;
+}
+static inline void kiln_chunk_store_portable(float *p, kiln_chunk_portable x) { memcpy(p, x.v, sizeof x.v); }
+static inline kiln_chunk_portable kiln_chunk_set1_portable(float value) {
+    kiln_chunk_portable x;
+    for (int j = 0; j < KILN_LANES; j++) x.v[j] = value;
+    return x;
+}
+/* the lanes below n from p, -inf in the others */
+static inline kiln_chunk_portable kiln_chunk_visible_portable(const float *p, int64_t n) {
+    kiln_chunk_portable x;
+    for (int j = 0; j < KILN_LANES; j++) x.v[j] = j < n ? p[j] : -INFINITY;
+    return x;
+}
+/* x's lanes below n, +0 in the others */
+static inline kiln_chunk_portable kiln_chunk_keep_portable(kiln_chunk_portable x, int64_t n) {
+    for (int j = 0; j < KILN_LANES; j++) x.v[j] = j < n ? x.v[j] : 0.0f;
+    return x;
+}
+/* a > b ? a : b, lane by lane */
+static inline kiln_chunk_portable kiln_chunk_max_portable(kiln_chunk_portable a, kiln_chunk_portable b) {
+    for (int j = 0; j < KILN_LANES; j++) a.v[j] = a.v[j] > b.v[j] ? a.v[j] : b.v[j];
+    return a;
+}
+static inline float kiln_chunk_max_tree_portable(kiln_chunk_portable x) {
+    for (int half = KILN_LANES / 2; half > 0; half /= 2)
+        for (int j = 0; j < half; j++) x.v[j] = x.v[j + half] > x.v[j] ? x.v[j + half] : x.v[j];
+    return x.v[0];
+}
+/* exp(a * b - c) */
+static inline kiln_chunk_portable kiln_chunk_exp_portable(kiln_chunk_portable a, float b, float c) {
+    for (int j = 0; j < KILN_LANES; j++) a.v[j] = kiln_attention_expf(fmaf(a.v[j], b, -c));
+    return a;
+}
+/* p * (d - c) * b */
+static inline kiln_chunk_portable kiln_chunk_softmax_grad_portable(kiln_chunk_portable p, kiln_chunk_portable d,
+                                                                   float c, float b) {
+    for (int j = 0; j < KILN_LANES; j++) p.v[j] = p.v[j] * (d.v[j] - c) * b;
+    return p;
+}
+static inline kiln_sums_portable kiln_sums_zero_portable(void) {
+    kiln_sums_portable s = {{0}};
+    return s;
+}
+static inline kiln_sums_portable kiln_sums_add_portable(kiln_sums_portable s, kiln_chunk_portable x) {
+    for (int j = 0; j < KILN_LANES; j++) s.v[j] += (double)x.v[j];
+    return s;
+}
+static inline double kiln_sums_tree_portable(kiln_sums_portable s) {
+    for (int half = KILN_LANES / 2; half > 0; half /= 2)
+        for (int j = 0; j < half; j++) s.v[j] = s.v[j] + s.v[j + half];
+    return s.v[0];
 }
 
-/* One key block of the backward: the probabilities recomputed from the forward's logsumexp,
- * P = exp(score * scale - lse) into tile, and dS = P * (dP - delta) * scale into dtile (rows ld apart in
- * both), 0 where not visible. */
-static void kiln_rows_flash_backward_portable(float *tile, float *dtile, int64_t ld, const float *logsumexp,
-                                              const float *delta, float scale, int64_t rows, int64_t width,
-                                              int64_t g, int64_t first_query, int64_t key_start) {
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        float *row = tile + r * ld, *d = dtile + r * ld;
-        const float lse = logsumexp[r], dl = delta[r];
-        for (int64_t j = 0; j < visible; j++) {
-            const float p = kiln_attention_expf(fmaf(row[j], scale, -lse));
-            row[j] = p;
-            d[j] = p * (d[j] - dl) * scale;
-        }
-        for (int64_t j = visible; j < (width + KILN_LANES - 1) / KILN_LANES * KILN_LANES; j++) {
-            row[j] = 0.0f;
-            d[j] = 0.0f;
-        }
-    }
-}
+#define KILN_ROWS_ISA portable
+#define KILN_ROWS_TARGET
+#include "attention_rows_body.h"
+#undef KILN_ROWS_ISA
+#undef KILN_ROWS_TARGET
 
 #ifdef KILN_ATTENTION_X86
-/* kiln_attention_expf on 16 lanes: the same operations in the same order. */
-__attribute__((target("avx512f,fma"))) static inline __m512 kiln_exp_512(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3f);
-    const __m512 shifter = _mm512_set1_ps(12582912.0f);
-    const __m512 clamped = _mm512_max_ps(lo, _mm512_min_ps(hi, x)); /* x > hi ? hi : x, then < lo ? lo */
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(clamped, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), result, _mm512_setzero_ps());
+/* kiln_attention_expf on whole vectors, the same operations in the same order, lane by lane: V the vector type,
+ * VI its integer type, P(op) the intrinsic of that width, CAST its integer-to-float cast, ZERO_BELOW(x, lo, y)
+ * y with 0 in the lanes where x < lo. */
+#define KILN_EXP_VECTOR(NAME, TARGET, V, VI, P, CAST, ZERO_BELOW)                                         \
+    __attribute__((target(TARGET))) static inline V NAME(V x) {                                          \
+        const V hi = P(set1_ps)(88.3762626647949f), lo = P(set1_ps)(-87.3f);                             \
+        const V shifter = P(set1_ps)(12582912.0f);                                                        \
+        const V clamped = P(max_ps)(lo, P(min_ps)(hi, x)); /* x > hi ? hi : x, then < lo ? lo */         \
+        const V n = P(sub_ps)(P(fmadd_ps)(clamped, P(set1_ps)(1.44269504088896341f), shifter), shifter); \
+        V r = P(fnmadd_ps)(n, P(set1_ps)(0.693359375f), clamped);                                         \
+        r = P(fnmadd_ps)(n, P(set1_ps)(-2.12194440e-4f), r);                                              \
+        V p = P(set1_ps)(1.9875691500e-4f);                                                               \
+        p = P(fmadd_ps)(p, r, P(set1_ps)(1.3981999507e-3f));                                              \
+        p = P(fmadd_ps)(p, r, P(set1_ps)(8.3334519073e-3f));                                              \
+        p = P(fmadd_ps)(p, r, P(set1_ps)(4.1665795894e-2f));                                              \
+        p = P(fmadd_ps)(p, r, P(set1_ps)(1.6666665459e-1f));                                              \
+        p = P(fmadd_ps)(p, r, P(set1_ps)(5.0000001201e-1f));                                              \
+        p = P(add_ps)(P(fmadd_ps)(P(mul_ps)(p, r), r, r), P(set1_ps)(1.0f));                              \
+        const VI e = P(slli_epi32)(P(add_epi32)(P(cvttps_epi32)(n), P(set1_epi32)(127)), 23);            \
+        return ZERO_BELOW(x, lo, P(mul_ps)(p, CAST(e)));                                                  \
+    }
+#define KILN_P512(op) _mm512_##op
+#define KILN_P256(op) _mm256_##op
+#define KILN_ZERO_BELOW_512(x, lo, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps())
+#define KILN_ZERO_BELOW_256(x, lo, y) _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ))
+KILN_EXP_VECTOR(kiln_exp_512, "avx512f,fma", __m512, __m512i, KILN_P512, _mm512_castsi512_ps, KILN_ZERO_BELOW_512)
+KILN_EXP_VECTOR(kiln_exp_256, "avx2,fma", __m256, __m256i, KILN_P256, _mm256_castsi256_ps, KILN_ZERO_BELOW_256)
+
+/* The last three steps of the max tree, on lanes 0-7 (j with j + 4, j + 2, j + 1), and of the sum tree, on lanes
+ * 0-3 and 4-7 (both chunks': AVX2 and FMA are part of what the AVX-512 version's target has). */
+#define KILN_256 __attribute__((target("avx2,fma"))) static inline
+KILN_256 float kiln_max_tree_8(__m256 m8) {
+    const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
+    const __m128 m2 = _mm_max_ps(_mm_movehl_ps(m4, m4), m4);
+    return _mm_cvtss_f32(_mm_max_ps(_mm_shuffle_ps(m2, m2, 1), m2));
+}
+KILN_256 double kiln_sum_tree_8(__m256d low, __m256d high) {
+    const __m256d s4 = _mm256_add_pd(low, high);
+    const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    return _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
 }
 
-/* Lanes 8-15 (AVX512F has no extractf32x8). */
-__attribute__((target("avx512f"))) static inline __m256 kiln_rows_high_256(__m512 x) {
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-}
+/* The AVX-512 chunk: one vector, and its sums in two vectors of doubles (lanes 0-7, 8-15). */
+#define KILN_512 __attribute__((target("avx512f,fma"))) static inline
+typedef __m512 kiln_chunk_avx512;
+typedef struct { __m512d low, high; } kiln_sums_avx512;
 
 /* The lanes below n (all 16 from n >= 16 on). */
 static inline __mmask16 kiln_rows_mask16(int64_t n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
-
-__attribute__((target("avx512f,fma")))
-static void kiln_rows_flash_forward_avx512(float *tile, int64_t ld, float *running_max, float *running_sum,
-                                           float *alpha, float scale, int64_t rows, int64_t width, int64_t g,
-                                           int64_t first_query, int64_t key_start) {
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY), scales = _mm512_set1_ps(scale);
-    /* three passes over the rows, so that no row waits on the one before: the block maxima (in alpha),
-     * the running maxima and alphas, then the exponentials and their sums */
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        const float *row = tile + r * ld;
-        __m512 m = minus_inf;
-        for (int64_t c = 0; c < visible; c += 16)
-            m = _mm512_max_ps(_mm512_mask_loadu_ps(minus_inf, kiln_rows_mask16(visible - c), row + c), m);
-        const __m256 m8 = _mm256_max_ps(kiln_rows_high_256(m), _mm512_castps512_ps256(m));
-        const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
-        const __m128 m2 = _mm_max_ps(_mm_movehl_ps(m4, m4), m4);
-        const __m128 m1 = _mm_max_ps(_mm_shuffle_ps(m2, m2, 1), m2);
-        alpha[r] = visible > 0 ? _mm_cvtss_f32(m1) * scale : -INFINITY;
-    }
-    for (int64_t r = 0; r < rows; r++) running_max[r] = kiln_rows_join_max(alpha[r], running_max[r], alpha + r);
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        float *row = tile + r * ld;
-        const __m512 shift = _mm512_set1_ps(kiln_rows_shift(running_max[r]));
-        __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
-        for (int64_t c = 0; c < width; c += 16) {
-            const __mmask16 keep = kiln_rows_mask16(visible - c);
-            __m512 p = _mm512_setzero_ps();
-            if (keep) {
-                p = kiln_exp_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + c), scales, shift));
-                p = _mm512_maskz_mov_ps(keep, p);
-                low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
-                high = _mm512_add_pd(high, _mm512_cvtps_pd(kiln_rows_high_256(p)));
-            }
-            _mm512_storeu_ps(row + c, p);
-        }
-        const __m512d s8 = _mm512_add_pd(low, high);
-        const __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
-        const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-        const double total = _mm_cvtsd_f64(s2) + _mm_cvtsd_f64(_mm_unpackhi_pd(s2, s2));
-        running_sum[r] = running_sum[r] * alpha[r] + (float)total;
-    }
+/* Lanes 8-15 (AVX512F has no extractf32x8). */
+KILN_512 __m256 kiln_high_256(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
+KILN_512 kiln_chunk_avx512 kiln_chunk_load_avx512(const float *p) { return _mm512_loadu_ps(p); }
+KILN_512 void kiln_chunk_store_avx512(float *p, kiln_chunk_avx512 x) { _mm512_storeu_ps(p, x); }
+KILN_512 kiln_chunk_avx512 kiln_chunk_set1_avx512(float value) { return _mm512_set1_ps(value); }
+KILN_512 kiln_chunk_avx512 kiln_chunk_visible_avx512(const float *p, int64_t n) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), kiln_rows_mask16(n), p);
+}
+KILN_512 kiln_chunk_avx512 kiln_chunk_keep_avx512(kiln_chunk_avx512 x, int64_t n) {
+    return _mm512_maskz_mov_ps(kiln_rows_mask16(n), x);
+}
+KILN_512 kiln_chunk_avx512 kiln_chunk_max_avx512(kiln_chunk_avx512 a, kiln_chunk_avx512 b) { return _mm512_max_ps(a, b); }
+KILN_512 float kiln_chunk_max_tree_avx512(kiln_chunk_avx512 x) {
+    return kiln_max_tree_8(_mm256_max_ps(kiln_high_256(x), _mm512_castps512_ps256(x)));
+}
+KILN_512 kiln_chunk_avx512 kiln_chunk_exp_avx512(kiln_chunk_avx512 a, float b, float c) {
+    return kiln_exp_512(_mm512_fmsub_ps(a, _mm512_set1_ps(b), _mm512_set1_ps(c)));
+}
+KILN_512 kiln_chunk_avx512 kiln_chunk_softmax_grad_avx512(kiln_chunk_avx512 p, kiln_chunk_avx512 d, float c, float b) {
+    return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(d, _mm512_set1_ps(c))), _mm512_set1_ps(b));
+}
+KILN_512 kiln_sums_avx512 kiln_sums_zero_avx512(void) {
+    kiln_sums_avx512 s = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+    return s;
+}
+KILN_512 kiln_sums_avx512 kiln_sums_add_avx512(kiln_sums_avx512 s, kiln_chunk_avx512 x) {
+    s.low = _mm512_add_pd(s.low, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+    s.high = _mm512_add_pd(s.high, _mm512_cvtps_pd(kiln_high_256(x)));
+    return s;
+}
+KILN_512 double kiln_sums_tree_avx512(kiln_sums_avx512 s) {
+    const __m512d s8 = _mm512_add_pd(s.low, s.high);
+    return kiln_sum_tree_8(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
 }
 
-__attribute__((target("avx512f,fma")))
-static void kiln_rows_flash_backward_avx512(float *tile, float *dtile, int64_t ld, const float *logsumexp,
-                                            const float *delta, float scale, int64_t rows, int64_t width,
-                                            int64_t g, int64_t first_query, int64_t key_start) {
-    const __m512 scales = _mm512_set1_ps(scale);
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        float *row = tile + r * ld, *d = dtile + r * ld;
-        const __m512 lse = _mm512_set1_ps(logsumexp[r]), dl = _mm512_set1_ps(delta[r]);
-        for (int64_t c = 0; c < width; c += 16) {
-            const __mmask16 keep = kiln_rows_mask16(visible - c);
-            __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
-            if (keep) {
-                p = kiln_exp_512(_mm512_fmsub_ps(_mm512_loadu_ps(row + c), scales, lse));
-                ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d + c), dl)), scales);
-                p = _mm512_maskz_mov_ps(keep, p);
-                ds = _mm512_maskz_mov_ps(keep, ds);
-            }
-            _mm512_storeu_ps(row + c, p);
-            _mm512_storeu_ps(d + c, ds);
-        }
-    }
-}
+#define KILN_ROWS_ISA avx512
+#define KILN_ROWS_TARGET __attribute__((target("avx512f,fma")))
+#include "attention_rows_body.h"
+#undef KILN_ROWS_ISA
+#undef KILN_ROWS_TARGET
 
-/* kiln_attention_expf on 8 lanes, as kiln_exp_512. */
-__attribute__((target("avx2,fma"))) static inline __m256 kiln_exp_256(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3f);
-    const __m256 shifter = _mm256_set1_ps(12582912.0f);
-    const __m256 clamped = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(1.44269504088896341f), shifter), shifter);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-}
+/* The AVX2 chunk: two vectors (lanes 0-7, 8-15), and its sums in four vectors of doubles (0-3, 4-7, 8-11, 12-15). */
+typedef struct { __m256 low, high; } kiln_chunk_avx2;
+typedef struct { __m256d s0, s1, s2, s3; } kiln_sums_avx2;
 
 /* All ones in the lanes below n, as a blend mask. */
-__attribute__((target("avx2,fma"))) static inline __m256 kiln_rows_mask8(int64_t n) {
+KILN_256 __m256 kiln_rows_mask8(int64_t n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int32_t count = n > 8 ? 8 : n < 0 ? 0 : (int32_t)n;
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
 }
-
-__attribute__((target("avx2,fma")))
-static void kiln_rows_flash_forward_avx2(float *tile, int64_t ld, float *running_max, float *running_sum,
-                                         float *alpha, float scale, int64_t rows, int64_t width, int64_t g,
-                                         int64_t first_query, int64_t key_start) {
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY), scales = _mm256_set1_ps(scale);
-    /* the passes of kiln_rows_flash_forward_avx512 */
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        const float *row = tile + r * ld;
-        __m256 m0 = minus_inf, m1 = minus_inf; /* lanes 0-7 and 8-15 */
-        for (int64_t c = 0; c < visible; c += 16) {
-            m0 = _mm256_max_ps(_mm256_blendv_ps(minus_inf, _mm256_loadu_ps(row + c), kiln_rows_mask8(visible - c)), m0);
-            m1 = _mm256_max_ps(_mm256_blendv_ps(minus_inf, _mm256_loadu_ps(row + c + 8),
-                                                kiln_rows_mask8(visible - c - 8)), m1);
-        }
-        const __m256 m8 = _mm256_max_ps(m1, m0);
-        const __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m8, 1), _mm256_castps256_ps128(m8));
-        const __m128 m2 = _mm_max_ps(_mm_movehl_ps(m4, m4), m4);
-        const __m128 mm = _mm_max_ps(_mm_shuffle_ps(m2, m2, 1), m2);
-        alpha[r] = visible > 0 ? _mm_cvtss_f32(mm) * scale : -INFINITY;
-    }
-    for (int64_t r = 0; r < rows; r++) running_max[r] = kiln_rows_join_max(alpha[r], running_max[r], alpha + r);
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        float *row = tile + r * ld;
-        const __m256 shift = _mm256_set1_ps(kiln_rows_shift(running_max[r]));
-        __m256d s0 = _mm256_setzero_pd(), s1 = s0, s2 = s0, s3 = s0; /* lanes 0-3, 4-7, 8-11, 12-15 */
-        for (int64_t c = 0; c < width; c += 16) {
-            __m256 p0 = _mm256_setzero_ps(), p1 = p0;
-            if (visible > c) {
-                p0 = kiln_exp_256(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), scales, shift));
-                p1 = kiln_exp_256(_mm256_fmsub_ps(_mm256_loadu_ps(row + c + 8), scales, shift));
-                p0 = _mm256_and_ps(p0, kiln_rows_mask8(visible - c));
-                p1 = _mm256_and_ps(p1, kiln_rows_mask8(visible - c - 8));
-                s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(p0)));
-                s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(p0, 1)));
-                s2 = _mm256_add_pd(s2, _mm256_cvtps_pd(_mm256_castps256_ps128(p1)));
-                s3 = _mm256_add_pd(s3, _mm256_cvtps_pd(_mm256_extractf128_ps(p1, 1)));
-            }
-            _mm256_storeu_ps(row + c, p0);
-            _mm256_storeu_ps(row + c + 8, p1);
-        }
-        const __m256d s4 = _mm256_add_pd(_mm256_add_pd(s0, s2), _mm256_add_pd(s1, s3));
-        const __m128d t2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-        const double total = _mm_cvtsd_f64(t2) + _mm_cvtsd_f64(_mm_unpackhi_pd(t2, t2));
-        running_sum[r] = running_sum[r] * alpha[r] + (float)total;
-    }
+KILN_256 kiln_chunk_avx2 kiln_chunk_load_avx2(const float *p) {
+    kiln_chunk_avx2 x = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    return x;
+}
+KILN_256 void kiln_chunk_store_avx2(float *p, kiln_chunk_avx2 x) {
+    _mm256_storeu_ps(p, x.low);
+    _mm256_storeu_ps(p + 8, x.high);
+}
+KILN_256 kiln_chunk_avx2 kiln_chunk_set1_avx2(float value) {
+    kiln_chunk_avx2 x = {_mm256_set1_ps(value), _mm256_set1_ps(value)};
+    return x;
+}
+KILN_256 kiln_chunk_avx2 kiln_chunk_visible_avx2(const float *p, int64_t n) {
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    kiln_chunk_avx2 x = {_mm256_blendv_ps(minus_inf, _mm256_loadu_ps(p), kiln_rows_mask8(n)),
+                         _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(p + 8), kiln_rows_mask8(n - 8))};
+    return x;
+}
+KILN_256 kiln_chunk_avx2 kiln_chunk_keep_avx2(kiln_chunk_avx2 x, int64_t n) {
+    x.low = _mm256_and_ps(x.low, kiln_rows_mask8(n));
+    x.high = _mm256_and_ps(x.high, kiln_rows_mask8(n - 8));
+    return x;
+}
+KILN_256 kiln_chunk_avx2 kiln_chunk_max_avx2(kiln_chunk_avx2 a, kiln_chunk_avx2 b) {
+    a.low = _mm256_max_ps(a.low, b.low);
+    a.high = _mm256_max_ps(a.high, b.high);
+    return a;
+}
+KILN_256 float kiln_chunk_max_tree_avx2(kiln_chunk_avx2 x) { return kiln_max_tree_8(_mm256_max_ps(x.high, x.low)); }
+KILN_256 kiln_chunk_avx2 kiln_chunk_exp_avx2(kiln_chunk_avx2 a, float b, float c) {
+    const __m256 scale = _mm256_set1_ps(b), shift = _mm256_set1_ps(c);
+    a.low = kiln_exp_256(_mm256_fmsub_ps(a.low, scale, shift));
+    a.high = kiln_exp_256(_mm256_fmsub_ps(a.high, scale, shift));
+    return a;
+}
+KILN_256 kiln_chunk_avx2 kiln_chunk_softmax_grad_avx2(kiln_chunk_avx2 p, kiln_chunk_avx2 d, float c, float b) {
+    const __m256 shift = _mm256_set1_ps(c), scale = _mm256_set1_ps(b);
+    p.low = _mm256_mul_ps(_mm256_mul_ps(p.low, _mm256_sub_ps(d.low, shift)), scale);
+    p.high = _mm256_mul_ps(_mm256_mul_ps(p.high, _mm256_sub_ps(d.high, shift)), scale);
+    return p;
+}
+KILN_256 kiln_sums_avx2 kiln_sums_zero_avx2(void) {
+    kiln_sums_avx2 s = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    return s;
+}
+KILN_256 kiln_sums_avx2 kiln_sums_add_avx2(kiln_sums_avx2 s, kiln_chunk_avx2 x) {
+    s.s0 = _mm256_add_pd(s.s0, _mm256_cvtps_pd(_mm256_castps256_ps128(x.low)));
+    s.s1 = _mm256_add_pd(s.s1, _mm256_cvtps_pd(_mm256_extractf128_ps(x.low, 1)));
+    s.s2 = _mm256_add_pd(s.s2, _mm256_cvtps_pd(_mm256_castps256_ps128(x.high)));
+    s.s3 = _mm256_add_pd(s.s3, _mm256_cvtps_pd(_mm256_extractf128_ps(x.high, 1)));
+    return s;
+}
+KILN_256 double kiln_sums_tree_avx2(kiln_sums_avx2 s) {
+    return kiln_sum_tree_8(_mm256_add_pd(s.s0, s.s2), _mm256_add_pd(s.s1, s.s3)); /* first j with j + 8 */
 }
 
-__attribute__((target("avx2,fma")))
-static void kiln_rows_flash_backward_avx2(float *tile, float *dtile, int64_t ld, const float *logsumexp,
-                                          const float *delta, float scale, int64_t rows, int64_t width,
-                                          int64_t g, int64_t first_query, int64_t key_start) {
-    const __m256 scales = _mm256_set1_ps(scale);
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
-        float *row = tile + r * ld, *d = dtile + r * ld;
-        const __m256 lse = _mm256_set1_ps(logsumexp[r]), dl = _mm256_set1_ps(delta[r]);
-        for (int64_t c = 0; c < width; c += 8) {
-            __m256 p = _mm256_setzero_ps(), ds = p;
-            if (visible > c) {
-                const __m256 keep = kiln_rows_mask8(visible - c);
-                p = kiln_exp_256(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), scales, lse));
-                ds = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(d + c), dl)), scales);
-                p = _mm256_and_ps(p, keep);
-                ds = _mm256_and_ps(ds, keep);
-            }
-            _mm256_storeu_ps(row + c, p);
-            _mm256_storeu_ps(d + c, ds);
-        }
-    }
-}
+#define KILN_ROWS_ISA avx2
+#define KILN_ROWS_TARGET __attribute__((target("avx2,fma")))
+#include "attention_rows_body.h"
+#undef KILN_ROWS_ISA
+#undef KILN_ROWS_TARGET
 #endif
+
