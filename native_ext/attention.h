@@ -316,6 +316,9 @@ static void kiln_attention_backward_item(const kiln_attention_job *job, kiln_att
         const int64_t last_key = last_query + 1 < S ? last_query + 1 : S;
         if (first_key >= end_block * block) break; /* a window has moved past this range */
         const float *q = job->q + (gi * R + r0) * D, *dout = job->dout + (gi * R + r0) * D;
+        /* the rows' dQ over the range gathers in the item's cache-resident accumulator, then lands in dq_rows
+         * (zeroed by the prepare phase, so the same sums from the same +0) */
+        memset(s->acc, 0, sizeof(float) * rows * D);
         for (int64_t kb = first_block; kb < end_block; kb++) {
             const int64_t ks = kb * block;
             if (ks >= last_key) break;
@@ -329,8 +332,9 @@ static void kiln_attention_backward_item(const kiln_attention_job *job, kiln_att
                                     job->scale, rows, width, g, first_query, ks);
             gemm(width, D, rows, s->tile, 1, ld, dout, D, job->dv + (gi * S + ks) * D, D, 0);  /* P.T @ dO */
             gemm(width, D, rows, s->dtile, 1, ld, q, D, job->dk + (gi * S + ks) * D, D, 0);    /* dS.T @ Q */
-            gemm(rows, D, width, s->dtile, ld, 1, job->k + gi * job->kv_stride + ks * D, D, dq_rows + r0 * D, D, 0);
+            gemm(rows, D, width, s->dtile, ld, 1, job->k + gi * job->kv_stride + ks * D, D, s->acc, D, 0);
         }
+        memcpy(dq_rows + r0 * D, s->acc, sizeof(float) * rows * D);
     }
 }
 
