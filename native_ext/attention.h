@@ -12,7 +12,7 @@
  * c = fma(A(i,0), B(0,j), c), c = fma(A(i,1), B(1,j), c), ... in k order, one rounding per step. That
  * sequence does not depend on how the tile is cut into registers, so the AVX-512, AVX2 and portable
  * versions give the same bytes, as do attention_rows.h's versions of the row work
- * (KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one version of both: tests).
+ * (KILN_ATTENTION_ISA=portable|avx2|avx512 asks for one version of both: tests).
  * The threads are native_ext/pool.h's, which OpenBLAS computes on too: the pool's threads spin briefly
  * between tasks, then sleep, and nothing else spins beside them.
  */
@@ -174,7 +174,7 @@ typedef struct {
     kiln_flash_backward_fn flash_backward;
 } kiln_attention_version;
 
-/* The version this CPU runs, chosen once: KILN_ATTENTION_GEMM=portable|avx2|avx512 asks for one. */
+/* The version this CPU runs, chosen once: KILN_ATTENTION_ISA=portable|avx2|avx512 asks for one. */
 static const kiln_attention_version *kiln_attention_version_chosen(void) {
     static const kiln_attention_version versions[] = {
         {kiln_tile_gemm_portable, kiln_rows_flash_forward_portable, kiln_rows_flash_backward_portable},
@@ -186,7 +186,7 @@ static const kiln_attention_version *kiln_attention_version_chosen(void) {
     static const kiln_attention_version *chosen = NULL;
     if (chosen) return chosen;
 #ifdef KILN_ATTENTION_X86
-    chosen = &versions[kiln_isa_pick("KILN_ATTENTION_GEMM", 1)];
+    chosen = &versions[kiln_isa_pick("KILN_ATTENTION_ISA", 1)];
 #else
     chosen = &versions[0];
 #endif

@@ -122,7 +122,7 @@ def test_every_version_gives_the_same_bytes(version, flag):
 
     if flag is not None and flag not in (device_identity()["cpu_flags"] or ()):
         pytest.skip(f"this CPU has no {flag}: the {version} version cannot run here")
-    env = {**os.environ, "KILN_ATTENTION_GEMM": version}
+    env = {**os.environ, "KILN_ATTENTION_ISA": version}
     child = CHILD.format(tests=os.path.dirname(__file__))
     result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip().startswith("[")
