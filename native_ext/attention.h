@@ -4,9 +4,10 @@
  * Layout as in trainer/attention.py: queries q [G,R,D] with R = T*g rows per head group (row r is the
  * query at position past + r/g), keys and values k, v [G,S,D]. The forward walks key blocks of
  * `block` keys (multiples of block from the first one a query can see) with the online softmax of
- * attention_rows.h; the backward recomputes each tile's probabilities from the forward's logsumexp. Both run on `threads` threads over independent work items (a head group and a run of query
- * rows, or a head group and a key block): each item writes only its own rows, and every output element is
- * one fixed sequence of operations, so the bytes are the same for every thread count and item order.
+ * attention_rows.h; the backward recomputes each tile's probabilities from the forward's logsumexp. Both run
+ * on `threads` threads over independent work items (a head group and a run of query rows, or a head group and
+ * a key block): each item writes only its own rows, and every output element is one fixed sequence of
+ * operations, so the bytes are the same for every thread count and item order.
  *
  * The products are tile GEMMs (kiln_tile_gemm): every element of C is advanced as
  * c = fma(A(i,0), B(0,j), c), c = fma(A(i,1), B(1,j), c), ... in k order, one rounding per step. That
@@ -358,7 +359,8 @@ static void kiln_attention_prepare_item(const kiln_attention_job *job, int64_t i
     const int64_t G = job->G, D = job->D, block = job->block;
     if (item < G * job->key_blocks) {
         const int64_t gi = item % G, kb = item / G, ks = kb * block;
-        const int64_t width = (ks + block < job->S ? ks + block : job->S) - ks, at = (gi * job->key_blocks + kb) * D * block;
+        const int64_t width = (ks + block < job->S ? ks + block : job->S) - ks;
+        const int64_t at = (gi * job->key_blocks + kb) * D * block;
         kiln_attention_pack(job->k + gi * job->kv_stride + ks * D, width, D, block, job->kt + at);
         if (!job->backward) return;
         kiln_attention_pack(job->v + gi * job->kv_stride + ks * D, width, D, block, job->vt + at);
@@ -368,7 +370,8 @@ static void kiln_attention_prepare_item(const kiln_attention_job *job, int64_t i
     }
     item -= G * job->key_blocks;
     if (item < G * job->query_items) {
-        const int64_t gi = item % G, r0 = item / G * job->step, r1 = r0 + job->step < job->R ? r0 + job->step : job->R;
+        const int64_t gi = item % G, r0 = item / G * job->step;
+        const int64_t r1 = r0 + job->step < job->R ? r0 + job->step : job->R;
         for (int64_t row = gi * job->R + r0; row < gi * job->R + r1; row++)
             job->delta[row] = (float)kiln_row_dot(job->dout + row * D, job->out + row * D, D);
         memset(job->dq + (gi * job->R + r0) * D, 0, sizeof(float) * (r1 - r0) * D);

@@ -157,7 +157,8 @@ static inline double kiln_sums_tree_portable(kiln_sums_portable s) {
     }
 #define KILN_P512(op) _mm512_##op
 #define KILN_P256(op) _mm256_##op
-#define KILN_ZERO_BELOW_512(x, lo, y) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps())
+#define KILN_ZERO_BELOW_512(x, lo, y) \
+    _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps())
 #define KILN_ZERO_BELOW_256(x, lo, y) _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ))
 KILN_EXP_VECTOR(kiln_exp_512, "avx512f,fma", __m512, __m512i, KILN_P512, _mm512_castsi512_ps, KILN_ZERO_BELOW_512)
 KILN_EXP_VECTOR(kiln_exp_256, "avx2,fma", __m256, __m256i, KILN_P256, _mm256_castsi256_ps, KILN_ZERO_BELOW_256)
@@ -196,7 +197,9 @@ KILN_512 kiln_chunk_avx512 kiln_chunk_visible_avx512(const float *p, int64_t n) 
 KILN_512 kiln_chunk_avx512 kiln_chunk_keep_avx512(kiln_chunk_avx512 x, int64_t n) {
     return _mm512_maskz_mov_ps(kiln_rows_mask16(n), x);
 }
-KILN_512 kiln_chunk_avx512 kiln_chunk_max_avx512(kiln_chunk_avx512 a, kiln_chunk_avx512 b) { return _mm512_max_ps(a, b); }
+KILN_512 kiln_chunk_avx512 kiln_chunk_max_avx512(kiln_chunk_avx512 a, kiln_chunk_avx512 b) {
+    return _mm512_max_ps(a, b);
+}
 KILN_512 float kiln_chunk_max_tree_avx512(kiln_chunk_avx512 x) {
     return kiln_max_tree_8(_mm256_max_ps(kiln_high_256(x), _mm512_castps512_ps256(x)));
 }
