@@ -405,20 +405,24 @@ static void kiln_attention_run_item(const kiln_attention_job *job, kiln_attentio
 static void kiln_attention_worker(void *arg, int thread) {
     kiln_attention_job *job = (kiln_attention_job *)arg;
     const int64_t rows = job->step, D = job->D, ld = job->ld;
-    kiln_attention_scratch s;
+    kiln_attention_scratch s = {0};
     (void)thread;
-    /* zeroed: a tile's scratch columns are read as whole vectors before anything is written there */
-    float *memory = (float *)calloc((size_t)(2 * rows * ld + rows * D + 3 * rows), sizeof(float));
-    if (memory == NULL) {
-        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
-        return;
+    /* tiles and accumulators for the phases with products only; zeroed: a tile's scratch columns are read as
+     * whole vectors before anything is written there */
+    float *memory = NULL;
+    if (job->phase == KILN_ATTENTION_FORWARD || job->phase == KILN_ATTENTION_BACKWARD) {
+        memory = (float *)calloc((size_t)(2 * rows * ld + rows * D + 3 * rows), sizeof(float));
+        if (memory == NULL) {
+            __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        s.tile = memory;
+        s.dtile = s.tile + rows * ld;
+        s.acc = s.dtile + rows * ld;
+        s.running_max = s.acc + rows * D;
+        s.running_sum = s.running_max + rows;
+        s.alpha = s.running_sum + rows;
     }
-    s.tile = memory;
-    s.dtile = s.tile + rows * ld;
-    s.acc = s.dtile + rows * ld;
-    s.running_max = s.acc + rows * D;
-    s.running_sum = s.running_max + rows;
-    s.alpha = s.running_sum + rows;
     for (;;) {
         const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (item >= job->items) break;

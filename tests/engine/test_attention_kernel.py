@@ -88,7 +88,7 @@ def digest(*arrays):
 
 
 def run_all(threads):
-    """One digest over forward and backward of three shapes at THREADS threads."""
+    """One digest over forward and backward of four shapes at THREADS threads."""
     parts = []
     # block 20: tiles whose rows are padded to whole vectors; window 33: rows with hidden keys
     for G, T, g, D, past, window, block in [(3, 300, 3, 64, 0, None, 32), (2, 170, 2, 40, 9, 33, 16),
