@@ -10,7 +10,7 @@
  * running_max, the scores become exp(score * scale - max) (0 where not visible), their sum joins running_sum,
  * and alpha is the factor the rows' earlier accumulators are rescaled by. Three passes over the rows, so that no
  * row waits on the one before: the block maxima (in alpha), the running maxima and alphas, then the
- * exponentials and their sums. */
+ * exponentials and their sums. A chunk wholly visible skips the masking (keeping every lane is no change). */
 KILN_ROWS_TARGET
 static void KILN_R(kiln_rows_flash_forward)(float *tile, int64_t ld, float *running_max, float *running_sum,
                                             float *alpha, float scale, int64_t rows, int64_t width, int64_t g,
@@ -19,8 +19,10 @@ static void KILN_R(kiln_rows_flash_forward)(float *tile, int64_t ld, float *runn
         const int64_t visible = kiln_rows_visible(r, width, g, first_query, key_start);
         const float *row = tile + r * ld;
         KILN_R(kiln_chunk) m = KILN_R(kiln_chunk_set1)(-INFINITY);
-        for (int64_t c = 0; c < visible; c += KILN_LANES)
-            m = KILN_R(kiln_chunk_max)(KILN_R(kiln_chunk_visible)(row + c, visible - c), m);
+        int64_t c = 0;
+        for (; c + KILN_LANES <= visible; c += KILN_LANES)
+            m = KILN_R(kiln_chunk_max)(KILN_R(kiln_chunk_load)(row + c), m);
+        if (c < visible) m = KILN_R(kiln_chunk_max)(KILN_R(kiln_chunk_visible)(row + c, visible - c), m);
         alpha[r] = visible > 0 ? KILN_R(kiln_chunk_max_tree)(m) * scale : -INFINITY;
     }
     for (int64_t r = 0; r < rows; r++) running_max[r] = kiln_rows_join_max(alpha[r], running_max[r], alpha + r);
@@ -33,7 +35,7 @@ static void KILN_R(kiln_rows_flash_forward)(float *tile, int64_t ld, float *runn
             KILN_R(kiln_chunk) p = KILN_R(kiln_chunk_set1)(0.0f);
             if (visible > c) {
                 p = KILN_R(kiln_chunk_exp)(KILN_R(kiln_chunk_load)(row + c), scale, shift);
-                p = KILN_R(kiln_chunk_keep)(p, visible - c);
+                if (visible - c < KILN_LANES) p = KILN_R(kiln_chunk_keep)(p, visible - c);
                 sums = KILN_R(kiln_sums_add)(sums, p);
             }
             KILN_R(kiln_chunk_store)(row + c, p);
@@ -57,8 +59,10 @@ static void KILN_R(kiln_rows_flash_backward)(float *tile, float *dtile, int64_t 
             if (visible > c) {
                 p = KILN_R(kiln_chunk_exp)(KILN_R(kiln_chunk_load)(row + c), scale, logsumexp[r]);
                 ds = KILN_R(kiln_chunk_softmax_grad)(p, KILN_R(kiln_chunk_load)(d + c), delta[r], scale);
-                p = KILN_R(kiln_chunk_keep)(p, visible - c);
-                ds = KILN_R(kiln_chunk_keep)(ds, visible - c);
+                if (visible - c < KILN_LANES) {
+                    p = KILN_R(kiln_chunk_keep)(p, visible - c);
+                    ds = KILN_R(kiln_chunk_keep)(ds, visible - c);
+                }
             }
             KILN_R(kiln_chunk_store)(row + c, p);
             KILN_R(kiln_chunk_store)(d + c, ds);
