@@ -34,7 +34,6 @@ import numpy as np
 from native_ext import onednn
 from native_ext.validate import built
 
-ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 # (symbol, integer type) in the order they are tried: numpy >= 2 wheels bundle an ILP64
 # scipy-openblas with prefixed and suffixed names; older ones a plain LP64 OpenBLAS
 _CANDIDATES = (("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctypes.c_int64),
@@ -73,6 +72,9 @@ def _load():
 
 
 _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only afterwards
+# gemm() calls it from Cython (native_ext._kernels.cblas_sgemm), not through ctypes: about 1 us a call against 20
+_SGEMM_ADDRESS = ctypes.cast(_SGEMM, ctypes.c_void_p).value if _SGEMM is not None else None
+_SGEMM_ILP64 = dict(_CANDIDATES).get(SYMBOL) is ctypes.c_int64
 _THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_QUERIES[SYMBOL], None) if SYMBOL else None
 if _THREADS is not None:
     _THREADS.argtypes, _THREADS.restype = [], ctypes.c_int
@@ -105,6 +107,7 @@ def _share_threads():
 # native_ext/pool.h lives in the _attention extension: one pool per process, loaded here once. POOL_RUN is the
 # address of its kiln_pool_run, which native_ext.kernels and native_ext.nf4 hand to their C kernels.
 _POOL = built("_attention", "the thread pool and the fused attention kernel")
+_KERNELS = built("_kernels", "the Cython kernels")  # float32_rows: gemm's layout checks, in C
 POOL_RUN = _POOL.pool_run()
 THREAD_POOL = _share_threads() if _SGEMM is not None else "numpy (no OpenBLAS found)"
 
@@ -269,15 +272,6 @@ def _row_major(x):
     return np.ascontiguousarray(x), False
 
 
-def _rows(name, array):
-    """Leading dimension of a 2-D float32 array whose last axis is contiguous."""
-    if array.dtype != np.float32 or array.ndim != 2:
-        raise TypeError(f"{name} must be a 2-d float32 array")
-    if array.strides[1] != 4 or array.strides[0] % 4 or array.strides[0] < 4 * array.shape[1]:
-        raise ValueError(f"{name} must be row-major with a contiguous last axis")
-    return array.strides[0] // 4
-
-
 def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     """c [M,N] = alpha * op(a) @ op(b) + beta * c, op(x) = x.T where trans_x; every array a 2-d float32
     row view whose last axis is contiguous (rows may be strided: a column slice of a wider array).
@@ -289,7 +283,7 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
                          f"do not fit {c.shape}")
     if not c.flags.writeable:
         raise ValueError("c must be writable")
-    lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
+    _KERNELS.float32_rows(a, b, c)
     if M == 0 or N == 0:
         return
     routed_gemm = _current()
@@ -304,8 +298,7 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
             c *= np.float32(beta)
             c += np.float32(alpha) * product
         return
-    _SGEMM(ROW_MAJOR, TRANS if trans_a else NO_TRANS, TRANS if trans_b else NO_TRANS, M, N, K, float(alpha),
-           a.ctypes.data, lda, b.ctypes.data, ldb, float(beta), c.ctypes.data, ldc)
+    _KERNELS.cblas_sgemm(_SGEMM_ADDRESS, _SGEMM_ILP64, c, a, b, trans_a, trans_b, alpha, beta)
 
 
 def accumulate_at_b(c, a, b):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from native_ext.validate import file_sha256
+from native_ext.validate import built, file_sha256
 
 LIBRARY_ENV = "KILN_ONEDNN_LIBRARY"
 LIBRARY_NAME = "libdnnl.so.3"
@@ -201,9 +201,24 @@ def gemm(c, a, b, trans_b=False, beta=0.0):
         raise RuntimeError(f"dnnl_gemm_bf16bf16f32 failed with status {status}")
 
 
+@functools.cache
+def _kernels():
+    return built("_kernels", "the Cython kernels")
+
+
+@functools.cache
+def _sgemm_address():
+    """dnnl_sgemm's address, for native_ext._kernels.dnnl_sgemm to call without ctypes; RuntimeError without it."""
+    library, _, reason = _load()
+    if reason is not None:
+        raise RuntimeError(reason)
+    return ctypes.cast(library.dnnl_sgemm, ctypes.c_void_p).value
+
+
 def sgemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
-    """native_ext.blas.gemm's contract (float32 row views) on oneDNN's dnnl_sgemm."""
-    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    """native_ext.blas.gemm's contract (float32 row views) on oneDNN's dnnl_sgemm (called from Cython:
+    _kernels.dnnl_sgemm checks the arrays' layout and releases the GIL)."""
+    M = a.shape[1] if trans_a else a.shape[0]
     N = b.shape[0] if trans_b else b.shape[1]
     if M == 0 or N == 0:
         return
@@ -211,8 +226,6 @@ def sgemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         raise RuntimeError(FORKED_REASON)
     global _computed
     _computed = True
-    status = _load()[0].dnnl_sgemm(b"T" if trans_a else b"N", b"T" if trans_b else b"N", M, N, K, float(alpha),
-                                   a.ctypes.data, _rows("a", a), b.ctypes.data, _rows("b", b), float(beta),
-                                   c.ctypes.data, _rows("c", c))
+    status = _kernels().dnnl_sgemm(_sgemm_address(), c, a, b, trans_a, trans_b, alpha, beta)
     if status != 0:
         raise RuntimeError(f"dnnl_sgemm failed with status {status}")

@@ -100,3 +100,74 @@ def test_matmul_of_views_with_any_row_stride_matches_numpy(rows, keys):
     assert np.allclose(got, np.matmul(probs.transpose(0, 2, 1), dout), rtol=1e-5, atol=1e-6)
     assert np.allclose(blas.matmul(dout.transpose(0, 2, 1), probs), np.matmul(dout.transpose(0, 2, 1), probs),
                        rtol=1e-5, atol=1e-6)
+
+
+def _ctypes_products(c, a, b, trans_a, trans_b, alpha, beta):
+    """The same product through ctypes, as gemm() called it before it called from Cython: (OpenBLAS's, oneDNN's
+    or None where that library is missing)."""
+    import ctypes
+
+    from native_ext import onednn
+
+    def pointer(x):
+        return ctypes.c_void_p(x.ctypes.data)
+
+    def ld(x):
+        return x.strides[0] // 4
+
+    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    N = b.shape[0] if trans_b else b.shape[1]
+    out = []
+    for_openblas = c.copy()
+    blas._SGEMM(101, 112 if trans_a else 111, 112 if trans_b else 111, M, N, K, alpha, pointer(a), ld(a),
+                pointer(b), ld(b), beta, pointer(for_openblas), ld(for_openblas))
+    out.append(for_openblas)
+    library = onednn._load()[0]
+    if library is None:
+        out.append(None)
+    else:
+        for_onednn = c.copy()
+        status = library.dnnl_sgemm(b"T" if trans_a else b"N", b"T" if trans_b else b"N", M, N, K, alpha,
+                                    a.ctypes.data, ld(a), b.ctypes.data, ld(b), beta, for_onednn.ctypes.data,
+                                    ld(for_onednn))
+        assert status == 0
+        out.append(for_onednn)
+    return out
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_cython_calls_give_the_bytes_of_the_ctypes_calls(trans_a, trans_b):
+    """gemm() hands each library the same arguments from Cython (native_ext._kernels) as ctypes did: == on both
+    routes, with strided rows, alpha and beta."""
+    from native_ext import onednn
+
+    rng = np.random.default_rng(11)
+    M, K, N = 37, 70, 29
+    a = rng.standard_normal((K if trans_a else M, 90), dtype=np.float32)[:, 3:3 + (M if trans_a else K)]
+    b = rng.standard_normal((N if trans_b else K, 80), dtype=np.float32)[:, 5:5 + (K if trans_b else N)]
+    c = np.ascontiguousarray(rng.standard_normal((M, 40), dtype=np.float32)[:, :N])
+    openblas, onednn_product = _ctypes_products(c, a, b, trans_a, trans_b, 0.75, 0.5)
+    with blas.routed(blas.OPENBLAS):
+        ours = c.copy()
+        blas.gemm(ours, a, b, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=0.5)
+    assert np.array_equal(ours, openblas)
+    if onednn_product is None:
+        pytest.skip(f"oneDNN's half: {onednn.float32_unavailable_reason()}")
+    ours = c.copy()
+    onednn.sgemm(ours, a, b, trans_a=trans_a, trans_b=trans_b, alpha=0.75, beta=0.5)
+    assert np.array_equal(ours, onednn_product)
+
+
+def test_onednn_sgemm_checks_the_layout_itself():
+    """onednn.sgemm called directly (tests, benches) refuses what dnnl_sgemm would misread."""
+    from native_ext import onednn
+
+    if onednn.float32_unavailable_reason() is not None:
+        pytest.skip(onednn.float32_unavailable_reason())
+    a = np.ones((3, 4), np.float32)
+    with pytest.raises(ValueError, match="c must be row-major with a contiguous last axis"):
+        onednn.sgemm(np.ones((3, 6), np.float32)[:, ::2], a, a, trans_b=True)
+    with pytest.raises(TypeError, match="b must be a 2-d float32 array"):
+        onednn.sgemm(np.ones((3, 3), np.float32), a, a.astype(np.float64), trans_b=True)
+    with pytest.raises(TypeError, match="a must be a 2-d float32 array"):
+        onednn.sgemm(np.ones((3, 3), np.float32), a[None], a, trans_b=True)
