@@ -206,7 +206,7 @@ ctypedef int (*kiln_dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float,
                                    const float *, int64_t, float, float *, int64_t) noexcept nogil
 
 
-cdef int64_t _row_floats(str name, cnp.ndarray array) except -1:
+cdef int64_t _row_floats(str name, cnp.ndarray array) except -1:  # array: never None (callers' "not None")
     """Floats between two rows of a 2-d float32 array whose last axis is contiguous (native_ext.blas._rows)."""
     if cnp.PyArray_TYPE(array) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(array) != 2:
         raise TypeError(f"{name} must be a 2-d float32 array")
@@ -216,13 +216,13 @@ cdef int64_t _row_floats(str name, cnp.ndarray array) except -1:
     return row // 4
 
 
-def float32_rows(cnp.ndarray a, cnp.ndarray b, cnp.ndarray c):
+def float32_rows(cnp.ndarray a not None, cnp.ndarray b not None, cnp.ndarray c not None):
     """(lda, ldb, ldc) of three 2-d float32 row views; TypeError or ValueError naming the first that is not."""
     return _row_floats("a", a), _row_floats("b", b), _row_floats("c", c)
 
 
-def dnnl_sgemm(size_t function, cnp.ndarray c, cnp.ndarray a, cnp.ndarray b, bint trans_a, bint trans_b,
-               float alpha, float beta):
+def dnnl_sgemm(size_t function, cnp.ndarray c not None, cnp.ndarray a not None, cnp.ndarray b not None,
+               bint trans_a, bint trans_b, float alpha, float beta):
     """c [M,N] = alpha * op(a) @ op(b) + beta * c by oneDNN's dnnl_sgemm at address FUNCTION, without the GIL;
     returns its status (0 when it computed). Every array a 2-d float32 row view (checked); the caller checks
     that the shapes fit."""
@@ -249,8 +249,8 @@ ctypedef void (*kiln_cblas_sgemm32_fn)(int, int, int, int, int, int, float, cons
                                        const float *, int, float, float *, int) noexcept nogil
 
 
-def cblas_sgemm(size_t function, bint ilp64, cnp.ndarray c, cnp.ndarray a, cnp.ndarray b, bint trans_a,
-                bint trans_b, float alpha, float beta):
+def cblas_sgemm(size_t function, bint ilp64, cnp.ndarray c not None, cnp.ndarray a not None,
+                cnp.ndarray b not None, bint trans_a, bint trans_b, float alpha, float beta):
     """The same product by OpenBLAS's cblas_sgemm at address FUNCTION (row-major; 64-bit integers where ilp64,
     else 32-bit), without the GIL. The caller checks that the shapes fit and that K > 0."""
     cdef int64_t lda = _row_floats("a", a), ldb = _row_floats("b", b), ldc = _row_floats("c", c)

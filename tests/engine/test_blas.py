@@ -171,3 +171,5 @@ def test_onednn_sgemm_checks_the_layout_itself():
         onednn.sgemm(np.ones((3, 3), np.float32), a, a.astype(np.float64), trans_b=True)
     with pytest.raises(TypeError, match="a must be a 2-d float32 array"):
         onednn.sgemm(np.ones((3, 3), np.float32), a[None], a, trans_b=True)
+    with pytest.raises(TypeError):  # not a crash: the Cython call refuses None
+        onednn.sgemm(None, a, a, trans_b=True)
