@@ -173,3 +173,45 @@ def test_onednn_sgemm_checks_the_layout_itself():
         onednn.sgemm(np.ones((3, 3), np.float32), a[None], a, trans_b=True)
     with pytest.raises(TypeError):  # not a crash: the Cython call refuses None
         onednn.sgemm(None, a, a, trans_b=True)
+
+
+@pytest.mark.parametrize("ilp64", [True, False])
+def test_cblas_call_hands_over_row_major_arguments_in_either_integer_width(ilp64):
+    """_kernels.cblas_sgemm calls the function at the address it is given with CblasRowMajor, the transposes,
+    M, N, K, alpha, the three data pointers and leading dimensions, as 64-bit integers (an ILP64 OpenBLAS, what
+    numpy bundles) or 32-bit ones (an LP64 OpenBLAS): a recording function stands in for OpenBLAS."""
+    import ctypes
+
+    from native_ext import _kernels
+
+    integer = ctypes.c_int64 if ilp64 else ctypes.c_int
+    seen = []
+    prototype = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, ctypes.c_int, integer, integer, integer,
+                                 ctypes.c_float, ctypes.c_void_p, integer, ctypes.c_void_p, integer, ctypes.c_float,
+                                 ctypes.c_void_p, integer)
+    record = prototype(lambda *args: seen.append(args))
+    a = np.ones((5, 12), np.float32)[:, 2:9]  # [5, 7], rows 12 apart
+    b = np.ones((4, 7), np.float32)  # trans_b: [7, 4]
+    c = np.ones((5, 10), np.float32)[:, :4]
+    _kernels.cblas_sgemm(ctypes.cast(record, ctypes.c_void_p).value, ilp64, c, a, b, False, True, 0.5, 2.0)
+    assert seen == [(101, 111, 112, 5, 4, 7, 0.5, a.ctypes.data, 12, b.ctypes.data, 7, 2.0, c.ctypes.data, 10)]
+
+
+def test_dnnl_call_hands_over_its_arguments():
+    """_kernels.dnnl_sgemm calls dnnl_sgemm's signature: 'N'/'T', M, N, K, alpha, pointers and leading dimensions
+    (64-bit), and returns its status."""
+    import ctypes
+
+    from native_ext import _kernels
+
+    seen = []
+    dim = ctypes.c_int64
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char, ctypes.c_char, dim, dim, dim, ctypes.c_float,
+                                 ctypes.c_void_p, dim, ctypes.c_void_p, dim, ctypes.c_float, ctypes.c_void_p, dim)
+    record = prototype(lambda *args: seen.append(args) or 7)
+    a = np.ones((6, 3), np.float32)  # trans_a: [3, 6]
+    b = np.ones((6, 9), np.float32)[:, 1:5]
+    c = np.ones((3, 4), np.float32)
+    status = _kernels.dnnl_sgemm(ctypes.cast(record, ctypes.c_void_p).value, c, a, b, True, False, 1.5, 0.0)
+    assert status == 7
+    assert seen == [(b"T", b"N", 3, 4, 6, 1.5, a.ctypes.data, 3, b.ctypes.data, 9, 0.0, c.ctypes.data, 4)]
