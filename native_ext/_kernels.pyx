@@ -272,3 +272,36 @@ def cblas_sgemm(size_t function, bint ilp64, cnp.ndarray c not None, cnp.ndarray
         else:
             (<kiln_cblas_sgemm32_fn>function)(101, ta, tb, <int>M, <int>N, <int>K, alpha, A, <int>lda, B,
                                               <int>ldb, beta, C, <int>ldc)
+
+
+ctypedef int (*kiln_dnnl_gemm_bf16_fn)(char, char, int64_t, int64_t, int64_t, float, const uint16_t *, int64_t,
+                                       const uint16_t *, int64_t, float, float *, int64_t) noexcept nogil
+
+
+cdef int64_t _row_items(str name, cnp.ndarray array) except -1:  # array: never None
+    """Items between two rows of a 2-d array whose last axis is contiguous (native_ext.onednn's check)."""
+    cdef cnp.npy_intp size = cnp.PyArray_ITEMSIZE(array), row
+    if cnp.PyArray_NDIM(array) != 2 or cnp.PyArray_STRIDE(array, 1) != size or cnp.PyArray_STRIDE(array, 0) % size:
+        raise ValueError(f"{name} must be a 2-d row-major array with a contiguous last axis")
+    row = cnp.PyArray_STRIDE(array, 0)
+    return row // size
+
+
+def dnnl_gemm_bf16(size_t function, cnp.ndarray c not None, cnp.ndarray a not None, cnp.ndarray b not None,
+                   bint trans_b, float beta):
+    """c [M,N] (float32) = a [M,K] @ op(b) + beta * c from bfloat16 bits (uint16) by oneDNN's
+    dnnl_gemm_bf16bf16f32 at address FUNCTION, without the GIL; returns its status. The caller checks the
+    dtypes and that the shapes fit; the layout is checked here."""
+    cdef int64_t lda = _row_items("a", a), ldb = _row_items("b", b), ldc = _row_items("c", c)
+    cdef int64_t M = cnp.PyArray_DIM(a, 0), K = cnp.PyArray_DIM(a, 1)
+    cdef int64_t N = cnp.PyArray_DIM(b, 0) if trans_b else cnp.PyArray_DIM(b, 1)
+    cdef const uint16_t *A = <const uint16_t *>cnp.PyArray_DATA(a)
+    cdef const uint16_t *B = <const uint16_t *>cnp.PyArray_DATA(b)
+    cdef float *C = <float *>cnp.PyArray_DATA(c)
+    cdef int status
+    if M == 0 or N == 0:
+        return 0
+    with nogil:
+        status = (<kiln_dnnl_gemm_bf16_fn>function)(b"N"[0], b"T"[0] if trans_b else b"N"[0], M, N, K, 1.0, A, lda,
+                                                    B, ldb, beta, C, ldc)
+    return status

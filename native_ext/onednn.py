@@ -172,12 +172,6 @@ def _library_identity() -> dict:
     return {"version": f"{v.major}.{v.minor}.{v.patch}", "library_sha256": file_sha256(library_path())}
 
 
-def _rows(name, array):
-    if array.ndim != 2 or array.strides[1] != array.itemsize or array.strides[0] % array.itemsize:
-        raise ValueError(f"{name} must be a 2-d row-major array with a contiguous last axis")
-    return array.strides[0] // array.itemsize
-
-
 def gemm(c, a, b, trans_b=False, beta=0.0):
     """c [M,N] (float32) = a [M,K] @ op(b) + beta * c, a and b bfloat16 bits (uint16); op(b) = b.T
     where trans_b (b [N,K]), else b [K,N]. Raises RuntimeError where the route is unavailable."""
@@ -190,13 +184,12 @@ def gemm(c, a, b, trans_b=False, beta=0.0):
         raise ValueError(f"shapes {a.shape} @ {'T' if trans_b else ''}{b.shape} do not fit {c.shape}")
     if not c.flags.writeable:
         raise ValueError("c must be writable")
-    lda, ldb, ldc = _rows("a", a), _rows("b", b), _rows("c", c)
     if M == 0 or N == 0:
+        _kernels().dnnl_gemm_bf16(0, c, a, b, trans_b, beta)  # checks the layout, calls nothing
         return
     global _computed
     _computed = True
-    status = _load()[1](b"N", b"T" if trans_b else b"N", M, N, K, 1.0, a.ctypes.data, lda, b.ctypes.data, ldb,
-                        float(beta), c.ctypes.data, ldc)
+    status = _kernels().dnnl_gemm_bf16(_bf16_gemm_address(), c, a, b, trans_b, beta)
     if status != 0:
         raise RuntimeError(f"dnnl_gemm_bf16bf16f32 failed with status {status}")
 
@@ -204,6 +197,12 @@ def gemm(c, a, b, trans_b=False, beta=0.0):
 @functools.cache
 def _kernels():
     return built("_kernels", "the Cython kernels")
+
+
+@functools.cache
+def _bf16_gemm_address():
+    """dnnl_gemm_bf16bf16f32's address (gemm checked the route first with require())."""
+    return ctypes.cast(_load()[1], ctypes.c_void_p).value
 
 
 @functools.cache

@@ -215,3 +215,26 @@ def test_dnnl_call_hands_over_its_arguments():
     status = _kernels.dnnl_sgemm(ctypes.cast(record, ctypes.c_void_p).value, c, a, b, True, False, 1.5, 0.0)
     assert status == 7
     assert seen == [(b"T", b"N", 3, 4, 6, 1.5, a.ctypes.data, 3, b.ctypes.data, 9, 0.0, c.ctypes.data, 4)]
+
+
+def test_bf16_call_hands_over_its_arguments():
+    """_kernels.dnnl_gemm_bf16 calls dnnl_gemm_bf16bf16f32's signature with bfloat16 bits' pointers and leading
+    dimensions in items (runs on any CPU: a recording function stands in for oneDNN), and checks the layout."""
+    import ctypes
+
+    from native_ext import _kernels
+
+    seen = []
+    dim = ctypes.c_int64
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char, ctypes.c_char, dim, dim, dim, ctypes.c_float,
+                                 ctypes.c_void_p, dim, ctypes.c_void_p, dim, ctypes.c_float, ctypes.c_void_p, dim)
+    record = prototype(lambda *args: seen.append(args) or 0)
+    address = ctypes.cast(record, ctypes.c_void_p).value
+    a = np.ones((4, 20), np.uint16)[:, 3:11]  # [4, 8], rows 20 apart
+    b = np.ones((5, 8), np.uint16)  # trans_b: [8, 5]
+    c = np.ones((4, 6), np.float32)[:, :5]
+    assert _kernels.dnnl_gemm_bf16(address, c, a, b, True, 1.0) == 0
+    assert seen == [(b"N", b"T", 4, 5, 8, 1.0, a.ctypes.data, 20, b.ctypes.data, 8, 1.0, c.ctypes.data, 6)]
+    with pytest.raises(ValueError, match="b must be a 2-d row-major array with a contiguous last axis"):
+        _kernels.dnnl_gemm_bf16(address, c, a, np.ones((5, 16), np.uint16)[:, ::2], True, 1.0)
+    assert len(seen) == 1
