@@ -221,25 +221,37 @@ def float32_rows(cnp.ndarray a not None, cnp.ndarray b not None, cnp.ndarray c n
     return _row_floats("a", a), _row_floats("b", b), _row_floats("c", c)
 
 
+cdef struct kiln_float32_product:
+    int64_t M, N, K, lda, ldb, ldc
+    const float *A
+    const float *B
+    float *C
+
+
+cdef int _float32_product(kiln_float32_product *p, cnp.ndarray c, cnp.ndarray a, cnp.ndarray b, bint trans_a,
+                          bint trans_b) except -1:
+    """P's sizes, leading dimensions and pointers for c = op(a) @ op(b), the three arrays' layout checked."""
+    p.lda, p.ldb, p.ldc = _row_floats("a", a), _row_floats("b", b), _row_floats("c", c)
+    p.M = cnp.PyArray_DIM(a, 1) if trans_a else cnp.PyArray_DIM(a, 0)
+    p.K = cnp.PyArray_DIM(a, 0) if trans_a else cnp.PyArray_DIM(a, 1)
+    p.N = cnp.PyArray_DIM(b, 0) if trans_b else cnp.PyArray_DIM(b, 1)
+    p.A, p.B, p.C = <const float *>cnp.PyArray_DATA(a), <const float *>cnp.PyArray_DATA(b), <float *>cnp.PyArray_DATA(c)
+    return 0
+
+
 def dnnl_sgemm(size_t function, cnp.ndarray c not None, cnp.ndarray a not None, cnp.ndarray b not None,
                bint trans_a, bint trans_b, float alpha, float beta):
     """c [M,N] = alpha * op(a) @ op(b) + beta * c by oneDNN's dnnl_sgemm at address FUNCTION, without the GIL;
     returns its status (0 when it computed). Every array a 2-d float32 row view (checked); the caller checks
     that the shapes fit."""
-    cdef int64_t lda = _row_floats("a", a), ldb = _row_floats("b", b), ldc = _row_floats("c", c)
-    cdef int64_t M = cnp.PyArray_DIM(a, 1) if trans_a else cnp.PyArray_DIM(a, 0)
-    cdef int64_t K = cnp.PyArray_DIM(a, 0) if trans_a else cnp.PyArray_DIM(a, 1)
-    cdef int64_t N = cnp.PyArray_DIM(b, 0) if trans_b else cnp.PyArray_DIM(b, 1)
-    cdef kiln_dnnl_sgemm_fn gemm = <kiln_dnnl_sgemm_fn>function
-    cdef const float *A = <const float *>cnp.PyArray_DATA(a)
-    cdef const float *B = <const float *>cnp.PyArray_DATA(b)
-    cdef float *C = <float *>cnp.PyArray_DATA(c)
+    cdef kiln_float32_product p
+    _float32_product(&p, c, a, b, trans_a, trans_b)
     cdef int status
-    if M == 0 or N == 0:
+    if p.M == 0 or p.N == 0:
         return 0
     with nogil:
-        status = gemm(b"T"[0] if trans_a else b"N"[0], b"T"[0] if trans_b else b"N"[0], M, N, K, alpha, A, lda,
-                      B, ldb, beta, C, ldc)
+        status = (<kiln_dnnl_sgemm_fn>function)(b"T"[0] if trans_a else b"N"[0], b"T"[0] if trans_b else b"N"[0],
+                                                p.M, p.N, p.K, alpha, p.A, p.lda, p.B, p.ldb, beta, p.C, p.ldc)
     return status
 
 
@@ -253,25 +265,21 @@ def cblas_sgemm(size_t function, bint ilp64, cnp.ndarray c not None, cnp.ndarray
                 cnp.ndarray b not None, bint trans_a, bint trans_b, float alpha, float beta):
     """The same product by OpenBLAS's cblas_sgemm at address FUNCTION (row-major; 64-bit integers where ilp64,
     else 32-bit), without the GIL. The caller checks that the shapes fit and that K > 0."""
-    cdef int64_t lda = _row_floats("a", a), ldb = _row_floats("b", b), ldc = _row_floats("c", c)
-    cdef int64_t M = cnp.PyArray_DIM(a, 1) if trans_a else cnp.PyArray_DIM(a, 0)
-    cdef int64_t K = cnp.PyArray_DIM(a, 0) if trans_a else cnp.PyArray_DIM(a, 1)
-    cdef int64_t N = cnp.PyArray_DIM(b, 0) if trans_b else cnp.PyArray_DIM(b, 1)
+    cdef kiln_float32_product p
+    _float32_product(&p, c, a, b, trans_a, trans_b)
     cdef int ta = 112 if trans_a else 111, tb = 112 if trans_b else 111  # CblasTrans, CblasNoTrans
     # (and 101 below: CblasRowMajor)
-    cdef const float *A = <const float *>cnp.PyArray_DATA(a)
-    cdef const float *B = <const float *>cnp.PyArray_DATA(b)
-    cdef float *C = <float *>cnp.PyArray_DATA(c)
-    if M == 0 or N == 0:
+    if p.M == 0 or p.N == 0:
         return
-    if not ilp64 and max(M, N, K, lda, ldb, ldc) > 2147483647:
+    if not ilp64 and max(p.M, p.N, p.K, p.lda, p.ldb, p.ldc) > 2147483647:
         raise ValueError("a dimension does not fit this OpenBLAS's 32-bit integers")
     with nogil:
         if ilp64:
-            (<kiln_cblas_sgemm64_fn>function)(101, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+            (<kiln_cblas_sgemm64_fn>function)(101, ta, tb, p.M, p.N, p.K, alpha, p.A, p.lda, p.B, p.ldb, beta, p.C,
+                                              p.ldc)
         else:
-            (<kiln_cblas_sgemm32_fn>function)(101, ta, tb, <int>M, <int>N, <int>K, alpha, A, <int>lda, B,
-                                              <int>ldb, beta, C, <int>ldc)
+            (<kiln_cblas_sgemm32_fn>function)(101, ta, tb, <int>p.M, <int>p.N, <int>p.K, alpha, p.A, <int>p.lda,
+                                              p.B, <int>p.ldb, beta, p.C, <int>p.ldc)
 
 
 ctypedef int (*kiln_dnnl_gemm_bf16_fn)(char, char, int64_t, int64_t, int64_t, float, const uint16_t *, int64_t,
