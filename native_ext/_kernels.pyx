@@ -313,3 +313,38 @@ def dnnl_gemm_bf16(size_t function, cnp.ndarray c not None, cnp.ndarray a not No
         status = (<kiln_dnnl_gemm_bf16_fn>function)(b"N"[0], b"T"[0] if trans_b else b"N"[0], M, N, K, 1.0, A, lda,
                                                     B, ldb, beta, C, ldc)
     return status
+
+
+ctypedef void (*kiln_cblas_sgemv64_fn)(int, int, int64_t, int64_t, float, const float *, int64_t, const float *,
+                                       int64_t, float, float *, int64_t) noexcept nogil
+ctypedef void (*kiln_cblas_sgemv32_fn)(int, int, int, int, float, const float *, int, const float *, int, float,
+                                       float *, int) noexcept nogil
+
+
+def cblas_sgemv_row(size_t function, bint ilp64, cnp.ndarray c not None, cnp.ndarray a not None,
+                    cnp.ndarray b not None, bint trans_a, bint trans_b, float alpha, float beta):
+    """A one-row product, c [1,N] = alpha * op(a) [1,K] @ op(b) + beta * c, by OpenBLAS's cblas_sgemv at address
+    FUNCTION: op(b).T times op(a)'s row, without the GIL. OpenBLAS's sgemm packs all of b for one row (3.5-7 times
+    as long on one token's products); its sgemv reads b once. With beta 0 the row is zeroed first, so what c held
+    (NaN included) is ignored, as sgemm does. The caller checks that the shapes fit and that M is 1 and K > 0."""
+    cdef kiln_float32_product p
+    _float32_product(&p, c, a, b, trans_a, trans_b)
+    cdef int64_t step = p.lda if trans_a else 1  # op(a)'s row: a's column when a is [K,1]
+    # row-major b: [N,K] times the row (no transpose) when trans_b, else [K,N] transposed
+    cdef int order = 101, transpose = 111 if trans_b else 112
+    cdef int64_t rows = cnp.PyArray_DIM(b, 0), columns = cnp.PyArray_DIM(b, 1)
+    if p.M != 1:
+        raise ValueError(f"a one-row product, not {p.M} rows")
+    if p.N == 0:
+        return
+    if not ilp64 and max(rows, columns, p.ldb, step) > 2147483647:
+        raise ValueError("a dimension does not fit this OpenBLAS's 32-bit integers")
+    with nogil:
+        if beta == 0.0:
+            memset(p.C, 0, sizeof(float) * p.N)
+        if ilp64:
+            (<kiln_cblas_sgemv64_fn>function)(order, transpose, rows, columns, alpha, p.B, p.ldb, p.A, step, beta,
+                                              p.C, 1)
+        else:
+            (<kiln_cblas_sgemv32_fn>function)(order, transpose, <int>rows, <int>columns, alpha, p.B, <int>p.ldb,
+                                              p.A, <int>step, beta, p.C, 1)

@@ -75,6 +75,9 @@ _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only aft
 # gemm() calls it from Cython (native_ext._kernels.cblas_sgemm), not through ctypes: about 1 us a call against 20
 _SGEMM_ADDRESS = ctypes.cast(_SGEMM, ctypes.c_void_p).value if _SGEMM is not None else None
 _SGEMM_ILP64 = dict(_CANDIDATES).get(SYMBOL) is ctypes.c_int64
+# its sgemv beside it (same prefix and suffix), for one-row products (generation): _kernels.cblas_sgemv_row
+_SGEMV = getattr(ctypes.CDLL(str(LIBRARY_PATH)), SYMBOL.replace("sgemm", "sgemv"), None) if SYMBOL else None
+_SGEMV_ADDRESS = ctypes.cast(_SGEMV, ctypes.c_void_p).value if _SGEMV is not None else None
 _THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_QUERIES[SYMBOL], None) if SYMBOL else None
 if _THREADS is not None:
     _THREADS.argtypes, _THREADS.restype = [], ctypes.c_int
@@ -297,6 +300,9 @@ def gemm(c, a, b, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         else:
             c *= np.float32(beta)
             c += np.float32(alpha) * product
+        return
+    if M == 1 and _SGEMV_ADDRESS is not None:  # one row (a token being generated): sgemv, not a packing sgemm
+        _KERNELS.cblas_sgemv_row(_SGEMV_ADDRESS, _SGEMM_ILP64, c, a, b, trans_a, trans_b, alpha, beta)
         return
     _KERNELS.cblas_sgemm(_SGEMM_ADDRESS, _SGEMM_ILP64, c, a, b, trans_a, trans_b, alpha, beta)
 

@@ -238,3 +238,60 @@ def test_bf16_call_hands_over_its_arguments():
     with pytest.raises(ValueError, match="b must be a 2-d row-major array with a contiguous last axis"):
         _kernels.dnnl_gemm_bf16(address, c, a, np.ones((5, 16), np.uint16)[:, ::2], True, 1.0)
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (0.37, 1.0), (2.0, 0.5)])
+def test_a_one_row_product_on_openblas_takes_sgemv(trans_a, trans_b, alpha, beta):
+    """One row (a generated token's products on the serving threads' OpenBLAS route) goes to sgemv: numpy's product
+    within float32 rounding, strided views, beta 0 ignoring a NaN, only the row's slice written; and the same
+    bytes every call."""
+    assert blas._SGEMV_ADDRESS is not None  # numpy's OpenBLAS has one beside its sgemm
+    rng = np.random.default_rng(5)
+    K, N = 300, 70
+    a = rng.standard_normal((K, 4) if trans_a else (2, K + 5), dtype=np.float32)
+    a = a[:, 1:2] if trans_a else a[1:2, 5:]  # [K,1] (rows 4 apart) or [1,K]
+    b = rng.standard_normal((N, K + 3) if trans_b else (K, N + 9), dtype=np.float32)
+    b = b[:, 3:] if trans_b else b[:, :N]
+    out = rng.standard_normal((1, N + 4), dtype=np.float32)
+    out[0, 2] = np.nan
+    before = out.copy()
+    expected = alpha * ((a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b)) \
+        + (beta * before[:, :N].astype(np.float64) if beta else 0.0)
+    with blas.routed(blas.OPENBLAS):
+        blas.gemm(out[:, :N], a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
+        again = before.copy()
+        blas.gemm(again[:, :N], a, b, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
+    if beta == 0.0:
+        assert np.isfinite(out[:, :N]).all()
+    np.testing.assert_allclose(out[:, :N][np.isfinite(expected)], expected[np.isfinite(expected)], rtol=1e-4,
+                               atol=1e-4)
+    assert np.array_equal(out[:, N:], before[:, N:])
+    assert np.array_equal(out, again, equal_nan=True)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_sgemv_call_hands_over_bs_rows_and_the_rows_step(trans_b):
+    """_kernels.cblas_sgemv_row: row-major b, not transposed when op(b) is b.T ([N,K] times the row), else
+    transposed; a's row read with step lda where a is [K,1]; recorded by a stand-in for OpenBLAS."""
+    import ctypes
+
+    from native_ext import _kernels
+
+    seen = []
+    dim = ctypes.c_int64
+    prototype = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, dim, dim, ctypes.c_float, ctypes.c_void_p, dim,
+                                 ctypes.c_void_p, dim, ctypes.c_float, ctypes.c_void_p, dim)
+    record = prototype(lambda *args: seen.append(args))
+    a = np.ones((6, 3), np.float32)[:, :1]  # trans_a: [6,1], rows 3 apart: op(a) is one row of 6
+    b = np.ones((5, 6), np.float32) if trans_b else np.ones((6, 5), np.float32)
+    c = np.full((1, 5), np.nan, np.float32)
+    _kernels.cblas_sgemv_row(ctypes.cast(record, ctypes.c_void_p).value, True, c, a, b, True, trans_b, 2.0, 0.0)
+    rows, columns = b.shape
+    assert seen == [(101, 111 if trans_b else 112, rows, columns, 2.0, b.ctypes.data, b.shape[1], a.ctypes.data, 3,
+                     0.0, c.ctypes.data, 1)]
+    assert np.array_equal(c, np.zeros((1, 5), np.float32))  # beta 0: zeroed before the call
+    with pytest.raises(ValueError, match="one-row"):
+        _kernels.cblas_sgemv_row(0, True, np.ones((2, 5), np.float32), np.ones((2, 6), np.float32), b, False,
+                                 trans_b, 1.0, 0.0)
