@@ -3,11 +3,16 @@
 Batch 1, greedy, a fixed number of new tokens, the same weights on both sides (a
 SmolLM2-135M-shaped model with random weights, or a registered base with --base):
 
-    python bench/generate.py [--new-tokens 128] [--prompt-tokens 32] [--base NAME]
+    python bench/generate.py [--new-tokens 128] [--prompt-tokens 32] [--base NAME] [--serving] [--nf4]
+
+--serving runs Kiln's side on a thread of its own on the serving threads' route (native_ext.blas.serve_on_openblas,
+as the OpenAI-compatible server's completion threads do); --nf4 quantizes Kiln's base to NF4 (block 64) first, so
+its tokens need not match transformers' float32 ones (the line says so).
 """
 
 import argparse
 import os
+import threading
 import time
 
 import numpy as np
@@ -38,12 +43,35 @@ def hf_twin(model):
     return hf
 
 
+def kiln_generation(model, prompt, config, serving, times):
+    """One timed generation (appended to times); with serving, on a new thread on the serving threads' route."""
+    result = {}
+
+    def run():
+        if serving:
+            from native_ext import blas
+            blas.serve_on_openblas()
+        start = time.perf_counter()
+        result["generation"] = generate(model, prompt, config)
+        times.append(time.perf_counter() - start)
+
+    if serving:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    else:
+        run()
+    return result["generation"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--base", help="a registered base name, GGUF file or HF directory")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--serving", action="store_true", help="Kiln on a completion thread's route")
+    parser.add_argument("--nf4", action="store_true", help="Kiln's base quantized to NF4 (block 64)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     if args.base:
@@ -54,11 +82,11 @@ def main():
     hf = hf_twin(model)
     prompt = np.random.default_rng(0).integers(0, model.config.vocabulary_size, args.prompt_tokens).tolist()
     config = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0)
+    if args.nf4:
+        model.quantize(block_size=64)
     kiln_times, hf_times = [], []
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        ours = generate(model, prompt, config)
-        kiln_times.append(time.perf_counter() - start)
+        ours = kiln_generation(model, prompt, config, args.serving, kiln_times)
         start = time.perf_counter()
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens,
@@ -67,7 +95,8 @@ def main():
         hf_times.append(time.perf_counter() - start)
     same = ours.tokens == theirs[0, len(prompt):].tolist()
     kiln, ref = args.new_tokens / min(kiln_times), args.new_tokens / min(hf_times)
-    print(f"batch 1, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy, "
+    kind = ("NF4 base (transformers float32), " if args.nf4 else "") + ("serving route, " if args.serving else "")
+    print(f"batch 1, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy, {kind}"
           f"{os.cpu_count()} threads; identical tokens: {same}")
     print(f"{'kiln tok/s':>11s} {'transformers tok/s':>19s} {'ratio':>6s}")
     print(f"{kiln:11.1f} {ref:19.1f} {kiln / ref:6.2f}")
