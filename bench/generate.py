@@ -3,11 +3,12 @@
 Batch 1, greedy, a fixed number of new tokens, the same weights on both sides (a
 SmolLM2-135M-shaped model with random weights, or a registered base with --base):
 
-    python bench/generate.py [--new-tokens 128] [--prompt-tokens 32] [--base NAME] [--serving] [--nf4]
+    python bench/generate.py [--new-tokens 128] [--prompt-tokens 32] [--base NAME] [--serving] [--nf4] [--lora]
 
 --serving runs Kiln's side on a thread of its own on the serving threads' route (native_ext.blas.serve_on_openblas,
 as the OpenAI-compatible server's completion threads do); --nf4 quantizes Kiln's base to NF4 (block 64) first, so
-its tokens need not match transformers' float32 ones (the line says so).
+its tokens need not match transformers' float32 ones (the line says so); --lora attaches rank-8 adapters to the
+seven projections, as served adapters are.
 """
 
 import argparse
@@ -72,6 +73,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--serving", action="store_true", help="Kiln on a completion thread's route")
     parser.add_argument("--nf4", action="store_true", help="Kiln's base quantized to NF4 (block 64)")
+    parser.add_argument("--lora", action="store_true", help="rank-8 adapters on Kiln's seven projections")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     if args.base:
@@ -84,6 +86,10 @@ def main():
     config = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0)
     if args.nf4:
         model.quantize(block_size=64)
+    if args.lora:
+        from trainer import LoraConfig
+        model.attach_lora(LoraConfig(rank=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj")))
     kiln_times, hf_times = [], []
     for _ in range(args.repeats):
         ours = kiln_generation(model, prompt, config, args.serving, kiln_times)
@@ -95,7 +101,8 @@ def main():
         hf_times.append(time.perf_counter() - start)
     same = ours.tokens == theirs[0, len(prompt):].tolist()
     kiln, ref = args.new_tokens / min(kiln_times), args.new_tokens / min(hf_times)
-    kind = ("NF4 base (transformers float32), " if args.nf4 else "") + ("serving route, " if args.serving else "")
+    kind = ("NF4 base (transformers float32), " if args.nf4 else "") + ("LoRA rank 8, " if args.lora else "") \
+        + ("serving route, " if args.serving else "")
     print(f"batch 1, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy, {kind}"
           f"{os.cpu_count()} threads; identical tokens: {same}")
     print(f"{'kiln tok/s':>11s} {'transformers tok/s':>19s} {'ratio':>6s}")
