@@ -1,6 +1,7 @@
 # cython: language_level=3
-"""Cython kernels for the CPU backend: every hot operation except matrix products (and the call that hands
-those to oneDNN, dnnl_sgemm).
+"""Cython kernels for the CPU backend: every hot operation except matrix products, and the calls that hand
+those to their libraries without ctypes (oneDNN's dnnl_sgemm and dnnl_gemm_bf16bf16f32, OpenBLAS's cblas_sgemm
+and, for one row, cblas_sgemv).
 
 Private module: the public, validating entry points are in native_ext.kernels, and each
 kernel has a plain numpy twin in native_ext.reference. Kernels take C-contiguous float32
