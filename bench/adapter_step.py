@@ -34,6 +34,9 @@ through the frozen base, the attention products and the output projection.
 sides (Kiln through trainer.bases.load_base, PyTorch through transformers' gguf_file=)
 for the LoRA variants; without it both sides use the same random weights of that shape.
 
+After each context's table, issue 19's LoRA and QLoRA targets that the variants measured are judged (met or not
+met), on the median steps against the peak measured at the start; bench/engine_step.py judges the full-parameter one.
+
 Run with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (see docs/engine.md).
 """
 
@@ -258,6 +261,31 @@ PAIRS = (("kiln-lora", "peft-lora"), ("kiln-lora", "kiln-lora-openblas"), ("kiln
          ("kiln-qlora", "peft-qlora"))
 
 
+# issue 19's targets, judged on median steps against the peak measured at the start (docs/engine.md keeps each
+# machine's figures; a verdict here holds for this machine only)
+TARGET_LORA_RATIO, TARGET_LORA_SHARE, TARGET_QLORA_RATIO, TARGET_QLORA_RESIDENT = 1.5, 0.70, 1.3, 0.16
+
+
+def verdicts(results, context, peak) -> list:
+    """(target, measured, met) for each of issue 19's LoRA and QLoRA targets that RESULTS can judge."""
+    judged = []
+    if "kiln-lora" in results and "peft-lora" in results:
+        ratio = results["peft-lora"]["seconds"] / results["kiln-lora"]["seconds"]
+        judged.append((f"LoRA >= {TARGET_LORA_RATIO}x PyTorch + peft", f"{ratio:.2f}x", ratio >= TARGET_LORA_RATIO))
+    if "kiln-lora" in results:
+        share = lora_step_flops(context) / results["kiln-lora"]["seconds"] / peak
+        judged.append((f"LoRA >= {TARGET_LORA_SHARE:.0%} of the peak", f"{share:.1%}", share >= TARGET_LORA_SHARE))
+    if "kiln-qlora" in results and "peft-qlora" in results:
+        ratio = results["peft-qlora"]["seconds"] / results["kiln-qlora"]["seconds"]
+        judged.append((f"QLoRA >= {TARGET_QLORA_RATIO}x peft + bitsandbytes", f"{ratio:.2f}x",
+                       ratio >= TARGET_QLORA_RATIO))
+    resident = results.get("kiln-qlora", {}).get("quantized_linear_ratio")
+    if resident is not None:
+        judged.append((f"QLoRA bases resident <= {TARGET_QLORA_RESIDENT}x FP32", f"{resident:.3f}x",
+                       resident <= TARGET_QLORA_RESIDENT))
+    return judged
+
+
 def report(results, context, real, peak, per_round=None):
     tokens = BATCH * context
     flops = lora_step_flops(context)
@@ -281,6 +309,11 @@ def report(results, context, real, peak, per_round=None):
     if "kiln-qlora" in results and "quantized_linear_ratio" in results["kiln-qlora"]:
         print(f"kiln QLoRA quantized Linear bases resident at "
               f"{results['kiln-qlora']['quantized_linear_ratio']:.3f}x their FP32 size")
+    judged = verdicts(results, context, peak)
+    if judged:
+        print(f"issue 19's targets at context {context} (median steps; this machine only):")
+        for target, measured, met in judged:
+            print(f"  {target:36s} {measured:>8s}  {'met' if met else 'not met'}")
 
 
 def main():
