@@ -75,15 +75,23 @@ _SGEMM, LIBRARY_PATH, SYMBOL = _load()  # resolved once at import; read-only aft
 # gemm() calls it from Cython (native_ext._kernels.cblas_sgemm), not through ctypes: about 1 us a call against 20
 _SGEMM_ADDRESS = ctypes.cast(_SGEMM, ctypes.c_void_p).value if _SGEMM is not None else None
 _SGEMM_ILP64 = dict(_CANDIDATES).get(SYMBOL) is ctypes.c_int64
+_LIBRARY = ctypes.CDLL(str(LIBRARY_PATH)) if SYMBOL else None  # numpy's OpenBLAS, for the symbols beside sgemm
+
+
+def _beside(name):
+    """The function NAME of numpy's OpenBLAS, or None (no OpenBLAS found, or none by that name)."""
+    return getattr(_LIBRARY, name, None) if _LIBRARY is not None and name else None
+
+
 # its sgemv beside it (same prefix and suffix), for one-row products (generation): _kernels.cblas_sgemv_row
-_SGEMV = getattr(ctypes.CDLL(str(LIBRARY_PATH)), SYMBOL.replace("sgemm", "sgemv"), None) if SYMBOL else None
+_SGEMV = _beside(SYMBOL.replace("sgemm", "sgemv")) if SYMBOL else None
 _SGEMV_ADDRESS = ctypes.cast(_SGEMV, ctypes.c_void_p).value if _SGEMV is not None else None
-_THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_QUERIES[SYMBOL], None) if SYMBOL else None
+_THREADS = _beside(_THREAD_QUERIES.get(SYMBOL))
 if _THREADS is not None:
     _THREADS.argtypes, _THREADS.restype = [], ctypes.c_int
-_SET_THREADS = getattr(ctypes.CDLL(str(LIBRARY_PATH)), _THREAD_SETTERS[SYMBOL], None) if SYMBOL else None
+_SET_THREADS = _beside(_THREAD_SETTERS.get(SYMBOL))
 # OpenBLAS >= 0.3.27: the calling thread's own thread count (serve_on_openblas)
-_SET_THREADS_HERE = getattr(ctypes.CDLL(str(LIBRARY_PATH)), "openblas_set_num_threads_local", None) if SYMBOL else None
+_SET_THREADS_HERE = _beside("openblas_set_num_threads_local")
 if _SET_THREADS_HERE is not None:
     _SET_THREADS_HERE.argtypes, _SET_THREADS_HERE.restype = [ctypes.c_int], ctypes.c_int
 if _SET_THREADS is not None:
@@ -98,8 +106,7 @@ def _share_threads():
     its results are the same bytes. Returns where the jobs run: "kiln", "openblas" or why not."""
     if os.environ.get("KILN_OPENBLAS_THREADS", "kiln") == "own":
         return "openblas (KILN_OPENBLAS_THREADS=own)"
-    setter = _CALLBACK_SETTERS.get(SYMBOL)
-    function = getattr(ctypes.CDLL(str(LIBRARY_PATH)), setter, None) if setter else None
+    function = _beside(_CALLBACK_SETTERS.get(SYMBOL))
     if function is None:
         return "openblas (this OpenBLAS has no threads callback)"
     function.argtypes, function.restype = [ctypes.c_void_p], None
