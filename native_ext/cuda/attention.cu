@@ -4,231 +4,364 @@
 // Backward, without atomics: delta = rowsum(dout * out); then one CTA per (key tile, group) owns dK and
 // dV of its keys and walks the row tiles that can see them; then one CTA per (row tile, group) owns dQ
 // and walks the key tiles. Every sum runs in a fixed order, so the result is the same every run.
-// Tiles live in dynamic shared memory with a row pitch of D + 1 floats (no bank conflicts on dots).
+//
+// Register tiling on the CUDA cores: a CTA is 16 x 16 threads, (ty, tx). A tile of scores [64 rows, 64
+// keys] gives thread (ty, tx) rows ty + 16i and keys tx + 16j (i, j < 4): per step of the head dimension it
+// loads 4 + 4 floats from shared memory for 16 FMAs (the kernels before this did one FMA's work, unfused,
+// per two loads). An accumulator [rows or keys, D] gives it rows ty + 16i and columns tx + 16j (j < W,
+// W = DMAX / 16 with DMAX = 32, 64 or 128 the head size rounded up), kept in registers across the whole
+// walk. Tiles of q, k, v and dout live in dynamic shared memory [rows, DMAX + 1]: an odd row pitch, so
+// the 16 threads of a half-warp that read 16 different rows at one column hit 16 different banks, and
+// the columns from D to DMAX hold zeros. The products use explicit fmaf (one rounding, as cuBLAS's GEMMs;
+// the rest of the library is built with --fmad=false), in a fixed order per output.
 #include <cmath>
 
 #include "kiln_cuda_internal.h"
 
 namespace {
 
-constexpr int kRows = 32;      // query rows per tile
-constexpr int kKeys = 32;      // keys per tile
-constexpr int kThreads = 128;
+constexpr int kTile = 64;      // query rows and keys per tile
+constexpr int kSide = 16;      // threads per side of the CTA
+constexpr int kThreads = kSide * kSide;
+constexpr int kPerThread = kTile / kSide;  // rows (or keys) per thread in a tile: 4
+constexpr int kScorePitch = kTile + 1;     // [rows, keys] tiles of probabilities
+constexpr int kReducePitch = kSide + 1;    // [rows, 16] partial maxima and sums
 
-__device__ void load_tile(float *tile, const float *source, int64_t first, int64_t count, int rows, int D,
-                          int pitch) {
-    for (int i = threadIdx.x; i < rows * D; i += kThreads) {
-        int row = i / D, d = i % D;
-        tile[row * pitch + d] = row < count ? source[(first + row) * D + d] : 0.0f;
-    }
-}
+__device__ int thread_y() { return (int)threadIdx.x / kSide; }
+__device__ int thread_x() { return (int)threadIdx.x % kSide; }
 
-__device__ float dot(const float *a, const float *b, int D) {
-    float sum = 0.0f;
-    for (int d = 0; d < D; d++) sum = sum + a[d] * b[d];
-    return sum;
-}
-
-__global__ void attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
-                                         float *logsumexp, int64_t T, int64_t g, int64_t S, int D, int64_t past,
-                                         int64_t window, float scale) {
-    KILN_DYNAMIC_SHARED(float, shared);
-    const int pitch = D + 1;
-    float *sq = shared, *sk = sq + kRows * pitch, *sv = sk + kKeys * pitch, *acc = sv + kKeys * pitch;
-    float *scores = acc + kRows * pitch, *running_max = scores + kRows * kKeys;
-    float *running_sum = running_max + kRows, *alpha = running_sum + kRows;
-    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)blockIdx.x * kRows;
-    const int64_t r1 = kiln_tile_end(r0, kRows, R);
-    const int rows = (int)(r1 - r0);
-    q += group * R * D;
-    k += group * S * D;
-    v += group * S * D;
-    load_tile(sq, q, r0, rows, kRows, D, pitch);
-    for (int i = threadIdx.x; i < kRows * D; i += kThreads) acc[(i / D) * pitch + i % D] = 0.0f;
-    if (threadIdx.x < kRows) {
-        running_max[threadIdx.x] = -INFINITY;
-        running_sum[threadIdx.x] = 0.0f;
-    }
-    const int64_t last_key = kiln_last_key(S, r1, g, past);
-    for (int64_t ks = 0; ks < last_key; ks += kKeys) {
-        const int keys = (int)(kiln_tile_end(ks, kKeys, S) - ks);
-        __syncthreads();
-        load_tile(sk, k, ks, keys, kKeys, D, pitch);
-        load_tile(sv, v, ks, keys, kKeys, D, pitch);
-        __syncthreads();
-        for (int i = threadIdx.x; i < kRows * kKeys; i += kThreads) {
-            int row = i / kKeys, key = i % kKeys;
-            bool visible = row < rows && key < keys &&
-                           kiln_attention_visible(ks + key, kiln_query_position(r0 + row, g, past), window);
-            scores[i] = visible ? dot(sq + row * pitch, sk + key * pitch, D) * scale : -INFINITY;
-        }
-        __syncthreads();
-        if (threadIdx.x < kRows) {  // the online softmax of one row (flash_block_forward's arithmetic)
-            const int row = threadIdx.x;
-            float *z = scores + row * kKeys;
-            float block_max = -INFINITY;
-            for (int key = 0; key < kKeys; key++) block_max = fmaxf(block_max, z[key]);
-            float old_max = running_max[row], new_max = fmaxf(old_max, block_max);
-            float safe_max = new_max == -INFINITY ? 0.0f : new_max;
-            float a = old_max == -INFINITY ? 0.0f : expf(old_max - safe_max);
-            if (new_max == -INFINITY) a = 1.0f;
-            float block_sum = 0.0f;
-            for (int key = 0; key < kKeys; key++) {
-                float p = z[key] == -INFINITY ? 0.0f : expf(z[key] - safe_max);
-                z[key] = p;
-                block_sum = block_sum + p;
-            }
-            running_sum[row] = running_sum[row] * a + block_sum;
-            running_max[row] = new_max;
-            alpha[row] = a;
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < kRows * D; i += kThreads) {
-            int row = i / D, d = i % D;
-            float pv = 0.0f;
-            for (int key = 0; key < keys; key++) pv = pv + scores[row * kKeys + key] * sv[key * pitch + d];
-            acc[row * pitch + d] = acc[row * pitch + d] * alpha[row] + pv;
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * D; i += kThreads) {
-        int row = i / D, d = i % D;
-        out[group * R * D + (r0 + row) * D + d] = acc[row * pitch + d] / running_sum[row];
-    }
-    if ((int)threadIdx.x < rows)
-        logsumexp[group * R + r0 + threadIdx.x] = running_max[threadIdx.x] + logf(running_sum[threadIdx.x]);
-}
-
-__global__ void attention_delta_kernel(const float *dout, const float *out, float *delta, int64_t rows, int D) {
-    for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x)
-        delta[r] = dot(dout + r * D, out + r * D, D);
-}
-
-// p = exp(scale * q.k - lse) where visible; ds = p * (dout.v - delta) * scale (flash_block_backward)
-__device__ void probabilities(const float *sq, const float *sdo, const float *sk, const float *sv,
-                              const float *lse, const float *delta, float *p, float *ds, int rows, int keys,
-                              int64_t r0, int64_t ks, int64_t g, int64_t past, int64_t window, int D, int pitch,
-                              float scale) {
-    for (int i = threadIdx.x; i < kRows * kKeys; i += kThreads) {
-        int row = i / kKeys, key = i % kKeys;
-        bool visible = row < rows && key < keys &&
-                       kiln_attention_visible(ks + key, kiln_query_position(r0 + row, g, past), window);
-        float prob = visible ? expf(dot(sq + row * pitch, sk + key * pitch, D) * scale - lse[row]) : 0.0f;
-        float dprob = visible ? dot(sdo + row * pitch, sv + key * pitch, D) : 0.0f;
-        p[i] = prob;
-        ds[i] = prob * (dprob - delta[row]) * scale;
+// rows [first, first + count) of source [.., D] into tile [rows, DMAX + 1], zeros past count and past D
+template <int DMAX>
+__device__ void load_tile(float *tile, const float *source, int64_t first, int count, int rows, int D) {
+    for (int i = threadIdx.x; i < rows * DMAX; i += kThreads) {
+        int row = i / DMAX, d = i % DMAX;
+        tile[row * (DMAX + 1) + d] = row < count && d < D ? source[(first + row) * D + d] : 0.0f;
     }
 }
 
 __device__ void load_rows(float *values, const float *source, int64_t first, int count) {
-    if (threadIdx.x < kRows) values[threadIdx.x] = (int)threadIdx.x < count ? source[first + threadIdx.x] : 0.0f;
+    for (int i = threadIdx.x; i < kTile; i += kThreads) values[i] = i < count ? source[first + i] : 0.0f;
 }
 
+// scores[i][j] = a[rows ty + 16i] . b[rows tx + 16j] over the first D columns (tiles of pitch DMAX + 1)
+template <int DMAX, int RI>
+__device__ void micro_dots(const float *a, const float *b, int D, float (&scores)[RI][kPerThread]) {
+    const int ty = thread_y(), tx = thread_x();
+KILN_UNROLL
+    for (int i = 0; i < RI; i++)
+KILN_UNROLL
+        for (int j = 0; j < kPerThread; j++) scores[i][j] = 0.0f;
+    for (int d = 0; d < D; d++) {
+        float x[RI], y[kPerThread];
+KILN_UNROLL
+        for (int i = 0; i < RI; i++) x[i] = a[(ty + kSide * i) * (DMAX + 1) + d];
+KILN_UNROLL
+        for (int j = 0; j < kPerThread; j++) y[j] = b[(tx + kSide * j) * (DMAX + 1) + d];
+KILN_UNROLL
+        for (int i = 0; i < RI; i++)
+KILN_UNROLL
+            for (int j = 0; j < kPerThread; j++) scores[i][j] = fmaf(x[i], y[j], scores[i][j]);
+    }
+}
+
+// acc[i][j] += sum over n < count of weights[(ty + 16i) or n ...] * values[n, tx + 16j]: weights is a
+// [.., kScorePitch] tile read at (n, ty + 16i) when by_column, else at (ty + 16i, n)
+template <int DMAX, bool by_column>
+__device__ void accumulate(const float *weights, const float *values, int count,
+                           float (&acc)[kPerThread][DMAX / kSide]) {
+    const int ty = thread_y(), tx = thread_x();
+    constexpr int W = DMAX / kSide;
+    for (int n = 0; n < count; n++) {
+        float w[kPerThread], x[W];
+KILN_UNROLL
+        for (int i = 0; i < kPerThread; i++)
+            w[i] = by_column ? weights[n * kScorePitch + ty + kSide * i] : weights[(ty + kSide * i) * kScorePitch + n];
+KILN_UNROLL
+        for (int j = 0; j < W; j++) x[j] = values[n * (DMAX + 1) + tx + kSide * j];
+KILN_UNROLL
+        for (int i = 0; i < kPerThread; i++)
+KILN_UNROLL
+            for (int j = 0; j < W; j++) acc[i][j] = fmaf(w[i], x[j], acc[i][j]);
+    }
+}
+
+// rows ty + 16i of acc [.., D] to target rows [first, first + count), columns below D
+template <int DMAX>
+__device__ void store_rows(float *target, int64_t first, int count, int D, const float (&acc)[kPerThread][DMAX / kSide],
+                           const float *divisors) {
+    const int ty = thread_y(), tx = thread_x();
+KILN_UNROLL
+    for (int i = 0; i < kPerThread; i++) {
+        int row = ty + kSide * i;
+        if (row >= count) continue;
+KILN_UNROLL
+        for (int j = 0; j < DMAX / kSide; j++) {
+            int d = tx + kSide * j;
+            if (d < D) target[(first + row) * D + d] = divisors ? acc[i][j] / divisors[row] : acc[i][j];
+        }
+    }
+}
+
+template <int DMAX>
+__global__ void attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
+                                         float *logsumexp, int64_t T, int64_t g, int64_t S, int D, int64_t past,
+                                         int64_t window, float scale) {
+    constexpr int W = DMAX / kSide, pitch = DMAX + 1;
+    KILN_DYNAMIC_SHARED(float, shared);
+    float *sq = shared, *sk = sq + kTile * pitch, *sv = sk + kTile * pitch, *sp = sv + kTile * pitch;
+    float *reduce = sp + kTile * kScorePitch, *running_max = reduce + kTile * kReducePitch;
+    float *safe_max = running_max + kTile, *running_sum = safe_max + kTile, *alpha = running_sum + kTile;
+    const int ty = thread_y(), tx = thread_x();
+    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)blockIdx.x * kTile;
+    const int64_t r1 = kiln_tile_end(r0, kTile, R);
+    const int rows = (int)(r1 - r0);
+    q += group * R * D;
+    k += group * S * D;
+    v += group * S * D;
+    load_tile<DMAX>(sq, q, r0, rows, kTile, D);
+    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+        running_max[i] = -INFINITY;
+        running_sum[i] = 0.0f;
+    }
+    int64_t query[kPerThread];
+KILN_UNROLL
+    for (int i = 0; i < kPerThread; i++) query[i] = kiln_query_position(r0 + ty + kSide * i, g, past);
+    float acc[kPerThread][W];
+KILN_UNROLL
+    for (int i = 0; i < kPerThread; i++)
+KILN_UNROLL
+        for (int j = 0; j < W; j++) acc[i][j] = 0.0f;
+    const int64_t last_key = kiln_last_key(S, r1, g, past);
+    for (int64_t ks = 0; ks < last_key; ks += kTile) {
+        const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
+        __syncthreads();  // the last tile's readers are done with sk, sv, sp and reduce
+        load_tile<DMAX>(sk, k, ks, keys, kTile, D);
+        load_tile<DMAX>(sv, v, ks, keys, kTile, D);
+        __syncthreads();
+        float z[kPerThread][kPerThread];
+        micro_dots<DMAX, kPerThread>(sq, sk, D, z);
+KILN_UNROLL
+        for (int i = 0; i < kPerThread; i++) {
+            float top = -INFINITY;
+KILN_UNROLL
+            for (int j = 0; j < kPerThread; j++) {
+                int row = ty + kSide * i, key = tx + kSide * j;
+                bool visible = row < rows && key < keys && kiln_attention_visible(ks + key, query[i], window);
+                z[i][j] = visible ? z[i][j] * scale : -INFINITY;
+                top = fmaxf(top, z[i][j]);
+            }
+            reduce[(ty + kSide * i) * kReducePitch + tx] = top;
+        }
+        __syncthreads();
+        for (int row = threadIdx.x; row < kTile; row += kThreads) {  // the online softmax's new maximum
+            float block_max = -INFINITY;
+            for (int t = 0; t < kSide; t++) block_max = fmaxf(block_max, reduce[row * kReducePitch + t]);
+            float old_max = running_max[row], new_max = fmaxf(old_max, block_max);
+            float safe = new_max == -INFINITY ? 0.0f : new_max;
+            float a = old_max == -INFINITY ? 0.0f : expf(old_max - safe);
+            if (new_max == -INFINITY) a = 1.0f;
+            running_max[row] = new_max;
+            safe_max[row] = safe;
+            alpha[row] = a;
+        }
+        __syncthreads();
+KILN_UNROLL
+        for (int i = 0; i < kPerThread; i++) {
+            const int row = ty + kSide * i;
+            float sum = 0.0f;
+KILN_UNROLL
+            for (int j = 0; j < kPerThread; j++) {
+                float p = z[i][j] == -INFINITY ? 0.0f : expf(z[i][j] - safe_max[row]);
+                sp[row * kScorePitch + tx + kSide * j] = p;
+                sum = sum + p;
+            }
+            reduce[row * kReducePitch + tx] = sum;
+KILN_UNROLL
+            for (int j = 0; j < W; j++) acc[i][j] = acc[i][j] * alpha[row];
+        }
+        __syncthreads();
+        for (int row = threadIdx.x; row < kTile; row += kThreads) {
+            float block_sum = 0.0f;
+            for (int t = 0; t < kSide; t++) block_sum = block_sum + reduce[row * kReducePitch + t];
+            running_sum[row] = running_sum[row] * alpha[row] + block_sum;
+        }
+        accumulate<DMAX, false>(sp, sv, keys, acc);
+    }
+    __syncthreads();
+    store_rows<DMAX>(out + group * R * D, r0, rows, D, acc, running_sum);
+    for (int row = threadIdx.x; row < rows; row += kThreads)
+        logsumexp[group * R + r0 + row] = running_max[row] + logf(running_sum[row]);
+}
+
+__global__ void attention_delta_kernel(const float *dout, const float *out, float *delta, int64_t rows, int D) {
+    for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
+        float sum = 0.0f;
+        for (int d = 0; d < D; d++) sum = fmaf(dout[r * D + d], out[r * D + d], sum);
+        delta[r] = sum;
+    }
+}
+
+// for a tile pair, each thread's rows ty + 16i and keys tx + 16j: p = exp(scale * q.k - lse) where visible,
+// ds = p * (dout.v - delta) * scale (flash_block_backward), written to p and ds [rows, keys]
+template <int DMAX>
+__device__ void probabilities(const float *sq, const float *sdo, const float *sk, const float *sv,
+                              const float *lse, const float *delta, float *p, float *ds, int rows, int keys,
+                              int64_t r0, int64_t ks, int64_t g, int64_t past, int64_t window, int D, float scale) {
+    const int ty = thread_y(), tx = thread_x();
+    float z[kPerThread][kPerThread], dz[kPerThread][kPerThread];
+    micro_dots<DMAX, kPerThread>(sq, sk, D, z);
+    micro_dots<DMAX, kPerThread>(sdo, sv, D, dz);
+KILN_UNROLL
+    for (int i = 0; i < kPerThread; i++) {
+        const int row = ty + kSide * i;
+        const int64_t query = kiln_query_position(r0 + row, g, past);
+KILN_UNROLL
+        for (int j = 0; j < kPerThread; j++) {
+            const int key = tx + kSide * j;
+            bool visible = row < rows && key < keys && kiln_attention_visible(ks + key, query, window);
+            float prob = visible ? expf(z[i][j] * scale - lse[row]) : 0.0f;
+            p[row * kScorePitch + key] = prob;
+            ds[row * kScorePitch + key] = visible ? prob * (dz[i][j] - delta[row]) * scale : 0.0f;
+        }
+    }
+}
+
+template <int DMAX>
 __global__ void attention_dkdv_kernel(const float *dout, const float *q, const float *k, const float *v,
                                       const float *logsumexp, const float *delta, float *dk, float *dv, int64_t T,
                                       int64_t g, int64_t S, int D, int64_t past, int64_t window, float scale) {
+    constexpr int W = DMAX / kSide, pitch = DMAX + 1;
     KILN_DYNAMIC_SHARED(float, shared);
-    const int pitch = D + 1;
-    float *sk = shared, *sv = sk + kKeys * pitch, *sdk = sv + kKeys * pitch, *sdv = sdk + kKeys * pitch;
-    float *sq = sdv + kKeys * pitch, *sdo = sq + kRows * pitch, *p = sdo + kRows * pitch, *ds = p + kRows * kKeys;
-    float *lse = ds + kRows * kKeys, *sdelta = lse + kRows;
-    const int64_t R = T * g, group = blockIdx.y, ks = (int64_t)blockIdx.x * kKeys;
-    const int keys = (int)(kiln_tile_end(ks, kKeys, S) - ks);
+    float *sk = shared, *sv = sk + kTile * pitch, *sq = sv + kTile * pitch, *sdo = sq + kTile * pitch;
+    float *p = sdo + kTile * pitch, *ds = p + kTile * kScorePitch, *lse = ds + kTile * kScorePitch;
+    float *sdelta = lse + kTile;
+    const int64_t R = T * g, group = blockIdx.y, ks = (int64_t)blockIdx.x * kTile;
+    const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
     q += group * R * D;
     dout += group * R * D;
     logsumexp += group * R;
     delta += group * R;
-    load_tile(sk, k + group * S * D, ks, keys, kKeys, D, pitch);
-    load_tile(sv, v + group * S * D, ks, keys, kKeys, D, pitch);
-    for (int i = threadIdx.x; i < kKeys * D; i += kThreads) {
-        sdk[(i / D) * pitch + i % D] = 0.0f;
-        sdv[(i / D) * pitch + i % D] = 0.0f;
-    }
-    const int64_t first = (kiln_first_row(ks, g, past) / kRows) * kRows;
-    for (int64_t r0 = first; r0 < R; r0 += kRows) {
-        const int rows = (int)(kiln_tile_end(r0, kRows, R) - r0);
-        __syncthreads();
-        load_tile(sq, q, r0, rows, kRows, D, pitch);
-        load_tile(sdo, dout, r0, rows, kRows, D, pitch);
+    load_tile<DMAX>(sk, k + group * S * D, ks, keys, kTile, D);
+    load_tile<DMAX>(sv, v + group * S * D, ks, keys, kTile, D);
+    float dk_acc[kPerThread][W], dv_acc[kPerThread][W];
+KILN_UNROLL
+    for (int i = 0; i < kPerThread; i++)
+KILN_UNROLL
+        for (int j = 0; j < W; j++) dk_acc[i][j] = dv_acc[i][j] = 0.0f;
+    const int64_t first = (kiln_first_row(ks, g, past) / kTile) * kTile;
+    for (int64_t r0 = first; r0 < R; r0 += kTile) {
+        const int rows = (int)(kiln_tile_end(r0, kTile, R) - r0);
+        __syncthreads();  // the last row tile's readers are done
+        load_tile<DMAX>(sq, q, r0, rows, kTile, D);
+        load_tile<DMAX>(sdo, dout, r0, rows, kTile, D);
         load_rows(lse, logsumexp, r0, rows);
         load_rows(sdelta, delta, r0, rows);
         __syncthreads();
-        probabilities(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, pitch, scale);
+        probabilities<DMAX>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, scale);
         __syncthreads();
-        for (int i = threadIdx.x; i < kKeys * D; i += kThreads) {
-            int key = i / D, d = i % D;
-            float pv = 0.0f, sk_sum = 0.0f;
-            for (int row = 0; row < rows; row++) {
-                pv = pv + p[row * kKeys + key] * sdo[row * pitch + d];
-                sk_sum = sk_sum + ds[row * kKeys + key] * sq[row * pitch + d];
-            }
-            sdv[key * pitch + d] = sdv[key * pitch + d] + pv;
-            sdk[key * pitch + d] = sdk[key * pitch + d] + sk_sum;
-        }
+        // this thread's keys ty + 16i: dV += P^T dout, dK += dS^T q, over the tile's rows in order
+        accumulate<DMAX, true>(p, sdo, rows, dv_acc);
+        accumulate<DMAX, true>(ds, sq, rows, dk_acc);
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < keys * D; i += kThreads) {
-        int key = i / D, d = i % D;
-        dk[group * S * D + (ks + key) * D + d] = sdk[key * pitch + d];
-        dv[group * S * D + (ks + key) * D + d] = sdv[key * pitch + d];
-    }
+    store_rows<DMAX>(dk + group * S * D, ks, keys, D, dk_acc, nullptr);
+    store_rows<DMAX>(dv + group * S * D, ks, keys, D, dv_acc, nullptr);
 }
 
+template <int DMAX>
 __global__ void attention_dq_kernel(const float *dout, const float *q, const float *k, const float *v,
                                     const float *logsumexp, const float *delta, float *dq, int64_t T, int64_t g,
                                     int64_t S, int D, int64_t past, int64_t window, float scale) {
+    constexpr int W = DMAX / kSide, pitch = DMAX + 1;
     KILN_DYNAMIC_SHARED(float, shared);
-    const int pitch = D + 1;
-    float *sq = shared, *sdo = sq + kRows * pitch, *sdq = sdo + kRows * pitch, *sk = sdq + kRows * pitch;
-    float *sv = sk + kKeys * pitch, *p = sv + kKeys * pitch, *ds = p + kRows * kKeys;
-    float *lse = ds + kRows * kKeys, *sdelta = lse + kRows;
-    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)blockIdx.x * kRows;
-    const int64_t r1 = kiln_tile_end(r0, kRows, R);
+    float *sq = shared, *sdo = sq + kTile * pitch, *sk = sdo + kTile * pitch, *sv = sk + kTile * pitch;
+    float *p = sv + kTile * pitch, *ds = p + kTile * kScorePitch, *lse = ds + kTile * kScorePitch;
+    float *sdelta = lse + kTile;
+    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)blockIdx.x * kTile;
+    const int64_t r1 = kiln_tile_end(r0, kTile, R);
     const int rows = (int)(r1 - r0);
     k += group * S * D;
     v += group * S * D;
-    load_tile(sq, q + group * R * D, r0, rows, kRows, D, pitch);
-    load_tile(sdo, dout + group * R * D, r0, rows, kRows, D, pitch);
+    load_tile<DMAX>(sq, q + group * R * D, r0, rows, kTile, D);
+    load_tile<DMAX>(sdo, dout + group * R * D, r0, rows, kTile, D);
     load_rows(lse, logsumexp + group * R, r0, rows);
     load_rows(sdelta, delta + group * R, r0, rows);
-    for (int i = threadIdx.x; i < kRows * D; i += kThreads) sdq[(i / D) * pitch + i % D] = 0.0f;
+    float dq_acc[kPerThread][W];
+KILN_UNROLL
+    for (int i = 0; i < kPerThread; i++)
+KILN_UNROLL
+        for (int j = 0; j < W; j++) dq_acc[i][j] = 0.0f;
     const int64_t last_key = kiln_last_key(S, r1, g, past);
-    for (int64_t ks = 0; ks < last_key; ks += kKeys) {
-        const int keys = (int)(kiln_tile_end(ks, kKeys, S) - ks);
+    for (int64_t ks = 0; ks < last_key; ks += kTile) {
+        const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
         __syncthreads();
-        load_tile(sk, k, ks, keys, kKeys, D, pitch);
-        load_tile(sv, v, ks, keys, kKeys, D, pitch);
+        load_tile<DMAX>(sk, k, ks, keys, kTile, D);
+        load_tile<DMAX>(sv, v, ks, keys, kTile, D);
         __syncthreads();
-        probabilities(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, pitch, scale);
+        probabilities<DMAX>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, scale);
         __syncthreads();
-        for (int i = threadIdx.x; i < kRows * D; i += kThreads) {
-            int row = i / D, d = i % D;
-            float sum = 0.0f;
-            for (int key = 0; key < keys; key++) sum = sum + ds[row * kKeys + key] * sk[key * pitch + d];
-            sdq[row * pitch + d] = sdq[row * pitch + d] + sum;
-        }
+        accumulate<DMAX, false>(ds, sk, keys, dq_acc);  // this thread's rows: dQ += dS k, over the keys in order
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * D; i += kThreads)
-        dq[group * R * D + (r0 + i / D) * D + i % D] = sdq[(i / D) * pitch + i % D];
+    store_rows<DMAX>(dq + group * R * D, r0, rows, D, dq_acc, nullptr);
 }
 
-size_t forward_shared(int D) { return sizeof(float) * ((2 * kRows + 2 * kKeys) * (D + 1) + kRows * kKeys + 3 * kRows); }
-size_t dkdv_shared(int D) { return sizeof(float) * ((2 * kRows + 4 * kKeys) * (D + 1) + 2 * kRows * kKeys + 2 * kRows); }
-size_t dq_shared(int D) { return sizeof(float) * ((3 * kRows + 2 * kKeys) * (D + 1) + 2 * kRows * kKeys + 2 * kRows); }
+// dynamic shared memory, in floats: [64, DMAX + 1] tiles, [64, 65] score tiles, [64, 17] and [64] rows
+constexpr size_t tile_floats(int dmax) { return (size_t)kTile * (dmax + 1); }
+constexpr size_t forward_shared(int dmax) {
+    return sizeof(float) * (3 * tile_floats(dmax) + kTile * kScorePitch + kTile * kReducePitch + 4 * kTile);
+}
+constexpr size_t backward_shared(int dmax) {  // the dK/dV and the dQ kernels alike
+    return sizeof(float) * (4 * tile_floats(dmax) + 2 * kTile * kScorePitch + 2 * kTile);
+}
 
 int check_shape(int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past) {
     KILN_REQUIRE(G >= 0 && T >= 0 && g > 0 && S >= 0 && past >= 0, "G, T, S, past must be >= 0 and g positive");
     KILN_REQUIRE(D > 0 && D <= KILN_CUDA_ATTENTION_MAX_HEAD, "the head size must be in 1..128");
     KILN_REQUIRE(past + T <= S, "every query position needs its key: past + T must be <= S");
-    KILN_REQUIRE(G <= 65535 && kiln_ceil_div(T * g, kRows) <= 0x7fffffff && kiln_ceil_div(S, kKeys) <= 0x7fffffff,
+    KILN_REQUIRE(G <= 65535 && kiln_ceil_div(T * g, kTile) <= 0x7fffffff && kiln_ceil_div(S, kTile) <= 0x7fffffff,
                  "too many head groups (G <= 65535)");
     return 0;
 }
 
+// what a device short of shared memory per block is told (backward_shared: 66, 98 and 162 KiB)
+constexpr const char *shared_need(int dmax) {
+    return dmax == 32   ? "cudaFuncSetAttribute(attention kernels, head size 1-32: 66 KiB of shared memory per block)"
+           : dmax == 64 ? "cudaFuncSetAttribute(attention kernels, head size 33-64: 98 KiB of shared memory per block)"
+                        : "cudaFuncSetAttribute(attention kernels, head size 65-128: 162 KiB of shared memory per "
+                          "block, as on an A100 or H100)";
+}
+
 template <typename Kernel>
-int allow_shared(Kernel kernel, size_t bytes) {
-    KILN_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+int allow_shared(Kernel kernel, size_t bytes, const char *where) {
+    cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (error != cudaSuccess) return kiln_record_cuda(error, where);
+    return 0;
+}
+
+template <int DMAX>
+int forward(const float *q, const float *k, const float *v, float *out, float *logsumexp, int64_t G, int64_t T,
+            int64_t g, int64_t S, int64_t D, int64_t past, int64_t window, float scale, cudaStream_t stream) {
+    constexpr size_t bytes = forward_shared(DMAX);
+    KILN_TRY(allow_shared(attention_forward_kernel<DMAX>, bytes, shared_need(DMAX)));
+    dim3 grid((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G);
+    KILN_LAUNCH(attention_forward_kernel<DMAX>, grid, kThreads, bytes, stream)(q, k, v, out, logsumexp, T, g, S,
+                                                                            (int)D, past, window, scale);
+    KILN_LAUNCHED("attention_forward_kernel");
+    return 0;
+}
+
+template <int DMAX>
+int backward(const float *dout, const float *q, const float *k, const float *v, const float *logsumexp,
+             const float *delta, float *dq, float *dk, float *dv, int64_t G, int64_t T, int64_t g, int64_t S,
+             int64_t D, int64_t past, int64_t window, float scale, cudaStream_t stream) {
+    constexpr size_t bytes = backward_shared(DMAX);
+    KILN_TRY(allow_shared(attention_dkdv_kernel<DMAX>, bytes, shared_need(DMAX)));
+    KILN_LAUNCH(attention_dkdv_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(S, kTile), (unsigned)G), kThreads, bytes,
+                stream)(dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
+    KILN_LAUNCHED("attention_dkdv_kernel");
+    KILN_TRY(allow_shared(attention_dq_kernel<DMAX>, bytes, shared_need(DMAX)));
+    KILN_LAUNCH(attention_dq_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G), kThreads, bytes,
+                stream)(dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
+    KILN_LAUNCHED("attention_dq_kernel");
     return 0;
 }
 
@@ -242,13 +375,10 @@ int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, 
     KILN_TRY(check_shape(G, T, g, S, D, past));
     KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
     if (G == 0 || T == 0) return 0;
-    size_t bytes = forward_shared((int)D);
-    KILN_TRY(allow_shared(attention_forward_kernel, bytes));
-    dim3 grid((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G);
-    KILN_LAUNCH(attention_forward_kernel, grid, kThreads, bytes, kiln_stream(stream))(q, k, v, out, logsumexp, T, g, S, (int)D,
-                                                                            past, window, scale);
-    KILN_LAUNCHED("attention_forward_kernel");
-    return 0;
+    cudaStream_t s = kiln_stream(stream);
+    if (D <= 32) return forward<32>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+    if (D <= 64) return forward<64>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+    return forward<128>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
 }
 
 int kiln_cuda_attention_backward(const float *dout, const float *q, const float *k, const float *v,
@@ -268,17 +398,9 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
     KILN_LAUNCH(attention_delta_kernel, kiln_grid(G * T * g, KILN_THREADS), KILN_THREADS, 0, s)(dout, out, delta, G * T * g,
                                                                                      (int)D);
     KILN_LAUNCHED("attention_delta_kernel");
-    size_t bytes = dkdv_shared((int)D);
-    KILN_TRY(allow_shared(attention_dkdv_kernel, bytes));
-    KILN_LAUNCH(attention_dkdv_kernel, dim3((unsigned)kiln_ceil_div(S, kKeys), (unsigned)G), kThreads, bytes, s)(
-        dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
-    KILN_LAUNCHED("attention_dkdv_kernel");
-    bytes = dq_shared((int)D);
-    KILN_TRY(allow_shared(attention_dq_kernel, bytes));
-    KILN_LAUNCH(attention_dq_kernel, dim3((unsigned)kiln_ceil_div(T * g, kRows), (unsigned)G), kThreads, bytes, s)(
-        dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
-    KILN_LAUNCHED("attention_dq_kernel");
-    return 0;
+    if (D <= 32) return backward<32>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+    if (D <= 64) return backward<64>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+    return backward<128>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
 }
 
 }  // extern "C"

@@ -61,4 +61,11 @@ static inline unsigned kiln_grid(int64_t work, int threads) {
 
 #define KILN_THREADS 256
 
+/* full unrolling of a loop of compile-time length, where nvcc compiles (g++'s emulation build has no such pragma) */
+#ifdef __CUDACC__
+#define KILN_UNROLL _Pragma("unroll")
+#else
+#define KILN_UNROLL
+#endif
+
 #endif

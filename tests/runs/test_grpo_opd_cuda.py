@@ -34,14 +34,13 @@ from test_opd import make_settings as opd_settings
 from test_opd import native_teacher
 from test_opd import request as opd_request
 from test_opd import run as opd_run
-from test_sft_cuda import TOLERANCE, device, gpu_name, relative  # noqa: F401  (device: a GPU, or the emulation)
+from test_sft_cuda import ADAPTER_TOLERANCE, TOLERANCE, device, gpu_name, relative  # noqa: F401  (device fixture)
 from trainer import teachers
 from trainer.cuda_model import CudaModel
 from trainer.runs import checkpoint_dir, opd
 from trainer.runs.admission import MANIFEST_FIELDS
 from trainer.runs.state import STATE_FILE
 
-ADAPTER_TOLERANCE = 1e-3  # Adam magnifies a cancelled gradient element's difference (the module docstring)
 REWARD, DISTILLED = "reward-bot", "distilled-bot"
 # two groups with the shortest prompts and beta > 0, so the reference scores on the computing model. A device step
 # costs seconds in the emulation (the gradient norm's fixed reduction tree runs as host fibers), hence so few steps.

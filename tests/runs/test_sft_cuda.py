@@ -23,6 +23,11 @@ from trainer.runs.admission import MANIFEST_FIELDS, AdmissionError
 from trainer.runs.sft import admit_sft, run_sft
 
 TOLERANCE = 1e-4
+# the final adapter across backends: Adam divides each element's first moment by sqrt(second moment) + 1e-8, so a
+# gradient difference of 1e-4 or less can move a small step by more (test_grpo_opd_cuda's docstring measures one);
+# a missed, doubled or mis-scaled step moves values by about the learning rate, far beyond it. Measured: 1.1e-4 on
+# a QLoRA up_proj lora_B (0.0128603 against 0.0128586) while every loss and gradient norm agreed within 1e-4
+ADAPTER_TOLERANCE = 1e-3
 SMALL = RECORDS[:4]  # 2 epochs of 4 examples: 4 steps at batch 2, or at batch 1 with 2 micro-batches each
 QLORA = {"quantization": {"type": "nf4", "block_size": 64, "double_quantization": True}}
 
@@ -67,8 +72,9 @@ CASES = {"lora-accumulation": dict(batch_size=1, gradient_accumulation_steps=2, 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_cuda_run_follows_the_cpu_run(device, tmp_path, case):
-    """The same request on cpu and cuda: every step's loss, gradient norm, clip decision and learning rate, and
-    the final adapter, within TOLERANCE; the cuda run recorded cuda and trained on the (emulated) device."""
+    """The same request on cpu and cuda: every step's loss, gradient norm, clip decision and learning rate within
+    TOLERANCE, and the final adapter within ADAPTER_TOLERANCE; the cuda run recorded cuda and trained on the
+    (emulated) device."""
     config = CASES[case]
     cpu_settings, cpu, cpu_hooks = run(tmp_path / "cpu", backend="cpu", **config)
     assert not device  # the cpu run never opened the library
@@ -84,7 +90,7 @@ def test_a_cuda_run_follows_the_cpu_run(device, tmp_path, case):
         assert any(m["clipped"] for m in cpu_hooks.metrics)  # the clip path ran
     expected = adapter_values(cpu_settings)
     for name, value in adapter_values(cuda_settings).items():
-        assert relative(value, expected[name]) <= TOLERANCE, name
+        assert relative(value, expected[name]) <= ADAPTER_TOLERANCE, name
     assert gpu.latest_checkpoint["complete"] is True
     path = checkpoint_dir.latest_checkpoint(cuda_settings.registry, "support-bot")
     held = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS).manifest
