@@ -51,6 +51,7 @@ KILN_UNROLL
     for (int i = 0; i < RI; i++)
 KILN_UNROLL
         for (int j = 0; j < kPerThread; j++) scores[i][j] = 0.0f;
+    KILN_UNROLL_4
     for (int d = 0; d < D; d++) {
         float x[RI], y[kPerThread];
 KILN_UNROLL
@@ -71,6 +72,7 @@ __device__ void accumulate(const float *weights, const float *values, int count,
                            float (&acc)[kPerThread][DMAX / kSide]) {
     const int ty = thread_y(), tx = thread_x();
     constexpr int W = DMAX / kSide;
+    KILN_UNROLL_4
     for (int n = 0; n < count; n++) {
         float w[kPerThread], x[W];
 KILN_UNROLL

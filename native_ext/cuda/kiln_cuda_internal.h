@@ -64,8 +64,10 @@ static inline unsigned kiln_grid(int64_t work, int threads) {
 /* full unrolling of a loop of compile-time length, where nvcc compiles (g++'s emulation build has no such pragma) */
 #ifdef __CUDACC__
 #define KILN_UNROLL _Pragma("unroll")
+#define KILN_UNROLL_4 _Pragma("unroll 4") /* a loop of run-time length, four iterations per pass */
 #else
 #define KILN_UNROLL
+#define KILN_UNROLL_4
 #endif
 
 #endif
