@@ -15,6 +15,7 @@
 // the columns from D to DMAX hold zeros. The products use explicit fmaf (one rounding, as cuBLAS's GEMMs;
 // the rest of the library is built with --fmad=false), in a fixed order per output.
 #include <cmath>
+#include <cstdio>
 
 #include "kiln_cuda_internal.h"
 
@@ -114,7 +115,8 @@ __global__ void attention_forward_kernel(const float *q, const float *k, const f
     float *reduce = sp + kTile * kScorePitch, *running_max = reduce + kTile * kReducePitch;
     float *safe_max = running_max + kTile, *running_sum = safe_max + kTile, *alpha = running_sum + kTile;
     const int ty = thread_y(), tx = thread_x();
-    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)blockIdx.x * kTile;
+    // the last row tiles, which see the most keys, run first
+    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kTile;
     const int64_t r1 = kiln_tile_end(r0, kTile, R);
     const int rows = (int)(r1 - r0);
     q += group * R * D;
@@ -133,9 +135,11 @@ KILN_UNROLL
     for (int i = 0; i < kPerThread; i++)
 KILN_UNROLL
         for (int j = 0; j < W; j++) acc[i][j] = 0.0f;
+    // the key tiles some row of this tile can see: from the window's start (0 without one) to the causal end,
+    // the last tile cut there, so no key past every row's reach enters a sum (not even as 0 * value)
     const int64_t last_key = kiln_last_key(S, r1, g, past);
-    for (int64_t ks = 0; ks < last_key; ks += kTile) {
-        const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
+    for (int64_t ks = kiln_first_key(r0, g, past, window) / kTile * kTile; ks < last_key; ks += kTile) {
+        const int keys = (int)(kiln_tile_end(ks, kTile, last_key) - ks);
         __syncthreads();  // the last tile's readers are done with sk, sv, sp and reduce
         load_tile<DMAX>(sk, k, ks, keys, kTile, D);
         load_tile<DMAX>(sv, v, ks, keys, kTile, D);
@@ -204,7 +208,7 @@ __global__ void attention_delta_kernel(const float *dout, const float *out, floa
 }
 
 // for a tile pair, each thread's rows ty + 16i and keys tx + 16j: p = exp(scale * q.k - lse) where visible,
-// ds = p * (dout.v - delta) * scale (flash_block_backward), written to p and ds [rows, keys]
+// ds = p * (dout.v - delta) * scale (flash_block_backward), written to p (unless null) and ds [rows, keys]
 template <int DMAX>
 __device__ void probabilities(const float *sq, const float *sdo, const float *sk, const float *sv,
                               const float *lse, const float *delta, float *p, float *ds, int rows, int keys,
@@ -222,7 +226,7 @@ KILN_UNROLL
             const int key = tx + kSide * j;
             bool visible = row < rows && key < keys && kiln_attention_visible(ks + key, query, window);
             float prob = visible ? expf(z[i][j] * scale - lse[row]) : 0.0f;
-            p[row * kScorePitch + key] = prob;
+            if (p) p[row * kScorePitch + key] = prob;
             ds[row * kScorePitch + key] = visible ? prob * (dz[i][j] - delta[row]) * scale : 0.0f;
         }
     }
@@ -250,8 +254,10 @@ KILN_UNROLL
     for (int i = 0; i < kPerThread; i++)
 KILN_UNROLL
         for (int j = 0; j < W; j++) dk_acc[i][j] = dv_acc[i][j] = 0.0f;
+    // the row tiles that can see some key of this tile: from the causal start to the window's end (R without one)
     const int64_t first = (kiln_first_row(ks, g, past) / kTile) * kTile;
-    for (int64_t r0 = first; r0 < R; r0 += kTile) {
+    const int64_t row_end = kiln_row_end(ks + keys, R, g, past, window);
+    for (int64_t r0 = first; r0 < row_end; r0 += kTile) {
         const int rows = (int)(kiln_tile_end(r0, kTile, R) - r0);
         __syncthreads();  // the last row tile's readers are done
         load_tile<DMAX>(sq, q, r0, rows, kTile, D);
@@ -276,9 +282,8 @@ __global__ void attention_dq_kernel(const float *dout, const float *q, const flo
     constexpr int W = DMAX / kSide, pitch = DMAX + 1;
     KILN_DYNAMIC_SHARED(float, shared);
     float *sq = shared, *sdo = sq + kTile * pitch, *sk = sdo + kTile * pitch, *sv = sk + kTile * pitch;
-    float *p = sv + kTile * pitch, *ds = p + kTile * kScorePitch, *lse = ds + kTile * kScorePitch;
-    float *sdelta = lse + kTile;
-    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)blockIdx.x * kTile;
+    float *ds = sv + kTile * pitch, *lse = ds + kTile * kScorePitch, *sdelta = lse + kTile;
+    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kTile;
     const int64_t r1 = kiln_tile_end(r0, kTile, R);
     const int rows = (int)(r1 - r0);
     k += group * S * D;
@@ -293,13 +298,14 @@ KILN_UNROLL
 KILN_UNROLL
         for (int j = 0; j < W; j++) dq_acc[i][j] = 0.0f;
     const int64_t last_key = kiln_last_key(S, r1, g, past);
-    for (int64_t ks = 0; ks < last_key; ks += kTile) {
-        const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
+    for (int64_t ks = kiln_first_key(r0, g, past, window) / kTile * kTile; ks < last_key; ks += kTile) {
+        const int keys = (int)(kiln_tile_end(ks, kTile, last_key) - ks);
         __syncthreads();
         load_tile<DMAX>(sk, k, ks, keys, kTile, D);
         load_tile<DMAX>(sv, v, ks, keys, kTile, D);
         __syncthreads();
-        probabilities<DMAX>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, scale);
+        probabilities<DMAX>(sq, sdo, sk, sv, lse, sdelta, nullptr, ds, rows, keys, r0, ks, g, past, window, D,
+                            scale);
         __syncthreads();
         accumulate<DMAX, false>(ds, sk, keys, dq_acc);  // this thread's rows: dQ += dS k, over the keys in order
     }
@@ -311,39 +317,35 @@ constexpr size_t tile_floats(int dmax) { return (size_t)kTile * (dmax + 1); }
 constexpr size_t forward_shared(int dmax) {
     return sizeof(float) * (3 * tile_floats(dmax) + kTile * kScorePitch + kTile * kReducePitch + 4 * kTile);
 }
-constexpr size_t backward_shared(int dmax) {  // the dK/dV and the dQ kernels alike
+constexpr size_t dkdv_shared(int dmax) {
     return sizeof(float) * (4 * tile_floats(dmax) + 2 * kTile * kScorePitch + 2 * kTile);
 }
+constexpr size_t dq_shared(int dmax) { return sizeof(float) * (4 * tile_floats(dmax) + kTile * kScorePitch + 2 * kTile); }
 
 int check_shape(int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past) {
     KILN_REQUIRE(G >= 0 && T >= 0 && g > 0 && S >= 0 && past >= 0, "G, T, S, past must be >= 0 and g positive");
     KILN_REQUIRE(D > 0 && D <= KILN_CUDA_ATTENTION_MAX_HEAD, "the head size must be in 1..128");
     KILN_REQUIRE(past + T <= S, "every query position needs its key: past + T must be <= S");
     KILN_REQUIRE(G <= 65535 && kiln_ceil_div(T * g, kTile) <= 0x7fffffff && kiln_ceil_div(S, kTile) <= 0x7fffffff,
-                 "too many head groups (G <= 65535)");
+                 "too many head groups (G <= 65535) or rows");
     return 0;
 }
 
-// what a device short of shared memory per block is told (backward_shared: 66, 98 and 162 KiB)
-constexpr const char *shared_need(int dmax) {
-    return dmax == 32   ? "cudaFuncSetAttribute(attention kernels, head size 1-32: 66 KiB of shared memory per block)"
-           : dmax == 64 ? "cudaFuncSetAttribute(attention kernels, head size 33-64: 98 KiB of shared memory per block)"
-                        : "cudaFuncSetAttribute(attention kernels, head size 65-128: 162 KiB of shared memory per "
-                          "block, as on an A100 or H100)";
-}
-
+// a device short of shared memory per block (99 KiB on sm_86 and sm_89) is told what the kernel needs
 template <typename Kernel>
-int allow_shared(Kernel kernel, size_t bytes, const char *where) {
+int allow_shared(Kernel kernel, size_t bytes, const char *name) {
     cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (error != cudaSuccess) return kiln_record_cuda(error, where);
-    return 0;
+    if (error == cudaSuccess) return 0;
+    char where[160];
+    snprintf(where, sizeof where, "cudaFuncSetAttribute(%s needs %zu bytes of shared memory per block)", name, bytes);
+    return kiln_record_cuda(error, where);
 }
 
 template <int DMAX>
 int forward(const float *q, const float *k, const float *v, float *out, float *logsumexp, int64_t G, int64_t T,
             int64_t g, int64_t S, int64_t D, int64_t past, int64_t window, float scale, cudaStream_t stream) {
     constexpr size_t bytes = forward_shared(DMAX);
-    KILN_TRY(allow_shared(attention_forward_kernel<DMAX>, bytes, shared_need(DMAX)));
+    KILN_TRY(allow_shared(attention_forward_kernel<DMAX>, bytes, "attention_forward_kernel"));
     dim3 grid((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G);
     KILN_LAUNCH(attention_forward_kernel<DMAX>, grid, kThreads, bytes, stream)(q, k, v, out, logsumexp, T, g, S,
                                                                             (int)D, past, window, scale);
@@ -355,14 +357,14 @@ template <int DMAX>
 int backward(const float *dout, const float *q, const float *k, const float *v, const float *logsumexp,
              const float *delta, float *dq, float *dk, float *dv, int64_t G, int64_t T, int64_t g, int64_t S,
              int64_t D, int64_t past, int64_t window, float scale, cudaStream_t stream) {
-    constexpr size_t bytes = backward_shared(DMAX);
-    KILN_TRY(allow_shared(attention_dkdv_kernel<DMAX>, bytes, shared_need(DMAX)));
-    KILN_LAUNCH(attention_dkdv_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(S, kTile), (unsigned)G), kThreads, bytes,
-                stream)(dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
+    constexpr size_t dkdv_bytes = dkdv_shared(DMAX), dq_bytes = dq_shared(DMAX);
+    KILN_TRY(allow_shared(attention_dkdv_kernel<DMAX>, dkdv_bytes, "attention_dkdv_kernel"));
+    KILN_LAUNCH(attention_dkdv_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(S, kTile), (unsigned)G), kThreads,
+                dkdv_bytes, stream)(dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_dkdv_kernel");
-    KILN_TRY(allow_shared(attention_dq_kernel<DMAX>, bytes, shared_need(DMAX)));
-    KILN_LAUNCH(attention_dq_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G), kThreads, bytes,
-                stream)(dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
+    KILN_TRY(allow_shared(attention_dq_kernel<DMAX>, dq_bytes, "attention_dq_kernel"));
+    KILN_LAUNCH(attention_dq_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G), kThreads,
+                dq_bytes, stream)(dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_dq_kernel");
     return 0;
 }

@@ -28,6 +28,16 @@ void kiln_index_first_row(const int64_t *key_start, int64_t g, int64_t past, int
     for (int64_t i = 0; i < count; i++) out[i] = kiln_first_row(key_start[i], g, past);
 }
 
+void kiln_index_first_key(const int64_t *row_start, int64_t g, int64_t past, int64_t window, int64_t *out,
+                          int64_t count) {
+    for (int64_t i = 0; i < count; i++) out[i] = kiln_first_key(row_start[i], g, past, window);
+}
+
+void kiln_index_row_end(const int64_t *key_end, int64_t R, int64_t g, int64_t past, int64_t window, int64_t *out,
+                        int64_t count) {
+    for (int64_t i = 0; i < count; i++) out[i] = kiln_row_end(key_end[i], R, g, past, window);
+}
+
 // out[b,t,h,d] = the flat [B,KV,T,g,D] index of that element
 void kiln_index_rope_out(int64_t B, int64_t T, int64_t KV, int64_t g, int64_t D, int64_t *out) {
     int64_t H = KV * g, i = 0;

@@ -41,6 +41,21 @@ KILN_HD int64_t kiln_first_row(int64_t key_start, int64_t g, int64_t past) {
     return key_start <= past ? 0 : (key_start - past) * g;
 }
 
+/* the first key any row from row_start on can see: 0 without a window (window <= 0), else the smallest query
+ * position's first key inside the window */
+KILN_HD int64_t kiln_first_key(int64_t row_start, int64_t g, int64_t past, int64_t window) {
+    int64_t first = kiln_query_position(row_start, g, past) - window + 1;
+    return window > 0 && first > 0 ? first : 0;
+}
+
+/* the end of the rows that can see any key before key_end: R without a window, else the first row whose window
+ * starts at key_end or later (clamped to [0, R]) */
+KILN_HD int64_t kiln_row_end(int64_t key_end, int64_t R, int64_t g, int64_t past, int64_t window) {
+    if (window <= 0) return R;
+    int64_t end = (key_end - 1 + window - past) * g;
+    return end < 0 ? 0 : (end < R ? end : R);
+}
+
 /* GQA: query head h reads KV head h / g and is slot h % g of that group */
 KILN_HD int64_t kiln_gqa_kv_head(int64_t head, int64_t g) { return head / g; }
 KILN_HD int64_t kiln_gqa_slot(int64_t head, int64_t g) { return head % g; }

@@ -453,6 +453,28 @@ def test_tile_bounds_last_key_and_first_row_match_the_mask(index):
         assert row == np.flatnonzero(mask[:, key:].any(axis=1)).min()
 
 
+@pytest.mark.parametrize("g,past,window", [(1, 0, 0), (3, 4, 0), (1, 0, 5), (3, 4, 5), (2, 7, 1), (2, 0, 40)])
+def test_window_bounds_first_key_and_row_end_match_the_mask(index, g, past, window):
+    """The attention kernels' window skipping: the first key a tile of rows can see, and the rows a tile of keys
+    is seen by, against the mask (no window: key 0 and every row)."""
+    T = 13
+    R, S = T * g, past + T
+    query = past + np.arange(R)[:, None] // g
+    keys = np.arange(S)[None, :]
+    mask = (keys <= query) & ((query - keys < window) if window else True)  # [R,S]
+    row_starts = np.arange(R, dtype=np.int64)
+    first = np.empty_like(row_starts)
+    index.kiln_index_first_key(_p(row_starts), I64(g), I64(past), I64(window), _p(first), I64(R))
+    for row, key in zip(row_starts, first):  # the first key any row from `row` on sees
+        assert key == np.flatnonzero(mask[row:].any(axis=0)).min()
+    key_ends = np.arange(1, S + 1, dtype=np.int64)
+    ends = np.empty_like(key_ends)
+    index.kiln_index_row_end(_p(key_ends), I64(R), I64(g), I64(past), I64(window), _p(ends), I64(S))
+    for key_end, end in zip(key_ends, ends):  # one past the last row that sees a key before key_end
+        seen = np.flatnonzero(mask[:, :key_end].any(axis=1))
+        assert end == (seen.max() + 1 if len(seen) else 0 if window else R)
+
+
 def test_rope_output_layout_and_gqa_heads_match_the_cpu_kernel(index):
     B, T, KV, g, D = 2, 3, 2, 3, 4
     flat = np.empty(B * T * KV * g * D, np.int64)
