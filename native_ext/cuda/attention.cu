@@ -6,14 +6,16 @@
 // and walks the key tiles. Every sum runs in a fixed order, so the result is the same every run.
 //
 // Register tiling on the CUDA cores: a CTA is 16 x 16 threads, (ty, tx). A tile of scores [64 rows, 64
-// keys] gives thread (ty, tx) rows ty + 16i and keys tx + 16j (i, j < 4): per step of the head dimension it
-// loads 4 + 4 floats from shared memory for 16 FMAs (the kernels before this did one FMA's work, unfused,
-// per two loads). An accumulator [rows or keys, D] gives it rows ty + 16i and columns tx + 16j (j < W,
-// W = DMAX / 16 with DMAX = 32, 64 or 128 the head size rounded up), kept in registers across the whole
-// walk. Tiles of q, k, v and dout live in dynamic shared memory [rows, DMAX + 1]: an odd row pitch, so
-// the 16 threads of a half-warp that read 16 different rows at one column hit 16 different banks, and
-// the columns from D to DMAX hold zeros. The products use explicit fmaf (one rounding, as cuBLAS's GEMMs;
-// the rest of the library is built with --fmad=false), in a fixed order per output.
+// keys] gives thread (ty, tx) rows ty + 16i and keys tx + 16j (i, j < 4): per two steps of the head
+// dimension it loads 4 + 4 pairs of floats from shared memory for 32 FMAs (the first kernels did one
+// FMA's work, unfused, per two single loads). An accumulator [rows or keys, D] gives it rows ty + 16i (a
+// dK/dV accumulator keys 4ty + i) and the column pairs 2tx + 32m, kept in registers across the whole walk;
+// it reads a pair of keys (or, for dK/dV, four keys) of probabilities and a pair of columns per load. The
+// head size is rounded up to DMAX = 32, 64 or 128, whose columns from D on hold zeros. Tiles of q, k, v and
+// dout live in dynamic shared memory [rows, DMAX + 2]: a pitch of 2 (mod 32) floats, so the 16 threads of a
+// half-warp reading pairs from 16 different rows at one column hit 32 different banks, and pairs are
+// 8-byte aligned. The products use explicit fmaf (one rounding, as cuBLAS's GEMMs; the rest of the
+// library is built with --fmad=false), in a fixed order per output.
 #include <cmath>
 #include <cstdio>
 
@@ -25,18 +27,42 @@ constexpr int kTile = 64;      // query rows and keys per tile
 constexpr int kSide = 16;      // threads per side of the CTA
 constexpr int kThreads = kSide * kSide;
 constexpr int kPerThread = kTile / kSide;  // rows (or keys) per thread in a tile: 4
-constexpr int kScorePitch = kTile + 1;     // [rows, keys] tiles of probabilities
+constexpr int kRowScorePitch = kTile + 2;  // score tiles read along a row (forward P, dQ's dS), a pair of keys a load
+constexpr int kColumnScorePitch = kTile;   // score tiles read down a column (dK/dV's P and dS), four keys a load
 constexpr int kReducePitch = kSide + 1;    // [rows, 16] partial maxima and sums
+
+// at most 128 registers a thread where two blocks fit an SM's shared memory (head sizes to 64; on an H100 for
+// the backward too): no spills there (ptxas -v); the 128 kernels keep the registers they take
+#define KILN_ATTENTION_BOUNDS __launch_bounds__(kThreads, DMAX <= 64 ? 2 : 1)
 
 __device__ int thread_y() { return (int)threadIdx.x / kSide; }
 __device__ int thread_x() { return (int)threadIdx.x % kSide; }
 
-// rows [first, first + count) of source [.., D] into tile [rows, DMAX + 1], zeros past count and past D
+// two and four floats in one shared-memory load, from an 8- and a 16-byte aligned address
+__device__ __forceinline__ float2 load2(const float *p) {
+#ifdef KILN_CUDA_EMULATE
+    kiln_emu::check_aligned(p, 8);
+    return float2{p[0], p[1]};
+#else
+    return *reinterpret_cast<const float2 *>(p);
+#endif
+}
+
+__device__ __forceinline__ float4 load4(const float *p) {
+#ifdef KILN_CUDA_EMULATE
+    kiln_emu::check_aligned(p, 16);
+    return float4{p[0], p[1], p[2], p[3]};
+#else
+    return *reinterpret_cast<const float4 *>(p);
+#endif
+}
+
+// rows [first, first + count) of source [.., D] into tile [rows, DMAX + 2], zeros past count and from D to DMAX
 template <int DMAX>
 __device__ void load_tile(float *tile, const float *source, int64_t first, int count, int rows, int D) {
     for (int i = threadIdx.x; i < rows * DMAX; i += kThreads) {
         int row = i / DMAX, d = i % DMAX;
-        tile[row * (DMAX + 1) + d] = row < count && d < D ? source[(first + row) * D + d] : 0.0f;
+        tile[row * (DMAX + 2) + d] = row < count && d < D ? source[(first + row) * D + d] : 0.0f;
     }
 }
 
@@ -44,75 +70,117 @@ __device__ void load_rows(float *values, const float *source, int64_t first, int
     for (int i = threadIdx.x; i < kTile; i += kThreads) values[i] = i < count ? source[first + i] : 0.0f;
 }
 
-// scores[i][j] = a[rows ty + 16i] . b[rows tx + 16j] over the first D columns (tiles of pitch DMAX + 1)
+// scores[i][j] = a[rows ty + 16i] . b[rows tx + 16j] over the first D columns, d in order (an odd D's last
+// pair reads the zero column D)
 template <int DMAX, int RI>
 __device__ void micro_dots(const float *a, const float *b, int D, float (&scores)[RI][kPerThread]) {
+    constexpr int pitch = DMAX + 2;
     const int ty = thread_y(), tx = thread_x();
 KILN_UNROLL
     for (int i = 0; i < RI; i++)
 KILN_UNROLL
         for (int j = 0; j < kPerThread; j++) scores[i][j] = 0.0f;
     KILN_UNROLL_4
-    for (int d = 0; d < D; d++) {
-        float x[RI], y[kPerThread];
+    for (int d = 0; d < D; d += 2) {
+        float2 x[RI], y[kPerThread];
 KILN_UNROLL
-        for (int i = 0; i < RI; i++) x[i] = a[(ty + kSide * i) * (DMAX + 1) + d];
+        for (int i = 0; i < RI; i++) x[i] = load2(a + (ty + kSide * i) * pitch + d);
 KILN_UNROLL
-        for (int j = 0; j < kPerThread; j++) y[j] = b[(tx + kSide * j) * (DMAX + 1) + d];
+        for (int j = 0; j < kPerThread; j++) y[j] = load2(b + (tx + kSide * j) * pitch + d);
 KILN_UNROLL
         for (int i = 0; i < RI; i++)
 KILN_UNROLL
-            for (int j = 0; j < kPerThread; j++) scores[i][j] = fmaf(x[i], y[j], scores[i][j]);
+            for (int j = 0; j < kPerThread; j++) {
+                scores[i][j] = fmaf(x[i].x, y[j].x, scores[i][j]);
+                scores[i][j] = fmaf(x[i].y, y[j].y, scores[i][j]);
+            }
     }
 }
 
-// acc[i][j] += sum over n < count of weights[(ty + 16i) or n ...] * values[n, tx + 16j]: weights is a
-// [.., kScorePitch] tile read at (n, ty + 16i) when by_column, else at (ty + 16i, n)
-template <int DMAX, bool by_column>
-__device__ void accumulate(const float *weights, const float *values, int count,
-                           float (&acc)[kPerThread][DMAX / kSide]) {
-    const int ty = thread_y(), tx = thread_x();
-    constexpr int W = DMAX / kSide;
+// acc[i][2m + e] += w * values[n, 2tx + 32m + e] for the 2m + e columns of this thread
+template <int DMAX>
+__device__ __forceinline__ void add_row(float (&acc)[DMAX / kSide], float w, const float2 (&x)[DMAX / 32]) {
+KILN_UNROLL
+    for (int m = 0; m < DMAX / 32; m++) {
+        acc[2 * m] = fmaf(w, x[m].x, acc[2 * m]);
+        acc[2 * m + 1] = fmaf(w, x[m].y, acc[2 * m + 1]);
+    }
+}
+
+template <int DMAX>
+__device__ __forceinline__ void load_columns(float2 (&x)[DMAX / 32], const float *row) {
+KILN_UNROLL
+    for (int m = 0; m < DMAX / 32; m++) x[m] = load2(row + 2 * thread_x() + 32 * m);
+}
+
+// acc [rows ty + 16i] += weights [rows ty + 16i, n < count] @ values [n, this thread's columns], n in order;
+// weights [64, kRowScorePitch] read a pair of n at a time: an odd count's last pair reads weight column count
+// (zero: no key there is visible) against values row count (zeros)
+template <int DMAX>
+__device__ void accumulate_rows(const float *weights, const float *values, int count,
+                                float (&acc)[kPerThread][DMAX / kSide]) {
+    constexpr int pitch = DMAX + 2;
+    const int ty = thread_y();
+    KILN_UNROLL_4
+    for (int n = 0; n < count; n += 2) {
+        float2 w[kPerThread], x0[DMAX / 32], x1[DMAX / 32];
+KILN_UNROLL
+        for (int i = 0; i < kPerThread; i++) w[i] = load2(weights + (ty + kSide * i) * kRowScorePitch + n);
+        load_columns<DMAX>(x0, values + n * pitch);
+        load_columns<DMAX>(x1, values + (n + 1) * pitch);
+KILN_UNROLL
+        for (int i = 0; i < kPerThread; i++) {
+            add_row<DMAX>(acc[i], w[i].x, x0);
+            add_row<DMAX>(acc[i], w[i].y, x1);
+        }
+    }
+}
+
+// acc [keys 4ty + i] += weights [n < count, keys 4ty + i]^T @ values [n, this thread's columns], n in order;
+// weights [64, kColumnScorePitch] read four keys at a time
+template <int DMAX>
+__device__ void accumulate_columns(const float *weights, const float *values, int count,
+                                   float (&acc)[kPerThread][DMAX / kSide]) {
+    constexpr int pitch = DMAX + 2;
+    const int ty = thread_y();
     KILN_UNROLL_4
     for (int n = 0; n < count; n++) {
-        float w[kPerThread], x[W];
-KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++)
-            w[i] = by_column ? weights[n * kScorePitch + ty + kSide * i] : weights[(ty + kSide * i) * kScorePitch + n];
-KILN_UNROLL
-        for (int j = 0; j < W; j++) x[j] = values[n * (DMAX + 1) + tx + kSide * j];
-KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++)
-KILN_UNROLL
-            for (int j = 0; j < W; j++) acc[i][j] = fmaf(w[i], x[j], acc[i][j]);
+        const float4 w = load4(weights + n * kColumnScorePitch + kPerThread * ty);
+        float2 x[DMAX / 32];
+        load_columns<DMAX>(x, values + n * pitch);
+        add_row<DMAX>(acc[0], w.x, x);
+        add_row<DMAX>(acc[1], w.y, x);
+        add_row<DMAX>(acc[2], w.z, x);
+        add_row<DMAX>(acc[3], w.w, x);
     }
 }
 
-// rows ty + 16i of acc [.., D] to target rows [first, first + count), columns below D
-template <int DMAX>
+// acc [.., D] to target rows [first, first + count), columns below D: this thread's rows ty + 16i, or 4ty + i
+// when contiguous (accumulate_columns), each divided by divisors[row] where given
+template <int DMAX, bool contiguous>
 __device__ void store_rows(float *target, int64_t first, int count, int D, const float (&acc)[kPerThread][DMAX / kSide],
                            const float *divisors) {
     const int ty = thread_y(), tx = thread_x();
 KILN_UNROLL
     for (int i = 0; i < kPerThread; i++) {
-        int row = ty + kSide * i;
+        int row = contiguous ? kPerThread * ty + i : ty + kSide * i;
         if (row >= count) continue;
 KILN_UNROLL
         for (int j = 0; j < DMAX / kSide; j++) {
-            int d = tx + kSide * j;
+            int d = 2 * tx + 32 * (j / 2) + j % 2;
             if (d < D) target[(first + row) * D + d] = divisors ? acc[i][j] / divisors[row] : acc[i][j];
         }
     }
 }
 
 template <int DMAX>
-__global__ void attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
+__global__ void KILN_ATTENTION_BOUNDS attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
                                          float *logsumexp, int64_t T, int64_t g, int64_t S, int D, int64_t past,
                                          int64_t window, float scale) {
-    constexpr int W = DMAX / kSide, pitch = DMAX + 1;
+    constexpr int W = DMAX / kSide, pitch = DMAX + 2;
     KILN_DYNAMIC_SHARED(float, shared);
     float *sq = shared, *sk = sq + kTile * pitch, *sv = sk + kTile * pitch, *sp = sv + kTile * pitch;
-    float *reduce = sp + kTile * kScorePitch, *running_max = reduce + kTile * kReducePitch;
+    float *reduce = sp + kTile * kRowScorePitch, *running_max = reduce + kTile * kReducePitch;
     float *safe_max = running_max + kTile, *running_sum = safe_max + kTile, *alpha = running_sum + kTile;
     const int ty = thread_y(), tx = thread_x();
     // the last row tiles, which see the most keys, run first
@@ -178,7 +246,7 @@ KILN_UNROLL
 KILN_UNROLL
             for (int j = 0; j < kPerThread; j++) {
                 float p = z[i][j] == -INFINITY ? 0.0f : expf(z[i][j] - safe_max[row]);
-                sp[row * kScorePitch + tx + kSide * j] = p;
+                sp[row * kRowScorePitch + tx + kSide * j] = p;
                 sum = sum + p;
             }
             reduce[row * kReducePitch + tx] = sum;
@@ -191,10 +259,10 @@ KILN_UNROLL
             for (int t = 0; t < kSide; t++) block_sum = block_sum + reduce[row * kReducePitch + t];
             running_sum[row] = running_sum[row] * alpha[row] + block_sum;
         }
-        accumulate<DMAX, false>(sp, sv, keys, acc);
+        accumulate_rows<DMAX>(sp, sv, keys, acc);
     }
     __syncthreads();
-    store_rows<DMAX>(out + group * R * D, r0, rows, D, acc, running_sum);
+    store_rows<DMAX, false>(out + group * R * D, r0, rows, D, acc, running_sum);
     for (int row = threadIdx.x; row < rows; row += kThreads)
         logsumexp[group * R + r0 + row] = running_max[row] + logf(running_sum[row]);
 }
@@ -209,7 +277,7 @@ __global__ void attention_delta_kernel(const float *dout, const float *out, floa
 
 // for a tile pair, each thread's rows ty + 16i and keys tx + 16j: p = exp(scale * q.k - lse) where visible,
 // ds = p * (dout.v - delta) * scale (flash_block_backward), written to p (unless null) and ds [rows, keys]
-template <int DMAX>
+template <int DMAX, int score_pitch>
 __device__ void probabilities(const float *sq, const float *sdo, const float *sk, const float *sv,
                               const float *lse, const float *delta, float *p, float *ds, int rows, int keys,
                               int64_t r0, int64_t ks, int64_t g, int64_t past, int64_t window, int D, float scale) {
@@ -226,20 +294,20 @@ KILN_UNROLL
             const int key = tx + kSide * j;
             bool visible = row < rows && key < keys && kiln_attention_visible(ks + key, query, window);
             float prob = visible ? expf(z[i][j] * scale - lse[row]) : 0.0f;
-            if (p) p[row * kScorePitch + key] = prob;
-            ds[row * kScorePitch + key] = visible ? prob * (dz[i][j] - delta[row]) * scale : 0.0f;
+            if (p) p[row * score_pitch + key] = prob;
+            ds[row * score_pitch + key] = visible ? prob * (dz[i][j] - delta[row]) * scale : 0.0f;
         }
     }
 }
 
 template <int DMAX>
-__global__ void attention_dkdv_kernel(const float *dout, const float *q, const float *k, const float *v,
+__global__ void KILN_ATTENTION_BOUNDS attention_dkdv_kernel(const float *dout, const float *q, const float *k, const float *v,
                                       const float *logsumexp, const float *delta, float *dk, float *dv, int64_t T,
                                       int64_t g, int64_t S, int D, int64_t past, int64_t window, float scale) {
-    constexpr int W = DMAX / kSide, pitch = DMAX + 1;
+    constexpr int W = DMAX / kSide, pitch = DMAX + 2;
     KILN_DYNAMIC_SHARED(float, shared);
     float *sk = shared, *sv = sk + kTile * pitch, *sq = sv + kTile * pitch, *sdo = sq + kTile * pitch;
-    float *p = sdo + kTile * pitch, *ds = p + kTile * kScorePitch, *lse = ds + kTile * kScorePitch;
+    float *p = sdo + kTile * pitch, *ds = p + kTile * kColumnScorePitch, *lse = ds + kTile * kColumnScorePitch;
     float *sdelta = lse + kTile;
     const int64_t R = T * g, group = blockIdx.y, ks = (int64_t)blockIdx.x * kTile;
     const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
@@ -265,24 +333,25 @@ KILN_UNROLL
         load_rows(lse, logsumexp, r0, rows);
         load_rows(sdelta, delta, r0, rows);
         __syncthreads();
-        probabilities<DMAX>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past, window, D, scale);
+        probabilities<DMAX, kColumnScorePitch>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past,
+                                               window, D, scale);
         __syncthreads();
-        // this thread's keys ty + 16i: dV += P^T dout, dK += dS^T q, over the tile's rows in order
-        accumulate<DMAX, true>(p, sdo, rows, dv_acc);
-        accumulate<DMAX, true>(ds, sq, rows, dk_acc);
+        // this thread's keys 4ty + i: dV += P^T dout, dK += dS^T q, over the tile's rows in order
+        accumulate_columns<DMAX>(p, sdo, rows, dv_acc);
+        accumulate_columns<DMAX>(ds, sq, rows, dk_acc);
     }
-    store_rows<DMAX>(dk + group * S * D, ks, keys, D, dk_acc, nullptr);
-    store_rows<DMAX>(dv + group * S * D, ks, keys, D, dv_acc, nullptr);
+    store_rows<DMAX, true>(dk + group * S * D, ks, keys, D, dk_acc, nullptr);
+    store_rows<DMAX, true>(dv + group * S * D, ks, keys, D, dv_acc, nullptr);
 }
 
 template <int DMAX>
-__global__ void attention_dq_kernel(const float *dout, const float *q, const float *k, const float *v,
+__global__ void KILN_ATTENTION_BOUNDS attention_dq_kernel(const float *dout, const float *q, const float *k, const float *v,
                                     const float *logsumexp, const float *delta, float *dq, int64_t T, int64_t g,
                                     int64_t S, int D, int64_t past, int64_t window, float scale) {
-    constexpr int W = DMAX / kSide, pitch = DMAX + 1;
+    constexpr int W = DMAX / kSide, pitch = DMAX + 2;
     KILN_DYNAMIC_SHARED(float, shared);
     float *sq = shared, *sdo = sq + kTile * pitch, *sk = sdo + kTile * pitch, *sv = sk + kTile * pitch;
-    float *ds = sv + kTile * pitch, *lse = ds + kTile * kScorePitch, *sdelta = lse + kTile;
+    float *ds = sv + kTile * pitch, *lse = ds + kTile * kRowScorePitch, *sdelta = lse + kTile;
     const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kTile;
     const int64_t r1 = kiln_tile_end(r0, kTile, R);
     const int rows = (int)(r1 - r0);
@@ -304,23 +373,26 @@ KILN_UNROLL
         load_tile<DMAX>(sk, k, ks, keys, kTile, D);
         load_tile<DMAX>(sv, v, ks, keys, kTile, D);
         __syncthreads();
-        probabilities<DMAX>(sq, sdo, sk, sv, lse, sdelta, nullptr, ds, rows, keys, r0, ks, g, past, window, D,
-                            scale);
+        probabilities<DMAX, kRowScorePitch>(sq, sdo, sk, sv, lse, sdelta, nullptr, ds, rows, keys, r0, ks, g, past,
+                                            window, D, scale);
         __syncthreads();
-        accumulate<DMAX, false>(ds, sk, keys, dq_acc);  // this thread's rows: dQ += dS k, over the keys in order
+        accumulate_rows<DMAX>(ds, sk, keys, dq_acc);  // this thread's rows: dQ += dS k, over the keys in order
     }
-    store_rows<DMAX>(dq + group * R * D, r0, rows, D, dq_acc, nullptr);
+    store_rows<DMAX, false>(dq + group * R * D, r0, rows, D, dq_acc, nullptr);
 }
 
-// dynamic shared memory, in floats: [64, DMAX + 1] tiles, [64, 65] score tiles, [64, 17] and [64] rows
-constexpr size_t tile_floats(int dmax) { return (size_t)kTile * (dmax + 1); }
+// dynamic shared memory, in floats: [64, DMAX + 2] tiles, [64, 66] or [64, 64] score tiles, [64, 17] and [64]
+// rows; every array starts 16-byte aligned (the tiles' sizes are multiples of four floats)
+constexpr size_t tile_floats(int dmax) { return (size_t)kTile * (dmax + 2); }
 constexpr size_t forward_shared(int dmax) {
-    return sizeof(float) * (3 * tile_floats(dmax) + kTile * kScorePitch + kTile * kReducePitch + 4 * kTile);
+    return sizeof(float) * (3 * tile_floats(dmax) + kTile * kRowScorePitch + kTile * kReducePitch + 4 * kTile);
 }
 constexpr size_t dkdv_shared(int dmax) {
-    return sizeof(float) * (4 * tile_floats(dmax) + 2 * kTile * kScorePitch + 2 * kTile);
+    return sizeof(float) * (4 * tile_floats(dmax) + 2 * kTile * kColumnScorePitch + 2 * kTile);
 }
-constexpr size_t dq_shared(int dmax) { return sizeof(float) * (4 * tile_floats(dmax) + kTile * kScorePitch + 2 * kTile); }
+constexpr size_t dq_shared(int dmax) {
+    return sizeof(float) * (4 * tile_floats(dmax) + kTile * kRowScorePitch + 2 * kTile);
+}
 
 int check_shape(int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past) {
     KILN_REQUIRE(G >= 0 && T >= 0 && g > 0 && S >= 0 && past >= 0, "G, T, S, past must be >= 0 and g positive");

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 
@@ -18,6 +20,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __constant__
 #define __shared__ static
 
@@ -35,7 +38,21 @@ struct dim3 {
     dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
+struct float2 {
+    float x, y;
+};
+struct float4 {
+    float x, y, z, w;
+};
+
 namespace kiln_emu {
+/* a vector load from an address the device would fault on aborts here with a message */
+inline void check_aligned(const void *pointer, size_t bytes) {
+    if ((uintptr_t)pointer % bytes) {
+        fprintf(stderr, "kiln_emu: a %zu-byte load from %p, which is not %zu-byte aligned\n", bytes, pointer, bytes);
+        abort();
+    }
+}
 const dim3 &thread_index();
 const dim3 &block_index();
 const dim3 &block_dim();
