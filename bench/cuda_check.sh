@@ -4,7 +4,9 @@
 # their numpy twins, the library, CudaModel and its decoding against the CPU engine, SFT/GRPO/OPD runs within
 # tolerance of cpu and cancel-then-resume ==, serving and evaluations, the API's cancel-then-resume byte for byte,
 # kiln qualify --backend cuda in fresh processes), time bench/cuda_step.py (Kiln's LoRA step against PyTorch CUDA +
-# peft in FP32 and BF16 on SmolLM2-135M, context 1024, batch 8), and print one summary.
+# peft in FP32 and BF16 on SmolLM2-135M, context 1024, batch 8), run the attention kernels' GPU tests under
+# compute-sanitizer (memcheck, racecheck, synccheck: the races the host emulation cannot show) where it is installed
+# and supports the device, and print one summary.
 #   bench/cuda_check.sh [--budget SECONDS] [--no-build]
 #     (from a checkout whose .venv ./dev has made, or with PYTHON=...)
 # Each step runs under `timeout` for the smaller of its own cap and what the budget has left once the later steps'
@@ -42,10 +44,10 @@ from_dev() { bash -c 'source ./dev && "$@"' cuda_check "$@"; }  # ./dev's find_n
 
 # the steps in order: at most CAP seconds each, not started with less than FLOOR (both include GRACE); the FLOOR of
 # each step still PENDING is kept for it while an earlier one runs
-STEPS=(prepare build probe tests bench)
-declare -A CAP=([prepare]=120 [build]=240 [probe]=60 [tests]=330 [bench]=150)
-declare -A FLOOR=([prepare]=10 [build]=30 [probe]=10 [tests]=60 [bench]=60)
-declare -A PENDING=([prepare]=1 [build]=1 [probe]=1 [tests]=1 [bench]=1)
+STEPS=(prepare build probe tests bench sanitize)
+declare -A CAP=([prepare]=120 [build]=240 [probe]=60 [tests]=330 [bench]=150 [sanitize]=90)
+declare -A FLOOR=([prepare]=10 [build]=30 [probe]=10 [tests]=60 [bench]=60 [sanitize]=20)
+declare -A PENDING=([prepare]=1 [build]=1 [probe]=1 [tests]=1 [bench]=1 [sanitize]=1)
 settle() { unset "PENDING[$1]"; }  # settle STEP: it ran or will not run, so it keeps no time
 GRACE=5  # timeout's --kill-after: a step that ignores SIGTERM is killed this much later
 OUT_OF_TIME=()
@@ -164,10 +166,17 @@ say "probe: $probe"
 case "$device:$probe" in
     1:*) no_device="" ;;
     0:*) no_device="skipped: no usable CUDA device (the probe says why)" ;;
-    :"out of time"*) no_device="out of time: not started (the probe did not finish)"; OUT_OF_TIME+=(tests bench) ;;
+    :"out of time"*) no_device="out of time: not started (the probe did not finish)"
+                     OUT_OF_TIME+=(tests bench sanitize) ;;
     *) no_device="skipped: the probe failed" ;;
 esac
-[ -z "$no_device" ] || { settle tests; settle bench; }
+[ -z "$no_device" ] || { settle tests; settle bench; settle sanitize; }
+# compute-sanitizer: on PATH, beside nvcc, or in the toolkit's usual place
+sanitizer="$(command -v compute-sanitizer 2>/dev/null)"
+for candidate in "${nvcc:+$(dirname "$nvcc")/compute-sanitizer}" /usr/local/cuda/bin/compute-sanitizer; do
+    [ -z "$sanitizer" ] && [ -n "$candidate" ] && [ -x "$candidate" ] && sanitizer="$candidate"
+done
+[ -n "$sanitizer" ] || settle sanitize
 
 # 4. tests: the GPU halves only (-k "not emulated"): the emulated halves run in every CI run on any machine
 if [ -n "$no_device" ]; then
@@ -199,6 +208,25 @@ else
     bench="FAILED: $(tail -1 "$LOG/bench.log") (see $LOG/bench.log)"
 fi
 
+# 6. sanitizer: the attention kernels' GPU tests under each tool; a tool that refuses the device (seen on gVisor:
+# "Device not supported") skips the step, any error it reports fails it
+if [ -n "$no_device" ]; then
+    sanitize="$no_device"
+elif [ -z "$sanitizer" ]; then
+    sanitize="skipped: compute-sanitizer not found (PATH, beside nvcc, /usr/local/cuda/bin)"
+elif timed sanitize "$LOG/sanitize.log" bash -c 'for tool in memcheck racecheck synccheck; do
+            echo "== $tool"; "$0" --tool "$tool" --error-exitcode 3 "$PYTHON" -m pytest -q -p no:cacheprovider \
+                -k "attention and not emulated" tests/engine/test_cuda_kernels.py || exit; done' "$sanitizer"; then
+    sanitize="passed in $TOOK: memcheck, racecheck and synccheck on the attention kernels' GPU tests"
+elif [ -n "$STOPPED" ]; then
+    sanitize="$STOPPED"
+elif grep -q "Device not supported" "$LOG/sanitize.log"; then
+    sanitize="skipped: compute-sanitizer does not support this device (see $LOG/sanitize.log)"
+else
+    sanitize="FAILED: $(grep '^== ' "$LOG/sanitize.log" | tail -1 | cut -c4-) reported errors (see $LOG/sanitize.log)"
+fi
+say "sanitize: $sanitize"
+
 used=$((BUDGET - (DEADLINE - SECONDS)))
 echo "== Kiln CUDA check ($(date -u +%Y-%m-%dT%H:%MZ)) =="
 echo "budget:  ${used} s of ${BUDGET} s used${OUT_OF_TIME[*]:+; out of time: ${OUT_OF_TIME[*]}}"
@@ -208,7 +236,9 @@ echo "probe:   $probe"
 echo "tests:   $tests"
 echo "bench:   $bench"
 [ -f "$LOG/bench.log" ] && grep -v -e '^{' -e '^result: ' "$LOG/bench.log" | tail -20
+echo "sanitize: $sanitize"
 echo "logs:    $LOG"
 case "$prepare" in ok*|nothing*) ;; *) exit 1 ;; esac
 case "$build" in ok*|"skipped: --no-build"*) ;; *) exit 1 ;; esac
-[ "$device" = 1 ] && [[ "$tests" == passed* ]] && [[ "$bench" == ok* ]]
+[ "$device" = 1 ] && [[ "$tests" == passed* ]] && [[ "$bench" == ok* ]] &&
+    { [[ "$sanitize" == passed* ]] || [[ "$sanitize" == skipped:\ compute-sanitizer* ]]; }

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import cuda_step  # noqa: E402
 
-STEPS = ("prepare", "build", "probe", "tests", "bench")
+STEPS = ("prepare", "build", "probe", "tests", "bench", "sanitize")
 
 
 def summary(output: str) -> dict:
@@ -58,7 +58,8 @@ def test_without_a_device_the_summary_says_so_and_skips_the_tests_and_the_benchm
     lines = summary(result.stdout)
     assert lines["build"] == "skipped: --no-build (the library as it is)"
     assert lines["probe"].startswith("unavailable [library_missing]: ") and "absent.so" in lines["probe"]
-    assert lines["tests"] == lines["bench"] == "skipped: no usable CUDA device (the probe says why)"
+    for step in ("tests", "bench", "sanitize"):
+        assert lines[step] == "skipped: no usable CUDA device (the probe says why)", step
     assert "out of time" not in lines["budget"]
 
 
@@ -73,18 +74,19 @@ def test_a_tiny_budget_starts_nothing_and_reports_every_step_out_of_time(check):
 
 
 def test_a_step_past_its_share_of_the_budget_is_stopped(check, tmp_path):
-    """With 131 s and the tests' and the benchmark's minimums (60 s each) kept back, the probe may take 11 s: an
-    interpreter that hangs on it is stopped then, and the steps after it are not started."""
+    """With 151 s and the minimums of the tests, the benchmark (60 s each) and the sanitizer (20 s) kept back, the
+    probe may take 11 s: an interpreter that hangs on it is stopped then, and the steps after it are not started."""
     hanging = tmp_path / "python"
     hanging.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec sleep 600\nexec "{sys.executable}" "$@"\n')
     hanging.chmod(0o755)
-    status, result, seconds = check("--no-build", "--budget", "131", python=str(hanging))
+    status, result, seconds = check("--no-build", "--budget", "151", python=str(hanging))
     assert status == 1
     lines = summary(result.stdout)
-    stopped = re.match(r"out of time: stopped after (\d+) s, its share of the 131 s budget", lines["probe"])
+    stopped = re.match(r"out of time: stopped after (\d+) s, its share of the 151 s budget", lines["probe"])
     assert stopped and int(stopped[1]) <= 11, lines["probe"]
-    assert lines["tests"] == lines["bench"] == "out of time: not started (the probe did not finish)"
-    assert "out of time: probe tests bench" in lines["budget"]
+    for step in ("tests", "bench", "sanitize"):
+        assert lines[step] == "out of time: not started (the probe did not finish)", step
+    assert "out of time: probe tests bench sanitize" in lines["budget"]
     assert seconds < 30
 
 
