@@ -575,6 +575,13 @@ def consistent_bomb(original, size):
     return raw_zip(members)
 
 
+# CPU seconds a member of a many-member archive may cost. On the slowest CI host (an AVX2-only EPYC), idle, 60,000
+# members took 0.94 s and every other zip-bomb case at most 0.37 s; in one CI run under load a zip-bomb case took
+# 2.03 s, past the flat CASE_SECONDS. 100 us a member (6 s for 60,000) still fails a check that grows with the
+# square of the members (minutes at this count)
+MEMBER_CPU_SECONDS = 1e-4
+
+
 def bombs(originals):
     """(name, archive bytes): the manifest, an array, an extra member, a consistent archive, overlaps."""
     lora = originals["lora"]
@@ -610,7 +617,7 @@ def test_zip_bombs_are_refused_before_inflating(originals, live, scratch, fuzz):
     for count in (20_000, 60_000):  # many members: every check must stay linear in their number
         members = originals["dense"].members + [stored(f"m{i}", b"") for i in range(count)]
         scratch.write_bytes(raw_zip(members))
-        with fuzz.case("riftckpt", "zip bombs"):
+        with fuzz.case("riftckpt", "zip bombs", cpu_seconds=count * MEMBER_CPU_SECONDS):
             with pytest.raises(CheckpointError, match="unexpected member"):
                 TrainingCheckpoint.load(scratch)
     fuzz.floor("riftckpt", "zip bombs", 39)
