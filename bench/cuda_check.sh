@@ -45,7 +45,7 @@ from_dev() { bash -c 'source ./dev && "$@"' cuda_check "$@"; }  # ./dev's find_n
 # the steps in order: at most CAP seconds each, not started with less than FLOOR (both include GRACE); the FLOOR of
 # each step still PENDING is kept for it while an earlier one runs
 STEPS=(prepare build probe tests bench sanitize)
-declare -A CAP=([prepare]=120 [build]=240 [probe]=60 [tests]=330 [bench]=150 [sanitize]=90)
+declare -A CAP=([prepare]=120 [build]=240 [probe]=60 [tests]=330 [bench]=210 [sanitize]=90)
 declare -A FLOOR=([prepare]=10 [build]=30 [probe]=10 [tests]=60 [bench]=60 [sanitize]=20)
 declare -A PENDING=([prepare]=1 [build]=1 [probe]=1 [tests]=1 [bench]=1 [sanitize]=1)
 settle() { unset "PENDING[$1]"; }  # settle STEP: it ran or will not run, so it keeps no time

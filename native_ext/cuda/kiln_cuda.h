@@ -110,6 +110,15 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
                                  const float *out, const float *logsumexp, float *dq, float *dk, float *dv,
                                  float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
                                  int64_t window, float scale, void *stream);
+/* the dense algorithm's row work, the products on cuBLAS (kiln_cuda_gemm_strided_batched): scores [G,T*g,S] hold
+ * scale * q.k; they become the probabilities in place, 0 where masked, from the row's own logsumexp (written to
+ * logsumexp [G,T*g]) or, with from_logsumexp, the saved one. dscores turns dP = dout v^T [G,T*g,S] into
+ * dS = p * (dP - delta) * scale in place, delta [G,T*g] = rowsum(dout * out) its workspace. */
+int kiln_cuda_attention_probabilities(float *scores, float *logsumexp, int from_logsumexp, int64_t G, int64_t T,
+                                      int64_t g, int64_t S, int64_t past, int64_t window, void *stream);
+int kiln_cuda_attention_dscores(float *dscores, const float *probabilities, const float *dout, const float *out,
+                                float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, float scale,
+                                void *stream);
 
 /* cross-entropy rows: mode 0 per_row = log p(target) (0 at ignore_index, logits untouched);
  * mode 1 logits -> (softmax - onehot) * grad_scale, per_row = loss (0 and a zero row at ignore_index);

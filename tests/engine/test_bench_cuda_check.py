@@ -109,13 +109,26 @@ def test_the_benchmark_exits_non_zero_naming_the_side_that_did_not_run(tmp_path)
 def test_the_benchmark_exits_zero_when_every_side_asked_for_ran(emulated_library):
     environment = {**os.environ, "KILN_CUDA_LIBRARY": str(emulated_library)}
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_step.py"), "--shape", "tiny", "--context",
-                             "16", "--batch", "2", "--steps", "1", "--sides", "kiln,kiln-bf16"], env=environment,
-                            capture_output=True, text=True, timeout=300)
+                             "16", "--batch", "2", "--steps", "1", "--sides",
+                             "kiln,kiln-dense,kiln-bf16,kiln-bf16-dense"], env=environment, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "result: ok: kiln, kiln-bf16 ran" in result.stdout
+    assert "result: ok: kiln, kiln-dense, kiln-bf16, kiln-bf16-dense ran" in result.stdout
     summary = json.loads(result.stdout.splitlines()[-1])
-    assert summary["kiln_cuda"]["ran"] and summary["kiln_cuda_bf16"]["ran"]
-    assert summary["kiln_cuda"]["loss"] != summary["kiln_cuda_bf16"]["loss"]  # the bfloat16 base really computed
+    losses = {key: summary[key]["loss"] for key in ("kiln_cuda", "kiln_cuda_dense", "kiln_cuda_bf16",
+                                                    "kiln_cuda_bf16_dense")}
+    assert losses["kiln_cuda"] != losses["kiln_cuda_bf16"]  # the bfloat16 base really computed
+    assert abs(losses["kiln_cuda_dense"] - losses["kiln_cuda"]) <= 1e-4 * abs(losses["kiln_cuda"])  # both FP32
+    assert losses["kiln_cuda_bf16_dense"] != losses["kiln_cuda_bf16"]  # the dense side's attention rounded
+
+
+def test_each_pytorch_side_shows_the_ratio_of_each_kiln_side_at_its_precision():
+    side = {"ran": True, "tokens_per_s": 1000.0, "step_ms": 8.0}
+    peers = {"tiled": {"ran": True, "tokens_per_s": 1500.0}, "dense": {"ran": False, "reason": "no device"}}
+    assert cuda_step.line("PyTorch", side, peers).endswith("Kiln tiled 1.50x")
+    peers["dense"] = {"ran": True, "tokens_per_s": 2000.0}
+    assert cuda_step.line("PyTorch", side, peers).endswith("Kiln tiled 1.50x, dense 2.00x")
+    assert "Kiln" not in cuda_step.line("PyTorch", side)
 
 
 def test_without_the_smollm2_gguf_the_benchmark_says_it_uses_random_weights(monkeypatch):

@@ -287,6 +287,53 @@ def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, pa
     assert all(np.array_equal(a, b) for a, b in zip(*grads)), "attention backward is not deterministic"
 
 
+@pytest.mark.parametrize("G,T,g,past,window", [(3, 37, 3, 0, 0), (2, 20, 2, 13, 9), (1, 300, 1, 0, 0),
+                                               (1, 100, 3, 30, 25)])
+def test_attention_probabilities_are_the_masked_softmax(gpu, G, T, g, past, window):
+    """The dense algorithm's row work: scores [G,T*g,S] (scale * q.k from a GEMM) become the causal (and windowed)
+    softmax in place, 0 where masked, with the row's logsumexp; again from the saved logsumexp, the same bits (the
+    backward's recomputed probabilities are the forward's). Rows longer than a CTA's 256 threads (S = 300) and the
+    window across them; twice with `==`."""
+    S, R = past + T, T * g
+    scores = normal(G, R, S, scale=3.0)
+    visible = reference._causal_mask(R, S, g, past, 0)
+    if window:
+        visible &= (past + np.arange(R)[:, None] // g) - np.arange(S)[None, :] < window
+    logits = np.where(visible, scores, -np.inf).astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    expected_lse = (np.log(np.exp(logits - top).sum(-1, keepdims=True)) + top)[..., 0]
+    runs = []
+    for _ in range(2):
+        probabilities, lse = gpu.put(scores), gpu.zeros((G, R))
+        gpu.call("kiln_cuda_attention_probabilities", probabilities.ptr, lse.ptr, 0, G, T, g, S, past, window, None)
+        runs.append((probabilities.to_host(), lse.to_host()))
+    (p, got_lse), (p2, lse2) = runs
+    assert np.array_equal(p, p2) and np.array_equal(got_lse, lse2), "attention probabilities are not deterministic"
+    close(got_lse, expected_lse, 1e-6, "logsumexp")
+    close(p, np.exp(logits - expected_lse[..., None]), 1e-6, "probabilities")
+    assert np.all(p[~np.broadcast_to(visible, p.shape)] == 0.0), "a masked score has a probability"
+    recomputed = gpu.put(scores)
+    gpu.call("kiln_cuda_attention_probabilities", recomputed.ptr, gpu.put(got_lse).ptr, 1, G, T, g, S, past, window,
+             None)
+    assert np.array_equal(recomputed.to_host(), p), "probabilities from the saved logsumexp differ from the forward's"
+
+
+def test_attention_dscores_is_the_softmax_gradient(gpu):
+    """dS = p * (dP - rowsum(dout * out)) * scale in place over dP, 0 wherever p is 0."""
+    G, T, g, S, D, scale = 2, 30, 3, 41, 24, F32(0.125)
+    R = T * g
+    p = np.abs(normal(G, R, S))
+    p[:, :, 35:] = 0.0
+    dp, dout, out = normal(G, R, S), normal(G, R, D), normal(G, R, D)
+    delta = np.einsum("grd,grd->gr", dout.astype(np.float64), out)
+    dscores = gpu.put(dp)
+    gpu.call("kiln_cuda_attention_dscores", dscores.ptr, gpu.put(p).ptr, gpu.put(dout).ptr, gpu.put(out).ptr,
+             gpu.zeros((G, R)).ptr, G, T, g, S, D, scale, None)
+    got = dscores.to_host()
+    close(got, p * (dp - delta[..., None]) * scale, 1e-6, "dscores")
+    assert np.all(got[:, :, 35:] == 0.0)
+
+
 def _cross_entropy_twin(hidden, weight, targets, mode, grad_scale, row_scales, ignore=-100):
     logits = hidden.astype(np.float64) @ weight.T.astype(np.float64)  # [N,V]
     N = len(targets)

@@ -13,9 +13,12 @@ import pytest
 
 from trainer import Adam, DecoderOnlyTransformer, TransformerConfig
 from trainer.blocks import NF4_SCRATCH_ELEMENTS
+from trainer import attention as cpu_attention
+from trainer import cuda_model
 from trainer.cuda_model import BLAS_WORKSPACE_BYTES, CudaModel, planned_device_bytes
 from trainer.lora import PROJECTIONS, LoraConfig
 from tests.engine.conftest import cuda_probe
+from tests.engine.test_cuda_kernels import rounded
 
 PROBE = cuda_probe()
 TOLERANCE = 1e-4
@@ -57,9 +60,9 @@ def cpu_gradients(model):
         return {p.name: p.grad.copy() for p in parameters}
 
 
-def compare_step(lib, assert_close, model, batches=(0,)):
+def compare_step(lib, assert_close, model, batches=(0,), attention="tiled"):
     """Forward/backward over `batches` (gradients accumulating) on both engines; compare loss, logits, gradients."""
-    with CudaModel(model, lib) as device:
+    with CudaModel(model, lib, attention=attention) as device:
         for seed in batches:
             inputs, targets = batch(seed)
             device_loss = device.forward_backward(inputs, targets)
@@ -355,7 +358,8 @@ def test_use_after_close_and_bad_inputs_are_refused(lib):
         CudaModel(object(), lib)
 
 
-@pytest.mark.parametrize("case", ["dense", "lora", "lora-two-targets", "qlora", "family-options"])
+@pytest.mark.parametrize("case", ["dense", "lora", "lora-two-targets", "qlora", "family-options",
+                                  "lora-dense-attention"])
 def test_the_planned_device_bytes_are_what_a_training_step_allocates(lib, case):
     """planned_device_bytes (what admission compares with a device's free memory) against the bytes CudaModel
     really holds after a forward/backward and an Adam step: never less, and at most 1% more."""
@@ -364,14 +368,16 @@ def test_the_planned_device_bytes_are_what_a_training_step_allocates(lib, case):
               "lora-two-targets": dict(lora=LoraConfig(rank=3, alpha=8.0, targets=("q_proj", "v_proj"))),
               "qlora": dict(lora=lora, quantize=dict(block_size=64)),
               "family-options": dict(lora=lora, qk_norm=True, attention_bias=True, tie_embeddings=True,
-                                     loss_route="kt_tape_flce")}[case]
+                                     loss_route="kt_tape_flce"),
+              "lora-dense-attention": dict(lora=lora, attention="dense")}[case]
+    attention = kwargs.pop("attention", "tiled")
     model = make_model(**kwargs)
-    with CudaModel(model, lib) as device:
+    with CudaModel(model, lib, attention=attention) as device:
         device.forward_backward(*batch(0))
         device.adam_step(learning_rate=1e-3, beta1=0.9, beta2=0.99, epsilon=1e-8, weight_decay=0.0)
         held = sum(array.nbytes for array in device._arrays)
-    planned = planned_device_bytes(model.config, B, T, kwargs.get("lora"), kwargs.get("quantize")) \
-        - BLAS_WORKSPACE_BYTES
+    planned = planned_device_bytes(model.config, B, T, kwargs.get("lora"), kwargs.get("quantize"),
+                                   attention=attention) - BLAS_WORKSPACE_BYTES
     assert held <= planned <= 1.01 * held, (held, planned)
 
 
@@ -465,3 +471,86 @@ def test_a_tfloat32_base_rounds_only_the_base_products(lib, assert_close):
         CudaModel(make_model(), lib, precision="tfloat32")
     with pytest.raises(ValueError, match="precision must be one of"):
         CudaModel(make_model(lora=lora), lib, precision="float16")
+
+
+@pytest.mark.parametrize("case", ["dense-base", "lora-window-qk-norm", "lora-one-group-at-a-time"])
+def test_dense_attention_matches_the_cpu_engine(lib, assert_close, monkeypatch, case):
+    """attention="dense": the scores through batched cuBLAS GEMMs (FP32 here), the masked softmax and its gradient
+    as row kernels. Loss, logits and every gradient within 1e-4 of the CPU engine over two accumulated batches, as
+    the tiled kernels are; with the sliding window and Qwen3's q/k norm; and with a score buffer that holds one
+    head group at a time (four passes a block). Unknown algorithms are refused."""
+    lora = LoraConfig(rank=4, alpha=8.0)
+    if case == "lora-one-group-at-a-time":
+        monkeypatch.setattr(cuda_model, "DENSE_SCORES_BYTES", 1)
+        assert cuda_model.dense_chunk(B * SHAPE["kv_head_count"], 2 * T, T) == 1
+    model = {"dense-base": lambda: make_model(),
+             "lora-window-qk-norm": lambda: make_model(lora=lora, sliding_window=5, qk_norm=True, family="qwen3"),
+             "lora-one-group-at-a-time": lambda: make_model(lora=lora)}[case]()
+    compare_step(lib, assert_close, model, batches=(0, 1), attention="dense")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        CudaModel(make_model(), lib, attention="flash")
+
+
+def _rounded_dense_attention(bits):
+    """trainer.attention's dense_forward and dense_backward with each product's operands rounded to BITS mantissa
+    bits (10: TF32, 7: bfloat16, as tensor cores take them; 23: FP32, unrounded)."""
+    def r(x):
+        return x if bits == 23 else rounded(x, bits)
+
+    def forward(q, k, v, scale, group_size, past=0, window=None):
+        probs = np.matmul(r(q), r(k).transpose(0, 2, 1))
+        cpu_attention.hide_outside_window(probs, group_size, past, 0, window)
+        cpu_attention.kernels.softmax_causal_forward(probs, scale, group_size, past)
+        return np.matmul(r(probs), r(v)), probs
+
+    def backward(dout, q, k, v, probs, scale):
+        # the device's dS: p * (dP - rowsum(dout * out)) * scale, out as the forward computed it (flash attention's
+        # delta; with rounded operands it is not rowsum(p * dP), which softmax_backward would take)
+        delta = np.sum(dout * np.matmul(r(probs), r(v)), axis=-1, keepdims=True, dtype=np.float32)
+        dv = np.matmul(r(probs).transpose(0, 2, 1), r(dout))
+        dscores = probs * (np.matmul(r(dout), r(v).transpose(0, 2, 1)) - delta) * np.float32(scale)
+        return np.matmul(r(dscores), r(k)), np.matmul(r(dscores).transpose(0, 2, 1), r(q)), dv
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("precision,bits", [("float32", 23), ("tfloat32", 10), ("bfloat16", 7)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_dense_attention_products_round_their_operands_at_the_precision(request, lib, assert_close, monkeypatch,
+                                                                      precision, bits, window):
+    """CudaModel's dense attention alone, forward and backward over GQA head groups in two passes of the score
+    buffer, against trainer.attention's dense algorithm with each product's operands rounded as the precision's
+    tensor cores take them: within 1e-5 on the emulation (which rounds to nearest, ties to even), 1e-4 (FP32) or
+    3e-3 on a GPU; the same bits twice; at tfloat32 and bfloat16 further than 1e-4 from the FP32 tiled kernels."""
+    G, T, g, D = 4, 21, 3, 16
+    R, scale = T * g, 1.0 / np.sqrt(D)
+    rng = np.random.default_rng(9)
+    q, k, v, dout = (rng.standard_normal(shape).astype(np.float32) for shape in
+                     ((G, R, D), (G, T, D), (G, T, D), (G, R, D)))
+    forward, backward = _rounded_dense_attention(bits)
+    out, probs = forward(q, k, v, scale, g, 0, window or None)
+    expected = [out, *backward(dout, q, k, v, probs, scale)]
+    emulated = request.node.callspec.params["lib"] == "emulated"
+    # rounded operands: the twin's probabilities differ from the device's in their last bits, so an operand may round
+    # the other way, by up to one unit of the rounded format; FP32 has no such step
+    tolerance = (1e-5 if precision == "float32" else 2.0 ** -bits / 4) if emulated else \
+        (1e-4 if precision == "float32" else 3e-3)
+    lora = LoraConfig(rank=2, alpha=4.0)
+    monkeypatch.setattr(cuda_model, "DENSE_SCORES_BYTES", 2 * 4 * R * T)  # two groups a pass
+    assert cuda_model.dense_chunk(G, R, T) == 2
+    results = {}
+    for attention in ("dense", "dense", "tiled"):
+        with CudaModel(make_model(lora=lora), lib, precision=precision, attention=attention) as device:
+            dq_, dk_, dv_, dout_ = (device._put(a) for a in (q, k, v, dout))
+            att, lse, delta = device._zeros((G, R, D)), device._zeros((G, R)), device._zeros((G, R))
+            grads = [device._zeros(shape) for shape in ((G, R, D), (G, T, D), (G, T, D))]
+            device._attention_forward(dq_, dk_, dv_, att, lse, G, T, g, D, window, scale)
+            device._attention_backward(dout_, dq_, dk_, dv_, att, lse, *grads, delta, G, T, g, D, window, scale)
+            got = [device._download(a, 0, a.shape) for a in (att, *grads)]
+        if attention in results:
+            assert all(np.array_equal(a, b) for a, b in zip(got, results[attention])), "not the same bits twice"
+        results[attention] = got
+    for name, actual, twin in zip(("out", "dq", "dk", "dv"), results["dense"], expected):
+        assert_close(actual, twin, tolerance, f"{precision} dense attention {name}")
+    apart = max(np.max(np.abs(a - b)) / np.max(np.abs(b)) for a, b in zip(results["dense"], results["tiled"]))
+    assert (apart > 1e-4) == (precision != "float32"), f"{precision}: dense within {apart:.1e} of tiled FP32"
