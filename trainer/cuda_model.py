@@ -45,10 +45,10 @@ FP32 = 0  # the precision argument of every GEMM but a frozen base's: IEEE FP32,
 BASE_PRECISION_CODES = {"float32": 0, "tfloat32": 1, "bfloat16": 2}
 BLAS_WORKSPACE_BYTES = 32 << 20
 ATTENTION_MAX_HEAD = 128  # KILN_CUDA_ATTENTION_MAX_HEAD
-# CudaModel's attention: the fused tiled kernels, or the dense algorithm (the four products as batched cuBLAS GEMMs
+# CudaModel's attention: the fused tiled kernels, or the dense algorithm (the six products as batched cuBLAS GEMMs
 # at the model's precision, the masked softmax and its gradient as row kernels)
 ATTENTION_ALGORITHMS = ("tiled", "dense")
-DENSE_SCORES_BYTES = 256 << 20  # the dense algorithm's score buffer holds as many head groups as fit (at least one)
+DENSE_SCORES_BYTES = 256 << 20  # each dense score buffer holds as many head groups as fit (at least one)
 # group -> the projections writing its fused output, in column order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
@@ -93,10 +93,10 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
     or an explicit one such as the host emulation the tests build. PRECISION (BASE_PRECISION_CODES) is how a
     frozen base's products and the output projection compute: float32, or tfloat32 / bfloat16 for a LoRA model.
     ATTENTION (ATTENTION_ALGORITHMS) is how the training passes compute attention: "tiled", the fused kernels in
-    FP32 whatever the precision; or "dense", the scores [groups, T*g, T] materialised (DENSE_SCORES_BYTES at a time)
-    and the four products on cuBLAS at PRECISION, so on tensor cores under tfloat32 and bfloat16 (the operands
-    rounded as the base's are, FP32 accumulation; the softmax and its gradient in FP32). Cached decoding always
-    runs the tiled kernel.
+    FP32 whatever the precision; or "dense", the scores [groups, T*g, T] materialised (as many groups as
+    DENSE_SCORES_BYTES holds; the backward holds the scores' gradient too) and the six products on cuBLAS at
+    PRECISION, so on tensor cores under tfloat32 and bfloat16 (the operands rounded as the base's are, FP32
+    accumulation; the softmax and its gradient in FP32). Cached decoding always runs the tiled kernel.
     """
 
     closed_message = "the CUDA model has been closed; construct a new one"
@@ -790,11 +790,15 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
     the same rows. SAMPLING, (prompt, positions), adds what trainer.generation.generate allocates to sample one
     sequence: a KV cache of POSITIONS positions (trainer.cuda_decode.DeviceKVCache) and the decoding scratch,
     grown to the prefill of PROMPT rows (each later token takes one row, and the scratch never shrinks).
-    ATTENTION "dense" adds the dense algorithm's score buffer (dense_chunk groups), and its gradient's in training.
+    ATTENTION "dense" adds the dense algorithm's score buffer, and its gradient's in training: each as large as the
+    longest batch's (dense_chunk groups), and no smaller than a shorter batch's can be (a shorter one may fit more
+    groups into DENSE_SCORES_BYTES).
 
     It follows _build, _forward, logits, _loss, _backward and cuda_decode buffer by buffer;
     tests/engine/test_cuda_model.py holds it to the emulation's allocations. The CUDA context itself is not
     counted (trainer.runs.device_plan.CUDA_CONTEXT_BYTES is the allowance admission adds once per process)."""
+    if attention not in ATTENTION_ALGORITHMS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_ALGORITHMS)}, got {attention!r}")
     C, F, V, D = config.model_width, config.feed_forward_width, config.vocabulary_size, config.head_dimension
     H, KV, L = config.head_count, config.kv_heads, config.block_count
     N, W3 = batch * positions, (H + 2 * KV) * D
@@ -842,8 +846,8 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
             if config.qk_norm:
                 floats += 2 * N * (H + KV) * D
         if attention == "dense":
-            G, R = batch * KV, positions * (H // KV)
-            floats += (2 if training else 1) * dense_chunk(G, R, positions) * R * positions
+            G, scores = batch * KV, positions * (H // KV) * positions
+            floats += (2 if training else 1) * min(G * scores, max(scores, DENSE_SCORES_BYTES // 4))
         if logits:
             floats += N * V
     if sampling is not None:

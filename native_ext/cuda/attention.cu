@@ -72,23 +72,23 @@ __device__ void load_rows(float *values, const float *source, int64_t first, int
 
 // scores[i][j] = a[rows ty + 16i] . b[rows tx + 16j] over the first D columns, d in order (an odd D's last
 // pair reads the zero column D)
-template <int DMAX, int RI>
-__device__ void micro_dots(const float *a, const float *b, int D, float (&scores)[RI][kPerThread]) {
+template <int DMAX>
+__device__ void micro_dots(const float *a, const float *b, int D, float (&scores)[kPerThread][kPerThread]) {
     constexpr int pitch = DMAX + 2;
     const int ty = thread_y(), tx = thread_x();
 KILN_UNROLL
-    for (int i = 0; i < RI; i++)
+    for (int i = 0; i < kPerThread; i++)
 KILN_UNROLL
         for (int j = 0; j < kPerThread; j++) scores[i][j] = 0.0f;
     KILN_UNROLL_4
     for (int d = 0; d < D; d += 2) {
-        float2 x[RI], y[kPerThread];
+        float2 x[kPerThread], y[kPerThread];
 KILN_UNROLL
-        for (int i = 0; i < RI; i++) x[i] = load2(a + (ty + kSide * i) * pitch + d);
+        for (int i = 0; i < kPerThread; i++) x[i] = load2(a + (ty + kSide * i) * pitch + d);
 KILN_UNROLL
         for (int j = 0; j < kPerThread; j++) y[j] = load2(b + (tx + kSide * j) * pitch + d);
 KILN_UNROLL
-        for (int i = 0; i < RI; i++)
+        for (int i = 0; i < kPerThread; i++)
 KILN_UNROLL
             for (int j = 0; j < kPerThread; j++) {
                 scores[i][j] = fmaf(x[i].x, y[j].x, scores[i][j]);
@@ -213,7 +213,7 @@ KILN_UNROLL
         load_tile<DMAX>(sv, v, ks, keys, kTile, D);
         __syncthreads();
         float z[kPerThread][kPerThread];
-        micro_dots<DMAX, kPerThread>(sq, sk, D, z);
+        micro_dots<DMAX>(sq, sk, D, z);
 KILN_UNROLL
         for (int i = 0; i < kPerThread; i++) {
             float top = -INFINITY;
@@ -283,8 +283,8 @@ __device__ void probabilities(const float *sq, const float *sdo, const float *sk
                               int64_t r0, int64_t ks, int64_t g, int64_t past, int64_t window, int D, float scale) {
     const int ty = thread_y(), tx = thread_x();
     float z[kPerThread][kPerThread], dz[kPerThread][kPerThread];
-    micro_dots<DMAX, kPerThread>(sq, sk, D, z);
-    micro_dots<DMAX, kPerThread>(sdo, sv, D, dz);
+    micro_dots<DMAX>(sq, sk, D, z);
+    micro_dots<DMAX>(sdo, sv, D, dz);
 KILN_UNROLL
     for (int i = 0; i < kPerThread; i++) {
         const int row = ty + kSide * i;

@@ -381,6 +381,22 @@ def test_the_planned_device_bytes_are_what_a_training_step_allocates(lib, case):
     assert held <= planned <= 1.01 * held, (held, planned)
 
 
+def test_the_dense_attention_plan_bounds_shorter_batches_that_fit_more_groups(monkeypatch):
+    """The plan is for the longest batch, but dense_chunk rounds down: a shorter batch may fit two head groups where
+    the longest fits one, and its score buffers are then larger. The plan counts the most any batch up to POSITIONS
+    can hold; an unknown algorithm is refused."""
+    config = make_model().config
+    G, R, positions = B * SHAPE["kv_head_count"], 2 * T, T
+    monkeypatch.setattr(cuda_model, "DENSE_SCORES_BYTES", 2 * 4 * R * positions - 4)  # not quite two longest groups
+    shorter = positions - 1
+    assert cuda_model.dense_chunk(G, R, positions) == 1 and cuda_model.dense_chunk(G, 2 * shorter, shorter) == 2
+    extra = planned_device_bytes(config, B, positions, attention="dense") - planned_device_bytes(config, B, positions)
+    at_shorter = 2 * 4 * cuda_model.dense_chunk(G, 2 * shorter, shorter) * 2 * shorter * shorter  # both buffers
+    assert extra >= at_shorter > 2 * 4 * R * positions
+    with pytest.raises(ValueError, match="attention must be one of"):
+        planned_device_bytes(config, B, positions, attention="flash")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3-options"])
 @pytest.mark.parametrize("case", ["teacher", "served", "opd-student"])
 def test_the_planned_device_bytes_of_scoring_sampling_and_serving_are_what_the_model_allocates(lib, case, family):
@@ -519,9 +535,11 @@ def _rounded_dense_attention(bits):
 def test_dense_attention_products_round_their_operands_at_the_precision(request, lib, assert_close, monkeypatch,
                                                                       precision, bits, window):
     """CudaModel's dense attention alone, forward and backward over GQA head groups in two passes of the score
-    buffer, against trainer.attention's dense algorithm with each product's operands rounded as the precision's
-    tensor cores take them: within 1e-5 on the emulation (which rounds to nearest, ties to even), 1e-4 (FP32) or
-    3e-3 on a GPU; the same bits twice; at tfloat32 and bfloat16 further than 1e-4 from the FP32 tiled kernels."""
+    buffer (three groups, then one), against trainer.attention's dense algorithm with each product's operands
+    rounded as the precision's tensor cores take them. On the emulation (which rounds to nearest, ties to even)
+    within 1e-5 at FP32 and a quarter of the rounded format's unit at TF32 and BF16 (where the twin's probabilities
+    differ in their last bits an operand may round the other way); on a GPU 1e-4 and 3e-3. The same bits twice; at
+    tfloat32 and bfloat16 further than 1e-4 from the FP32 tiled kernels."""
     G, T, g, D = 4, 21, 3, 16
     R, scale = T * g, 1.0 / np.sqrt(D)
     rng = np.random.default_rng(9)
@@ -536,8 +554,8 @@ def test_dense_attention_products_round_their_operands_at_the_precision(request,
     tolerance = (1e-5 if precision == "float32" else 2.0 ** -bits / 4) if emulated else \
         (1e-4 if precision == "float32" else 3e-3)
     lora = LoraConfig(rank=2, alpha=4.0)
-    monkeypatch.setattr(cuda_model, "DENSE_SCORES_BYTES", 2 * 4 * R * T)  # two groups a pass
-    assert cuda_model.dense_chunk(G, R, T) == 2
+    monkeypatch.setattr(cuda_model, "DENSE_SCORES_BYTES", 3 * 4 * R * T)  # three groups, then the last one
+    assert cuda_model.dense_chunk(G, R, T) == 3
     results = {}
     for attention in ("dense", "dense", "tiled"):
         with CudaModel(make_model(lora=lora), lib, precision=precision, attention=attention) as device:
