@@ -81,9 +81,12 @@ class Stack:
         self.pace_dir.mkdir(parents=True, exist_ok=True)
         self.env = {k: v for k, v in os.environ.items()
                     if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
-        # a Celery queue of this stack's own: a new name is empty, so no task of another stack is consumed
+        # a Celery queue of this stack's own: a new name is empty, so no task of another stack is consumed.
+        # A job is lost after 15 s without a heartbeat (30 beats): on a loaded 2-core machine a worker's heartbeat
+        # thread went silent for over 3 s (a GRPO job marked lost mid-run at the earlier 3 s); the tests that kill a
+        # worker wait for the lost status they observe, so the longer window only makes them slower
         self.env |= {"KILN_HOME": str(home), "PYTHONUNBUFFERED": "1", "KILN_HEARTBEAT_SECONDS": "0.5",
-                     "KILN_LOST_AFTER_SECONDS": "3", "KILN_CANCEL_POLL_SECONDS": "0.1",
+                     "KILN_LOST_AFTER_SECONDS": "15", "KILN_CANCEL_POLL_SECONDS": "0.1",
                      "KILN_WORKER_POLL_SECONDS": "0.2", "KILN_TEST_PACE_DIR": str(self.pace_dir),
                      "KILN_TRAINING_QUEUE": f"kiln-test-{secrets.token_hex(6)}",
                      # the tests train kiln-tiny; naming the default also skips importing the packaged SmolLM2
