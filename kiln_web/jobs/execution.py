@@ -33,16 +33,23 @@ STORAGE_ERRORS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.ER
 
 def through_outage(call, *args, **kwargs):
     """CALL (a database write or read), retried on a fresh connection while the database cannot be reached
-    (a restart, a failover), for up to KILN_LOST_AFTER_SECONDS; then the error propagates. A run survives a
-    short outage, and a job is never left `running` because the database was down when it finished."""
-    deadline = time.monotonic() + settings.KILN_LOST_AFTER_SECONDS
+    (a restart, a failover), starting no attempt past KILN_LOST_AFTER_SECONDS (one that began before may wait
+    for a pooled connection up to the pool's timeout more); then it logs that it gives up and the error
+    propagates. A run survives a short outage, and a job is never left `running` because the database was down
+    when it finished."""
+    start = time.monotonic()
+    deadline = start + settings.KILN_LOST_AFTER_SECONDS
     delay = 0.1
     while True:
         try:
             return call(*args, **kwargs)
         except (OperationalError, InterfaceError) as exc:
-            if connection.in_atomic_block or time.monotonic() + delay > deadline:
+            if connection.in_atomic_block:
                 raise  # inside a transaction a new connection cannot continue it
+            if time.monotonic() + delay > deadline:
+                logger.error("the database could not be reached for %.1f s; giving up (%s)",
+                             time.monotonic() - start, exc)
+                raise
             logger.warning("the database cannot be reached (%s); retrying in %.1f s", exc, delay)
             _drop_connection()
             time.sleep(delay)

@@ -50,10 +50,11 @@ class Process:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, text: str, timeout: float) -> str:
+    def wait_for(self, text: str, timeout: float, since: int = 0) -> str:
+        """The first line from line SINCE on that holds TEXT, once printed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in list(self.lines):
+            for line in self.lines[since:]:
                 if text in line:
                     return line
             if self.popen.poll() is not None:
