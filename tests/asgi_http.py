@@ -17,5 +17,5 @@ async def asgi_request(app, method: str, path: str, headers=(), query: bytes = b
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    await communicator.wait(5)
+    await communicator.wait(timeout)
     return start["status"], sorted(start["headers"]), body

@@ -71,6 +71,7 @@
     status: root.dataset.status,
     committed: Number(root.dataset.committed) || 0,
     total: root.dataset.total ? Number(root.dataset.total) : null,
+    snapshots: 0,  // snapshots applied since the page loaded (data-snapshots, once drawn)
   };
 
   function ordered() {
@@ -113,6 +114,7 @@
     root.querySelector("[data-eta]").textContent = eta(ordered());
     root.dataset.status = state.status;
     root.dataset.committed = state.committed;
+    root.dataset.snapshots = state.snapshots;
   }
 
   // -- charts --
@@ -193,6 +195,7 @@
       // a job's committed step only grows: steps pushed while this snapshot was on its way stay
       state.committed = Math.max(state.committed, data.job.committed_step);
       state.total = data.job.total_steps;
+      state.snapshots += 1;
       applyPanels(data.panels);
       renderSoon();
     } catch (error) {

@@ -113,7 +113,7 @@ def test_the_promotion_panel_turns_promoted_without_a_reload(stack, chromium, se
         burst = "document.querySelector('[data-events]').textContent.includes('burst 4')"
         page.wait_for_function(burst)  # shown at once, as pushed ...
         # ... then the panels re-read: the server's events replace them (well before any reconnect would)
-        page.wait_for_function(f"!({burst})", timeout=10_000)
+        page.wait_for_function(f"!({burst})", timeout=TIMEOUT_MS)
         assert len(page.sockets) == sockets, "the page reconnected: a resync after a reconnect proves nothing here"
         assert len(page.snapshots) == asked + 1, page.snapshots[asked:]  # the burst's one snapshot
 

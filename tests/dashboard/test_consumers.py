@@ -41,7 +41,7 @@ def job_of(user, name: str) -> TrainingJob:
 
 
 async def connected(communicator: WebsocketCommunicator) -> WebsocketCommunicator:
-    ok, code = await communicator.connect()
+    ok, code = await communicator.connect(timeout=30)
     assert ok, code
     return communicator
 
@@ -86,7 +86,7 @@ def test_events_reach_the_owner_and_staff_and_no_one_else(ada, bob, make_user):
         assert await bob_job.receive_nothing(timeout=QUIET)
 
         for communicator in (ada_list, ada_job, bob_list, bob_job, staff_list):
-            await communicator.disconnect()
+            await communicator.disconnect(timeout=30)
 
     async_to_sync(scenario)()
 
@@ -109,7 +109,7 @@ def test_nothing_is_sent_before_the_commit_or_after_a_rollback(ada):
         listener = await connected(socket(f"/ws/jobs/{job.pk}/", cookie))
         await database_sync_to_async(add_event_then_roll_back)()
         assert await listener.receive_nothing(timeout=QUIET)
-        await listener.disconnect()
+        await listener.disconnect(timeout=30)
 
     async_to_sync(scenario)()
 
@@ -119,7 +119,7 @@ def test_a_socket_without_a_session_is_refused(ada):
 
     async def scenario():
         for path in ("/ws/jobs/", f"/ws/jobs/{job.pk}/"):
-            ok, code = await socket(path).connect()
+            ok, code = await socket(path).connect(timeout=30)
             assert not ok and code == 4401, (path, code)
 
     async_to_sync(scenario)()
@@ -130,7 +130,7 @@ def test_someone_elses_job_socket_is_refused(ada, bob):
     cookie = session_cookie(ada)
 
     async def scenario():
-        ok, code = await socket(f"/ws/jobs/{theirs.pk}/", cookie).connect()
+        ok, code = await socket(f"/ws/jobs/{theirs.pk}/", cookie).connect(timeout=30)
         assert not ok and code == 4404
 
     async_to_sync(scenario)()
@@ -140,7 +140,7 @@ def test_a_foreign_origin_is_refused(ada):
     cookie = session_cookie(ada)
 
     async def scenario():
-        ok, _ = await socket("/ws/jobs/", cookie, origin=(b"origin", b"http://evil.example")).connect()
+        ok, _ = await socket("/ws/jobs/", cookie, origin=(b"origin", b"http://evil.example")).connect(timeout=30)
         assert not ok
 
     async_to_sync(scenario)()
@@ -153,7 +153,7 @@ def test_the_socket_ignores_what_the_page_sends(ada):
         listener = await connected(socket("/ws/jobs/", cookie))
         await listener.send_json_to({"type": "job.status", "status": "succeeded"})
         assert await listener.receive_nothing(timeout=QUIET)
-        await listener.disconnect()
+        await listener.disconnect(timeout=30)
 
     async_to_sync(scenario)()
 
@@ -186,7 +186,7 @@ def test_a_gate_evaluation_tells_the_job_page_when_it_runs_and_ends(ada):
         assert texts[1].startswith(f"evaluation {run.pk} (gate, suite 'held-out'): failed: suite_changed: ")
         assert texts[2].startswith("promotion: unavailable: ")
         assert await listener.receive_nothing(timeout=QUIET)
-        await listener.disconnect()
+        await listener.disconnect(timeout=30)
 
     async_to_sync(scenario)()
     stored = list(job.events.order_by("time", "id").values_list("message", flat=True))

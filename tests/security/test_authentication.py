@@ -111,8 +111,8 @@ def _close_code(path: str, cookie: bytes | None, origin: bytes = b"http://localh
     async def connect():
         headers = [(b"origin", origin)] + ([(b"cookie", cookie)] if cookie else [])
         communicator = WebsocketCommunicator(application, path, headers=headers)
-        accepted, code = await communicator.connect(timeout=5)
-        await communicator.disconnect()
+        accepted, code = await communicator.connect(timeout=30)
+        await communicator.disconnect(timeout=30)
         return None if accepted else code
 
     return async_to_sync(connect)()
