@@ -366,8 +366,8 @@ if KILN_LOST_AFTER_SECONDS < 3 * KILN_HEARTBEAT_SECONDS:
         f"(3 x KILN_HEARTBEAT_SECONDS = {3 * KILN_HEARTBEAT_SECONDS:g}), or live jobs would be marked lost"
     )
 if "pool" in DATABASES["default"].get("OPTIONS", {}):
-    # a worker waits for an unreachable database at most KILN_LOST_AFTER_SECONDS (jobs.execution.through_outage);
-    # a pool checkout that waited longer would stretch that promise, so it waits no longer either
+    # a worker starts no attempt on an unreachable database past KILN_LOST_AFTER_SECONDS
+    # (jobs.execution.through_outage); a pool checkout begun before waits this much more at most
     DATABASES["default"]["OPTIONS"]["pool"]["timeout"] = min(10.0, KILN_LOST_AFTER_SECONDS)
 # how often a running job asks the database whether it was cancelled (at step boundaries)
 KILN_CANCEL_POLL_SECONDS = env_float("KILN_CANCEL_POLL_SECONDS", 1.0, minimum=0.0)

@@ -33,10 +33,11 @@ STORAGE_ERRORS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.ER
 
 def through_outage(call, *args, **kwargs):
     """CALL (a database write or read), retried on a fresh connection while the database cannot be reached
-    (a restart, a failover), starting no attempt past KILN_LOST_AFTER_SECONDS (one that began before may wait
-    for a pooled connection up to the pool's timeout more); then it logs that it gives up and the error
-    propagates. A run survives a short outage, and a job is never left `running` because the database was down
-    when it finished."""
+    (a restart, a failover), starting no attempt (as far as its sleeps keep time) past KILN_LOST_AFTER_SECONDS;
+    one that began before may wait for a pooled connection up to the pool's timeout more. Then it logs that it
+    gives up and the error propagates (at once inside a transaction, which a new connection cannot continue).
+    A run survives a short outage, and a job is never left `running` because the database was down when it
+    finished."""
     start = time.monotonic()
     deadline = start + settings.KILN_LOST_AFTER_SECONDS
     delay = 0.1
@@ -263,8 +264,9 @@ def failure_fields(exc: BaseException, kind: str | None = None) -> dict:
                                  "are intact: free space (or repair the storage) and resume from the latest"}
     if isinstance(exc, (OperationalError, InterfaceError)):
         return {"error_code": "database_unavailable",
-                "error_message": f"the database could not be reached for {settings.KILN_LOST_AFTER_SECONDS:g} s "
-                                 f"during the run ({exc}); resume from the latest checkpoint"}
+                "error_message": f"the database could not be reached during the run ({exc}); the worker waited up "
+                                 f"to {settings.KILN_LOST_AFTER_SECONDS:g} s for it; resume from the latest "
+                                 "checkpoint"}
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code:  # e.g. CheckpointError raised inside the run
         return {"error_code": code, "error_message": str(getattr(exc, "message", None) or exc)}

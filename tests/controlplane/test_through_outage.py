@@ -66,3 +66,16 @@ def test_an_outage_longer_than_the_window_is_given_up_with_a_line(clock, caplog)
     assert len(errors) == 1
     assert errors[0].getMessage().startswith(f"the database could not be reached for {clock.now - 1000.0:.1f} s; "
                                              "giving up (connection refused)")
+
+
+def test_inside_a_transaction_the_error_propagates_at_once(clock, caplog, monkeypatch):
+    monkeypatch.setattr(execution, "connection", types.SimpleNamespace(in_atomic_block=True))
+    attempts = []
+
+    def call():
+        attempts.append(clock.now)
+        raise OperationalError("connection refused")
+
+    with caplog.at_level(logging.WARNING, logger="kiln.jobs"), pytest.raises(OperationalError):
+        execution.through_outage(call)
+    assert len(attempts) == 1 and clock.slept == [] and caplog.records == []

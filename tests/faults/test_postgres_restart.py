@@ -41,9 +41,10 @@ def test_postgresql_down_longer_than_the_worker_waits(stack, postgres, reference
     stack.wait_held(body["config"]["output_name"], job["id"])
     printed = len(stack.worker.lines)
     postgres.stop()
-    # down until the worker gave up on it, as it printed: however long its attempts took on this machine
-    stack.worker.wait_for("; giving up", timeout=300, since=printed)
-    postgres.start()
+    try:  # down until the worker gave up on it, as it printed: however long its attempts took on this machine
+        stack.worker.wait_for("; giving up", timeout=300, since=printed)
+    finally:
+        postgres.start()  # the cluster is every fault test's
     stack.release(body["config"]["output_name"])
     job = stack.wait(job["id"], lambda j: j["status"] in TERMINAL)
     assert job["status"] in ("failed", "lost"), job

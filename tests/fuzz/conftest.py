@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, settings
 CASE_SECONDS = 2.0  # CPU seconds of one hostile load (and restore); a real tiny checkpoint takes milliseconds.
 # CPU time, not wall time: another process's load on a busy machine must not fail a case (HANG_SECONDS, a wall
 # clock alarm, still ends one that never finishes)
+ATHERIS_SLOWEST_SECONDS = 10  # wall seconds (libFuzzer counts whole ones) of the slowest atheris input: 5x CASE_SECONDS
 HANG_SECONDS = 30  # wall seconds (at least 5x a case's CPU bound) past which a case is interrupted and fails, so a
 # hang cannot stall the suite; generous, as a case on a loaded machine gets a fraction of a core
 LOADERS = {"riftckpt": "riftckpt", "kiln": "kiln-checkpoint"}  # log key: name in the summary
@@ -93,8 +94,8 @@ class FuzzLog:
         """Run the libFuzzer harness over `runs` inputs from the seeds in `corpus`; count them.
 
         libFuzzer fails the run on any exception other than CheckpointError (MemoryError included)
-        and on an input running past HANG_SECONDS. Its slowest input is reported, not bounded: libFuzzer
-        times inputs in whole wall-clock seconds, which another process's load stretches. Memory is
+        and on an input running past HANG_SECONDS. Its slowest input must take under ATHERIS_SLOWEST_SECONDS:
+        libFuzzer times inputs in whole wall-clock seconds, which another process's load stretches. Memory is
         bounded to 2 GiB of heap and private mappings by RLIMIT_DATA in the harness, not by libFuzzer's
         -rss_limit_mb: that reads the peak RSS, which Linux carries from this (large) pytest process into
         the child at exec.
@@ -110,7 +111,7 @@ class FuzzLog:
         assert result.returncode == 0, f"atheris {target}:\n{result.stderr[-6000:]}"
         done = int(re.search(r"Done (\d+) runs", result.stderr)[1])
         slowest = float(re.search(r"stat::slowest_unit_time_sec:\s*(\d+)", result.stderr)[1])
-        assert done >= runs, result.stderr[-2000:]
+        assert done >= runs and slowest < ATHERIS_SLOWEST_SECONDS, result.stderr[-2000:]
         self.cases[loader, f"atheris {target}"] += done
         self.outcomes[loader, "atheris inputs: CheckpointError or a valid load"] += done
         self.slowest = max(self.slowest, slowest)
