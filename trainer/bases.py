@@ -199,6 +199,15 @@ def packaged_source(name: str) -> Path | None:
     return None
 
 
+def is_registered(name, root=None) -> bool:
+    """Whether NAME is a base here (registered under ROOT, or the built-in one): a name requests may use."""
+    try:
+        show_base(name, root)
+    except (LookupError, ValueError):
+        return False
+    return True
+
+
 def register_packaged_bases(root=None, progress=None) -> list:
     """Import every packaged base whose package is installed and which ROOT does not hold yet; returns the
     BaseInfo of each one imported. `progress(name, done, total)` follows each import."""

@@ -34,6 +34,7 @@ from trainer.tensorfiles import (SafetensorsFile, discard, fsync_directory, publ
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # what a PEFT adapter directory holds, all that Kiln reads of it
 PREFIX = "base_model.model."
 _MODULE = {p: ("self_attn." if p in ATTENTION else "mlp.") + p for p in PROJECTIONS}
 # peft LoraConfig fields whose non-default values change the function Kiln would compute

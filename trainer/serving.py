@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from trainer.bases import load_base
+from trainer.bases import is_registered, load_base
 from trainer.generation import SamplingConfig, SamplingRNG, generate
 from trainer.peft import import_adapter, read_adapter_config
 
@@ -142,7 +142,8 @@ class ServingPool:
         self.backend = backend
         self.lock = ReadWriteLock()
         self.turns = TurnLock()  # one request computes at a time, token by token
-        self._served = {}  # name -> Served
+        self._bases = {}  # name -> Served: registered bases
+        self._served = {}  # name -> Served: loaded adapters (never a base's name: load_adapter refuses those)
         self._active = None  # the adapter served when a request names no model
 
     def _place(self, model):
@@ -160,8 +161,9 @@ class ServingPool:
         finally:
             model.close()
 
-    def _base(self, name):
-        served = self._served.get(name)
+    def base(self, name) -> Served:
+        """The registered base NAME, loaded on first use (ServingError model_not_found when there is none)."""
+        served = self._bases.get(name)
         if served is None:
             try:
                 model, tokenizer = load_base(name, self.bases_root)
@@ -170,13 +172,17 @@ class ServingPool:
             model = self._place(model)
             served = Served(name=name, base=name, model=model, tokenizer=tokenizer)
             with self.lock.write():
-                kept = self._served.setdefault(name, served)
+                kept = self._bases.setdefault(name, served)
             if kept is not served:  # another request loaded it meanwhile
                 model.close()
-        return self._served[name]
+        return self._bases[name]
 
     def load_adapter(self, adapter: str, base: str) -> Served:
-        """Load the PEFT snapshot `registry/adapter` over `base` (a fresh model instance)."""
+        """Load the PEFT snapshot `registry/adapter` over `base` (a fresh model instance). A base's name is refused:
+        bases and adapters answer to the same request field, and a base's name means the base."""
+        if is_registered(adapter, self.bases_root):
+            raise ServingError("adapter_name_reserved", f"{adapter!r} is the name of a registered base; an adapter "
+                                                        "of that name cannot be served (train it under another name)")
         path = self.registry / adapter
         if not (path / "adapter_config.json").is_file():
             raise ServingError("adapter_not_found", f"no PEFT snapshot for adapter {adapter!r} in {self.registry}")
@@ -200,8 +206,11 @@ class ServingPool:
         return served
 
     def unload(self, name: str):
+        """Unload the adapter NAME, else the base NAME."""
         with self.lock.write():
             served = self._served.pop(name, None)
+            if served is None:
+                served = self._bases.pop(name, None)
             if self._active == name:
                 self._active = None
         if served is None:
@@ -226,18 +235,25 @@ class ServingPool:
     def loaded(self) -> list:
         with self.lock.read():
             return [{"name": s.name, "base": s.base, "adapter": s.adapter_path is not None,
-                     "active": s.name == self._active} for s in self._served.values()]
+                     "active": s.name == self._active} for s in [*self._bases.values(), *self._served.values()]]
+
+    def adapter(self, name: str) -> Served:
+        """The loaded adapter NAME (ServingError model_not_found when it is not loaded)."""
+        served = self._served.get(name)
+        if served is None:
+            raise ServingError("model_not_found", f"no adapter named {name!r} is loaded")
+        return served
 
     def resolve(self, name: str | None) -> Served:
-        """The served model for a request's `model` (None: the active adapter)."""
+        """The served model for a request's `model` (None: the active adapter): a registered base by that name
+        first (an adapter can never stand in for one), else a loaded adapter."""
         if name is None:
             if self._active is None:
                 raise ServingError("model_required", "no adapter is active; name a model")
-            name = self._active
-        served = self._served.get(name)
-        if served is None:
-            return self._base(name)
-        return served
+            return self.adapter(self._active)
+        if name in self._bases or is_registered(name, self.bases_root) or name not in self._served:
+            return self.base(name)
+        return self._served[name]
 
     def complete(self, name, prompt_ids, sampling: SamplingConfig, seed=None, echo=False, on_token=None,
                  top_logprobs=0, served=None):
@@ -268,7 +284,7 @@ class ServingPool:
             prompt = served.tokenizer.encode(served.tokenizer.apply_chat_template(
                 [{"role": "user", "content": "Say hello."}], add_generation_prompt=True))
             _, generation = self.complete(adapter, prompt, SamplingConfig(max_new_tokens=4, temperature=0),
-                                          echo=True)
+                                          echo=True, served=served)
         except ServingError as error:
             return False, error.message
         values = generation.logprobs + generation.prompt_logprobs
@@ -278,6 +294,7 @@ class ServingPool:
 
     def close(self):
         with self.lock.write():
-            served, self._served = list(self._served.values()), {}
+            served = [*self._bases.values(), *self._served.values()]
+            self._bases, self._served = {}, {}
         for s in served:
             s.model.close()

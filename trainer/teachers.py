@@ -17,8 +17,10 @@ student's sampled tokens: log p_teacher(completion_t | prompt, completion_<t), f
 
 import hashlib
 import json
+import logging
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ import numpy as np
 
 from trainer.fsio import file_sha256
 from trainer.jsonio import canonical_bytes
+from trainer.peft import ADAPTER_FILES
 
 ROUTES = ("native", "openai", "vllm")
 ENDPOINT_ROUTES = ("openai", "vllm")  # OpenAI-compatible servers (vLLM is one): /v1/completions with echo + logprobs
@@ -37,9 +40,30 @@ PROBES = ((1, 2, 3, 4, 5, 6, 7, 8), (72, 101, 108, 108, 111, 44, 32, 119), (50, 
 PROBE_DECIMALS = 3
 IDENTITY_FIELDS = ("alias", "route", "base", "adapter", "endpoint", "model")
 DIGEST_HEADER = "X-Kiln-Content-Digest"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 REQUEST_TIMEOUT = 120.0  # seconds per endpoint request; a teacher that hangs must not hang the run
 _ALIAS = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,99})@(?P<route>[a-z0-9_-]{1,32})\Z")
+_MODEL = re.compile(r"[A-Za-z0-9._:@+=/-]{1,256}\Z")  # a served model id: it becomes a URL path segment
+logger = logging.getLogger("kiln.teachers")
+
+
+def _endpoint_ok(endpoint: str) -> bool:
+    """Whether ENDPOINT is an http(s) URL of a server's root: a host, perhaps a path, nothing else."""
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+    except ValueError:
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.query and not parts.fragment
+            and "?" not in endpoint and "#" not in endpoint and not re.search(r"[\s\x00-\x1f\x7f]", endpoint))
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A teacher endpoint answers at its own address: a redirect is an error (HTTPError), never followed."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 class TeacherError(Exception):
@@ -110,10 +134,15 @@ def parse_teacher(value) -> TeacherSpec:
             raise ValueError("adapter must be an absolute path to a PEFT adapter directory")
     else:
         endpoint = value.get("endpoint")
-        if not endpoint or not re.match(r"https?://[^\s/]+", endpoint):
-            raise ValueError(f"a {route} teacher needs endpoint, an http(s) URL")
-        if not value.get("model"):
+        if not endpoint or not _endpoint_ok(endpoint):
+            raise ValueError(f"a {route} teacher needs endpoint, an http(s) URL of the server's root (no query, "
+                             "fragment or spaces)")
+        model = value.get("model")
+        if not model:
             raise ValueError(f"a {route} teacher needs model (the served model id)")
+        if not _MODEL.match(model) or any(part in ("", ".", "..") for part in model.split("/")):
+            raise ValueError(f"model {model!r} must be a served model id: letters, digits and . _ - : @ + = /, "
+                             "with no empty, '.' or '..' path segment")
         if value.get("base") or value.get("adapter"):
             raise ValueError(f"a {route} teacher has no base or adapter")
     spec = TeacherSpec(alias=alias, route=route, base=value.get("base"), adapter=value.get("adapter"),
@@ -159,11 +188,14 @@ def _request(url: str, payload=None):
     request = urllib.request.Request(url, data=data, method="GET" if payload is None else "POST",
                                      headers={"Content-Type": "application/json", "Accept": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+        with _OPENER.open(request, timeout=REQUEST_TIMEOUT) as response:
             body, headers = response.read(), response.headers
     except urllib.error.HTTPError as error:
-        detail = error.read()[:300].decode("utf-8", "replace")
-        raise TeacherError("teacher_unavailable", f"{url} answered HTTP {error.code}: {detail}") from None
+        # the body goes to the server's log, not to the person: an endpoint's error page is not theirs to read
+        logger.warning("teacher endpoint %s answered HTTP %s: %r", url, error.code, error.read(300))
+        redirect = " (a redirect: give the endpoint's own address)" if 300 <= error.code < 400 else ""
+        raise TeacherError("teacher_unavailable", f"{url} answered HTTP {error.code}{redirect}; the server's log "
+                                                  "has its answer") from None
     except (urllib.error.URLError, OSError) as error:
         raise TeacherError("teacher_unavailable", f"{url} is unreachable: {error}") from None
     try:
@@ -181,7 +213,7 @@ def endpoint_content(spec: TeacherSpec) -> dict:
     """{"revision", "evidence"} of a served teacher: what `/v1/models/{model}` reports (id, root, digest) and
     the numbers it computes, the SHA-256 of its rounded log-probabilities of PROBES, so that other weights
     behind the same name and metadata are told apart."""
-    body, headers = _request(f"{_v1(spec)}/models/{spec.model}")
+    body, headers = _request(f"{_v1(spec)}/models/{urllib.parse.quote(spec.model, safe='/:@+=')}")
     if not isinstance(body, dict) or body.get("id") != spec.model:
         raise TeacherError("teacher_unavailable", f"teacher {spec.alias}: the endpoint does not serve model "
                                                   f"{spec.model!r}")

@@ -37,6 +37,7 @@ STATUS = {
     "model_required": 400,
     "adapter_not_loaded": 409,
     "adapter_incompatible": 409,
+    "adapter_name_reserved": 409,  # an adapter named like a registered base: the name means the base
     "adapter_unavailable": 503,
     "adapter_changed": 503,
     "backend_unavailable": 503,  # serving: the process's configured backend (cuda) has no usable device

@@ -104,7 +104,7 @@ def compare(suite, *, candidate: str, candidate_base: str, baseline_kind: str, b
                                                               "the one that was serving when the evaluation was queued")
                 served = pool.load_adapter(baseline, baseline_base)
             else:
-                served = pool.resolve(baseline)
+                served = pool.base(baseline)
             report = (lambda done, _: progress(len(suite.examples) + done, total)) if progress else None
             theirs = evaluate(served.model, served.tokenizer, suite, max_new_tokens=max_new_tokens, progress=report)
     except ServingError as error:

@@ -66,10 +66,11 @@ def _hidden(user, path_text) -> bool:
     return registry_adapter_hidden(user, path_text)
 
 
-def _check_base_adapter_visible(path_text, user) -> None:
+def _check_base_adapter_visible(path_text, user, resolved=None) -> None:
     """A warm start from someone else's adapter (one not shared with USER) reads it: refused exactly as the
-    trainer refuses a base_adapter directory that does not exist."""
-    if _hidden(user, path_text):
+    trainer refuses a base_adapter directory that does not exist. RESOLVED: the directory admission resolved
+    PATH_TEXT to, checked too (a link may have been swapped between the two)."""
+    if _hidden(user, path_text) or _hidden(user, resolved):
         raise ActionRefused(400, "base_adapter_not_found", f"{path_text} is not a directory")
 
 
@@ -137,6 +138,8 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
         request = {**request, "config": {**request["config"], "teacher": teacher}}
     runner = runtime.runner(kind)
     admission = runner.admit(request, runtime.run_settings(runner.module))
+    _check_base_adapter_visible(request["config"].get("base_adapter"), user,
+                                admission.effective_config.get("base_adapter"))
     if (admission.total_steps or 0) > MAX_TOTAL_STEPS:
         raise ActionRefused(400, "invalid_request", f"the run would take {admission.total_steps} optimizer steps; "
                                                     f"at most {MAX_TOTAL_STEPS} (ask for fewer epochs or steps)")

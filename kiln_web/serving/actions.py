@@ -20,6 +20,7 @@ from kiln_web.core.http import STATUS, ActionRefused
 from kiln_web.serving import runtime
 from kiln_web.serving.models import PromotionOutcome, PromotionRecord, ServedAdapter
 from kiln_web.serving.runtime import ServingError
+from trainer.peft import ADAPTER_FILES
 
 logger = logging.getLogger("kiln.serving")
 
@@ -62,21 +63,29 @@ def adapter_for(user, name: str, *, manage: bool = True) -> Adapter:
 
 
 def registry_adapter_hidden(user, path_text) -> bool:
-    """Whether PATH_TEXT (a teacher's adapter directory, a warm start's base_adapter) lies in the adapter registry
-    under an adapter USER may not see: its PEFT snapshot `NAME` or a checkpoint `NAME-checkpoint-step-...`. Reading
-    those weights (distilling from them, starting from them) is using the adapter, so the caller refuses it as
-    if the directory did not exist. A path that does not resolve, or lies elsewhere, is left to the caller."""
+    """Whether PATH_TEXT (a teacher's adapter directory, a warm start's base_adapter), or a PEFT file in it through
+    a link, lies in the adapter registry under an adapter USER may not see (its PEFT snapshot `NAME` or a checkpoint
+    `NAME-checkpoint-step-...`) or in one of the registry's hidden staging or retired copies. Reading those weights
+    (distilling from them, starting from them) is using the adapter, so the caller refuses it as if the directory
+    did not exist. A path that does not resolve, or lies elsewhere, is left to the caller."""
     if not isinstance(path_text, str) or not path_text:
         return False
     try:
         registry = runtime.registry().resolve()
-        resolved = Path(path_text).resolve()
+        directory = Path(path_text)
+        places = [directory.resolve(), *((directory / name).resolve() for name in ADAPTER_FILES)]
     except (OSError, RuntimeError, ValueError):
         return False
+    return any(_hidden_in_registry(user, registry, place) for place in places)
+
+
+def _hidden_in_registry(user, registry: Path, resolved: Path) -> bool:
     if resolved == registry or not resolved.is_relative_to(registry):
         return False
-    name = resolved.relative_to(registry).parts[0].split("-checkpoint-step-")[0]
-    adapter = Adapter.objects.filter(name=name).first()
+    entry = resolved.relative_to(registry).parts[0]
+    if entry.startswith("."):  # a staging or retired copy: nobody's to read
+        return True
+    adapter = Adapter.objects.filter(name=entry.split("-checkpoint-step-")[0]).first()
     return adapter is not None and not adapter.is_visible_to(user)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from trainer.bases import check_name, list_bases, show_base
+from trainer.bases import is_registered, list_bases
 from trainer.generation import SamplingConfig  # noqa: F401  (re-exported for the views)
 from trainer.serving import ServingError, ServingPool
 
@@ -100,12 +100,14 @@ def snapshot_base(name: str) -> str | None:
 
 
 def remove_snapshot(name: str) -> list[str]:
-    """Remove the snapshot `registry/name` and orphaned staging or retired copies of it; their names."""
+    """Remove the snapshot `registry/name` and orphaned staging or retired copies of it; their names. A snapshot is a
+    directory: a plain file of that name (another adapter's lineage, say) is left alone, and a link is removed, never
+    followed."""
     removed = []
     pattern = re.compile(rf"^\.(?:staging-final|retired)-{re.escape(name)}-{HEX12}$")
     candidates = [snapshot_path(name)] + [p for p in registry().iterdir() if pattern.match(p.name)]
     for path in candidates:
-        if path.is_symlink() or path.is_file():
+        if path.is_symlink():
             path.unlink()
         elif path.is_dir():
             shutil.rmtree(path)
@@ -130,12 +132,7 @@ def base_names() -> list[str]:
 
 
 def is_base(name: str) -> bool:
-    try:
-        check_name(name)
-        show_base(name, settings.KILN_HOME)
-    except (ValueError, LookupError):
-        return False
-    return True
+    return is_registered(name, settings.KILN_HOME)
 
 
 # -- pools --

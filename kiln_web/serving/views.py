@@ -92,20 +92,21 @@ def _default(wanted: tuple, usable: frozenset, user_id: int) -> str:
 
 
 def _resolve(serving: runtime.ServingRuntime, wanted: tuple, usable: frozenset, user_id: int, name: str | None):
-    """The Served model for a request's `model`: a registered base, or a loaded adapter the caller may use
-    (USABLE: the names runtime.usable_adapters gave); with no model, _default. An adapter the caller may not use
-    is refused exactly as a name that does not exist."""
+    """The Served model for a request's `model`: a registered base (a base's name always means the base), or a
+    loaded adapter the caller may use (USABLE: the names runtime.usable_adapters gave); with no model, _default.
+    An adapter the caller may not use is refused exactly as a name that does not exist."""
     if name is None:
         name = _default(wanted, usable, user_id)
-    elif name in {w.name for w in wanted} and name not in usable:
+    if runtime.is_base(name):
+        return serving.pool.base(name)
+    if name not in usable:
         raise _not_found(name)
     if name not in serving.loaded_here():
         refusal = serving.refusal(name)
         if refusal is not None:
             raise ServingError("adapter_unavailable", f"adapter {name!r} cannot be served here: {refusal.message}")
-        if not runtime.is_base(name):
-            raise _not_found(name)
-    return serving.pool.resolve(name)
+        raise _not_found(name)
+    return serving.pool.adapter(name)
 
 
 def _prepare(serving, wanted, usable, user_id, request):

@@ -18,8 +18,9 @@ from kiln_web.core.http import ActionRefused
 from kiln_web.jobs import runtime
 from kiln_web.jobs.models import ACTIVE_STATUSES, JobKind, TrainingJob
 from kiln_web.teachers.models import ALIAS_RE, SPEC_FIELDS, TeacherAlias
+from trainer.peft import ADAPTER_FILES
+from trainer.runs.admission import adapter_files_outside
 
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a PEFT adapter directory holds
 
 
 # -- helpers --
@@ -39,9 +40,14 @@ def _adapter_directory(text: str, user=None) -> str:
         raise ActionRefused(400, "adapter_outside_roots",
                             f"adapter {text} is outside the adapter registry and the data roots "
                             f"({', '.join(map(str, roots))}); copy it into one of them", field="adapter")
-    missing = [name for name in PEFT_FILES if not (resolved / name).is_file()]
-    if user is not None and registry_adapter_hidden(user, text):
-        missing = list(PEFT_FILES)
+    outside = adapter_files_outside(resolved, roots)
+    if outside:
+        raise ActionRefused(400, "adapter_outside_roots",
+                            f"adapter {text}: {', '.join(outside)} resolves outside the adapter registry and the "
+                            "data roots; copy the files into the directory", field="adapter")
+    missing = [name for name in ADAPTER_FILES if not (resolved / name).is_file()]
+    if user is not None and registry_adapter_hidden(user, str(resolved)):
+        missing = list(ADAPTER_FILES)
     if missing:
         raise ActionRefused(400, "adapter_not_found", f"adapter {text} is not a PEFT adapter directory: it lacks "
                                                       f"{', '.join(missing)}", field="adapter")

@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import math
+import os
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from trainer import LoraConfig
 from trainer.runs import checkpoint_dir
 from trainer.runs.loss_chunks import LOSS_CHUNK_BYTES, loss_options  # noqa: F401  (re-exported)
 from trainer.bases_identity import BUILTIN_TINY
+from trainer.bases import is_registered
 from trainer.fsio import file_sha256
 from trainer.runs.backend import BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, probe_cuda, resolve_backend
 from trainer.runs.checkpoint_dir import CheckpointError
@@ -177,6 +179,9 @@ def check_shared(c: dict, settings: RunSettings) -> dict:
         checkpoint_dir.check_adapter_name(name)
     except CheckpointError as error:
         raise RequestError("config.output_name", str(error)) from None
+    if is_registered(name, settings.bases_root):
+        raise RequestError("config.output_name", f"{name!r} is the name of a registered base; requests name bases "
+                                                 "and adapters alike, so an adapter cannot take a base's name")
     if c["base_model"] is None:
         c["base_model"] = settings.default_base
     if not isinstance(c["base_model"], str) or not c["base_model"]:
@@ -625,7 +630,19 @@ def _confined_directory(path_text, roots) -> Path:
                              f"{path_text} is outside the adapter registry and data roots")
     if not resolved.is_dir():
         raise AdmissionError("base_adapter_not_found", f"{path_text} is not a directory")
+    outside = adapter_files_outside(resolved, roots)
+    if outside:
+        raise AdmissionError("base_adapter_outside_roots",
+                             f"{path_text}: {', '.join(outside)} resolves outside the adapter registry and data roots")
     return resolved
+
+
+def adapter_files_outside(directory: Path, roots) -> list:
+    """The names of DIRECTORY's PEFT files that are links resolving outside ROOTS: a directory inside them whose
+    files point elsewhere is read from elsewhere."""
+    from trainer.peft import ADAPTER_FILES
+    return [name for name in ADAPTER_FILES
+            if os.path.lexists(directory / name) and within_roots(directory / name, roots) is None]
 
 
 def training_view(kind: str, adapter: str, data_source_kind: str, identities: dict, **extra) -> dict:

@@ -19,6 +19,7 @@ MAX_JSON_DEPTH = jsonio.MAX_DEPTH  # manifest nesting; real ones nest 4 deep, an
 MAX_INT = jsonio.MAX_INT  # JSON integers must fit a signed 64-bit value
 MIN_INT = jsonio.MIN_INT
 
+LINEAGE_SUFFIXES = (".lineage.json", ".lineage.lock")  # trainer.lineage's files beside the adapters' snapshots
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 _BASENAME = re.compile(r"(?P<adapter>.+)-checkpoint-step-(?P<step>[0-9]{8,19})" + re.escape(SUFFIX) + r"\Z")
 _STAGING = re.compile(r"\.(?P<basename>.+" + re.escape(SUFFIX) + r")\.staging-[0-9a-f]{16}\Z")
@@ -147,6 +148,9 @@ def check_adapter_name(adapter) -> str:
     if "-checkpoint-step-" in adapter or adapter.endswith(SUFFIX):
         raise NoncanonicalName(f"adapter name {adapter!r} must not contain '-checkpoint-step-' or end in "
                                f"{SUFFIX!r}: it would make checkpoint names ambiguous")
+    if adapter.endswith(LINEAGE_SUFFIXES):
+        raise NoncanonicalName(f"adapter name {adapter!r} must not end in {' or '.join(LINEAGE_SUFFIXES)}: the "
+                               "registry keeps each adapter's lineage under such names")
     return adapter
 
 
