@@ -367,14 +367,19 @@ def _unrecorded_checkpoint(job: TrainingJob) -> tuple[dict, str] | None:
     """(summary, manifest digest) of the adapter's newest checkpoint when it is newer than the one the job
     recorded, else None. A worker killed between publishing a checkpoint and recording it leaves the registry
     (the authority) one ahead of the row; resuming from the older one would stop at `name_exists`. Only one
-    job trains an adapter at a time, so a newer checkpoint with the job's kind and seed is the job's."""
+    job trains an adapter at a time, so a newer checkpoint with the job's kind and seed that no other job recorded
+    is the job's (a later resume of the same run shares its seed, and records what it publishes)."""
     try:
         module = runtime.checkpoint_module()
         recorded = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
         floor = module.parse_basename(recorded)[1] if recorded else 0
+        others = set(CheckpointRecord.objects.filter(adapter=job.adapter).exclude(job=job)
+                     .values_list("basename", flat=True))
         for path in reversed(module.list_checkpoints(settings.KILN_ADAPTERS_DIR, job.adapter.name)):
             if module.parse_basename(path.name)[1] <= floor:
                 return None
+            if path.name in others:
+                continue
             try:
                 loaded = module.load_checkpoint(path, full=False, expected_type=job.kind,
                                                 expected_adapter=job.adapter.name)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import typing
 
 import pydantic
+from django.conf import settings
 
 from kiln_web.core.http import ActionRefused
 from kiln_web.jobs import actions, runtime
+from kiln_web.adapters.models import CheckpointRecord
 from kiln_web.jobs.models import JobKind, JobStatus, TrainingJob
 from kiln_web.jobs.schemas import GRPORequest, OPDRequest, SFTRequest
 
@@ -48,7 +50,29 @@ def resume_checkpoint(job: TrainingJob) -> str:
     if summary.get("complete") or job.status == JobStatus.SUCCEEDED:
         raise _refuse(job, f"its run completed ({basename} holds step {summary.get('committed_step')} of "
                            f"{summary.get('total_steps')}); there is nothing left to train", checkpoint=basename)
+    _refuse_if_overtaken(job, basename)
     return basename
+
+
+def _refuse_if_overtaken(job: TrainingJob, basename: str) -> None:
+    """not_resumable when the adapter has checkpoints after BASENAME (an earlier resume of this run went on past
+    it): resuming from it again would reach their immutable names. Names the job to resume instead."""
+    module = runtime.checkpoint_module()
+    step = module.parse_basename(basename)[1]
+    later = [path.name for path in module.list_checkpoints(settings.KILN_ADAPTERS_DIR, job.adapter.name)
+             if module.parse_basename(path.name)[1] > step]
+    if not later:
+        return
+    record = CheckpointRecord.objects.filter(basename=later[-1]).first()
+    if record is not None and record.job_id != job.pk:
+        instead = (f"job {record.job_id} went on from this run to {later[-1]}; resume that one "
+                   f"(kiln train resume --job-id {str(record.job_id)[:8]})")
+    else:
+        instead = f"the adapter's newest checkpoint is {later[-1]}; resume from it"
+    raise _refuse(job, f"{job.adapter.name} already has {len(later)} checkpoint(s) after {basename}, whose names a "
+                       f"run resumed from it would reach: {instead}, or move the later checkpoints out of the "
+                       "registry first", checkpoint=basename, newer_checkpoint=later[-1],
+                  **({"job_id": str(record.job_id)} if record is not None and record.job_id != job.pk else {}))
 
 
 def _nested(annotation) -> type[pydantic.BaseModel] | None:

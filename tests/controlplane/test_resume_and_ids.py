@@ -87,6 +87,32 @@ def test_a_cancelled_job_resumes_by_prefix_with_its_effective_config_and_seed(in
     assert done.status_code == 409 and "completed" in done.json()["error"]["message"]
 
 
+def test_a_run_resumed_and_carried_on_is_not_resumed_from_behind(interval, api, adapter_name, monkeypatch):
+    """Job A is cancelled at step 3; B resumes it and finishes at step 6. Resuming A again would redo steps 4-6
+    and stop at the immutable name of B's checkpoint: it is refused, naming B. And A's failure or loss never
+    takes B's checkpoint for an unrecorded one of its own (they share the seed)."""
+    from kiln_web.jobs import actions
+
+    job = _cancelled_mid_run(api, adapter_name, monkeypatch, seed=77)
+    data = sft_body(adapter_name, records=6)["data"]
+    response = api.post(f"/v1/train/jobs/{job.pk}/resume", {"data": data})
+    assert response.status_code == 201, response.content
+    assert EmbeddedWorker().run_once()
+    carried_on = TrainingJob.objects.get(pk=response.json()["id"])
+    assert carried_on.status == JobStatus.SUCCEEDED and carried_on.committed_step == 6
+    newest = f"{adapter_name}-checkpoint-step-00000006.kiln-checkpoint"
+    assert carried_on.latest_checkpoint["resume_checkpoint"] == newest
+
+    again = api.post(f"/v1/train/jobs/{job.pk}/resume", {"data": data})
+    assert again.status_code == 409, again.content
+    error = again.json()["error"]
+    assert error["code"] == "not_resumable" and error["job_id"] == str(carried_on.pk)
+    assert error["newer_checkpoint"] == newest and str(carried_on.pk)[:8] in error["message"]
+    assert TrainingJob.objects.filter(adapter__name=adapter_name).count() == 2  # nothing was queued
+
+    assert actions._unrecorded_checkpoint(job) is None  # B recorded it: it is not A's
+
+
 def test_a_file_source_is_kept_and_drift_is_refused_by_admission(interval, api, adapter_name, settings,
                                                                   monkeypatch):
     import json

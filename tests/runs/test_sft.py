@@ -110,6 +110,20 @@ def test_cancel_then_resume_is_byte_identical(reference, tmp_path):
     assert final_files(settings) == final_files(reference[0])
 
 
+def test_a_resume_from_behind_a_later_checkpoint_is_refused(cancelled):
+    """A checkpoint with later ones of the same adapter beside it cannot be resumed: the run would reach their
+    immutable names (name_exists) after doing the work again. The newest one can."""
+    settings, req, basename = cancelled
+    run_sft(admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings), settings, StopAt(4))
+    newest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot").name
+    assert newest == "support-bot-checkpoint-step-00000004.kiln-checkpoint"
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(request(req["dataset_path"], resume_checkpoint=basename), settings)
+    assert info.value.code == "later_checkpoints"
+    assert newest in info.value.message and "step 2" in info.value.message
+    assert admit_sft(request(req["dataset_path"], resume_checkpoint=newest), settings).resume["step"] == 4
+
+
 def test_sigkill_then_resume_is_byte_identical(reference, tmp_path):
     settings = make_settings(tmp_path)
     req = request(write_dataset(tmp_path))

@@ -518,6 +518,21 @@ def load_resume(reference: str, adapter: str, kind: str, settings: RunSettings):
         raise AdmissionError(error.code, str(error)) from None
 
 
+def refuse_later_checkpoints(loaded) -> None:
+    """AdmissionError("later_checkpoints") when the adapter has checkpoints after LOADED's step beside it: the
+    resumed run would reach their names, which are immutable, and stop with name_exists after doing the work up to
+    them again; and two branches of one adapter in the registry would make "its latest checkpoint" ambiguous."""
+    registry, basename = loaded.path.parent, loaded.path.name
+    adapter, step = checkpoint_dir.parse_basename(basename)
+    later = [path.name for path in checkpoint_dir.list_checkpoints(registry, adapter)
+             if checkpoint_dir.parse_basename(path.name)[1] > step]
+    if later:
+        raise AdmissionError("later_checkpoints", f"{adapter} already has {len(later)} checkpoint(s) after step "
+                             f"{step}, the newest {later[-1]}: a run resumed from {basename} would reach their "
+                             "names, which are immutable. Resume from the newest (the job that published it), or "
+                             "move the later ones out of the registry first")
+
+
 def check_planning_schema(manifest: dict, expected: str = PLANNING_SCHEMA_V3,
                           reason: str = "any change to the planning identity fails closed"):
     schema = (manifest.get("planning") or {}).get("schema")
@@ -557,11 +572,13 @@ def resume_record(loaded) -> dict:
 
 
 def admit_resume(loaded, training: dict, config: dict, identities: dict) -> dict:
-    """Refuse any drift between the request and the checkpoint; the resume record of the job row.
-    The execution identity is not compared here: the process that trains compares its own at dequeue."""
+    """Refuse any drift between the request and the checkpoint, then a checkpoint with later ones beside it; the
+    resume record of the job row. The execution identity is not compared here: the process that trains compares
+    its own at dequeue."""
     view = {"training": training, "config": comparable_config(config),
             **{key: identities[key] for key in ADMISSION_FIELDS}}
     refuse_drift(loaded.manifest, view, config["seed"], backend=identities["execution"]["backend"])
+    refuse_later_checkpoints(loaded)
     return resume_record(loaded)
 
 
