@@ -10,6 +10,7 @@ from kiln_web import cli_serving
 from kiln_web.cli_server import add_subcommand, subcommands
 
 TERMINAL = {"succeeded", "cancelled", "failed", "lost"}
+PENDING = "pending"  # a succeeded job's promotion outcome until its decision is recorded (serving.promotion)
 JOB_ID_HELP = "the job's id, or a unique prefix of it (at least 8 hex digits)"
 
 
@@ -37,7 +38,8 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     sft.add_argument("--qlora", action="store_true", help="quantize the base to NF4 (QLoRA)")
     sft.add_argument("--max-sequence-length", type=int)
     sft.add_argument("--upload", action="store_true", help="send the records inline even from a data root")
-    sft.add_argument("--wait", action="store_true", help="follow the job until it ends")
+    sft.add_argument("--wait", action="store_true", help="follow the job until it ends, and with --auto-load until "
+                     "its promotion is decided")
     sft.add_argument("--json", action="store_true", help="print the job as JSON")
     add_optimizer_arguments(sft)
     cli_serving.add_promotion_arguments(sft)
@@ -297,8 +299,30 @@ def _follow(client, job_id: str) -> dict:
         time.sleep(1.0)
 
 
+def _await_promotion(client, job: dict) -> dict:
+    """A succeeded job whose promotion is pending (auto_load: the serving canary, and with a gate its evaluation
+    first), polled until the decision is recorded; for at most the client's timeout, the wait it gives each request."""
+    import time
+
+    if job["status"] != "succeeded" or (job.get("promotion") or {}).get("outcome") != PENDING:
+        return job
+    waiting_for = "the gate's evaluation and the serving canary" if job["promotion"].get("gate") else \
+        "the serving canary"
+    print(f"  succeeded; waiting for the promotion decision ({waiting_for})", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + client.timeout
+    while (job.get("promotion") or {}).get("outcome") == PENDING:
+        if time.monotonic() >= deadline:
+            print(f"kiln train: the promotion is still pending after {client.timeout:g} s; the adapter serves only "
+                  f"once it is promoted: follow it with: kiln train status --job-id {job['id']}", file=sys.stderr)
+            break
+        time.sleep(1.0)
+        job = client.job(job["id"])
+    return job
+
+
 def _submitted(client, job: dict, args: argparse.Namespace) -> int:
-    """Report a job just submitted (or resumed); with --wait, follow it until it ends."""
+    """Report a job just submitted (or resumed); with --wait, follow it until it ends and its promotion (if asked
+    for) is decided."""
     if args.json and not args.wait:
         cli_serving.show(job, True, None)
         return 0
@@ -310,7 +334,7 @@ def _submitted(client, job: dict, args: argparse.Namespace) -> int:
     if not args.wait:
         print(f"follow it with: kiln train status --job-id {job['id']}")
         return 0
-    job = _follow(client, job["id"])
+    job = _await_promotion(client, _follow(client, job["id"]))
     cli_serving.show(job, args.json, _print_job)
     return 0 if job["status"] in ("succeeded", "cancelled") else 1
 

@@ -359,3 +359,62 @@ def test_the_outside_the_data_roots_refusal_names_each_root_once(tmp_path):
     with pytest.raises(AdmissionError) as refused:
         confined("/etc/hostname", (root, str(root) + "/", tmp_path / "other"))
     assert refused.value.message.count(str(root)) == 1 and str(tmp_path / "other") in refused.value.message
+
+
+class RecordedJobs:
+    """A client whose job polls answer STATES in turn (the last one from then on)."""
+
+    def __init__(self, states, timeout=300.0):
+        self.states, self.timeout, self.polls = list(states), timeout, 0
+
+    def job(self, job_id):
+        self.polls += 1
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def job_state(status, outcome, reason=""):
+    return {"id": "feedf00d-0000-4000-8000-000000000003", "status": status, "adapter": "ada-first", "kind": "sft",
+            "effective_seed": 1, "effective_config": {}, "progress": {"committed_step": 2, "total_steps": 2},
+            "promotion": {"auto_load": True, "gate": None, "outcome": outcome, "reason": reason,
+                          "decided_by": "auto_load" if outcome == "promoted" else None}}
+
+
+def test_wait_with_auto_load_returns_once_the_promotion_is_decided(monkeypatch, capsys):
+    import argparse
+
+    from kiln_web import cli_remote
+
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    client = RecordedJobs([job_state("running", None), job_state("succeeded", "pending"),
+                           job_state("succeeded", "pending"), job_state("succeeded", "promoted", "the canary passed")])
+    submitted = job_state("queued", None)
+    assert cli_remote._submitted(client, submitted, argparse.Namespace(json=False, wait=True)) == 0
+    out, err = capsys.readouterr()
+    assert client.polls == 4  # through both pending polls to the decision
+    assert "promotion  promoted by auto_load: the canary passed" in out and "pending" not in out
+    assert "waiting for the promotion decision (the serving canary)" in err
+
+
+def test_wait_gives_up_on_a_pending_promotion_after_the_clients_timeout(monkeypatch, capsys):
+    import argparse
+
+    from kiln_web import cli_remote
+
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    client = RecordedJobs([job_state("succeeded", "pending")], timeout=0.0)
+    assert cli_remote._submitted(client, job_state("queued", None), argparse.Namespace(json=False, wait=True)) == 0
+    out, err = capsys.readouterr()
+    assert "promotion  pending" in out
+    assert "the promotion is still pending after 0 s" in err
+    assert "kiln train status --job-id feedf00d-0000-4000-8000-000000000003" in err
+
+
+def test_wait_does_not_wait_for_a_promotion_nobody_asked_for(monkeypatch, capsys):
+    import argparse
+
+    from kiln_web import cli_remote
+
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    client = RecordedJobs([job_state("succeeded", "not_requested", "auto_load was not requested")])
+    assert cli_remote._submitted(client, job_state("queued", None), argparse.Namespace(json=False, wait=True)) == 0
+    assert client.polls == 1 and "waiting for the promotion" not in capsys.readouterr()[1]
