@@ -33,7 +33,8 @@ def test_the_empty_jobs_page_shows_a_first_run_that_fits(stack):
         card = page.wait_for_selector("[data-first-run]")
         text = card.inner_text()
         assert "kiln-tiny" in text  # the default base of a test stack (KILN_DEFAULT_BASE=kiln-tiny)
-        assert "kiln train sft --file arithmetic.jsonl --adapter first --auto-load --wait" in text
+        assert "kiln train sft --file arithmetic.jsonl --adapter first-admin --auto-load --wait" in text
+        assert "kiln token create --user admin" in text
         link = page.get_attribute("[data-first-run] a[download]", "href")
         sample = page.request.get(stack.url + link)
         assert sample.status == 200 and sample.body() == SAMPLE.read_bytes()

@@ -611,3 +611,19 @@ def test_prepared_opd_resume_fills_the_teacher_alias_not_its_resolved_spec(ada, 
     assert teacher is not None and "big@native" in teacher.group(0), page[:2000]
     assert "{&#x27;alias&#x27;" not in page and "'alias'" not in page
     assert "distilled-checkpoint-step-00000005.kiln-checkpoint" in page
+
+
+# -- the first-run card --
+
+
+def test_the_first_run_card_is_each_persons_own(make_user):
+    """Adapter names are global, so a second person copying the first person's command gets adapter_name_taken;
+    each card names an adapter of its reader's and says how to get a token of their own."""
+    for username, adapter in (("bob", "first-bob"), ("carol.o+x@example.org", "first-carol.o-x-example.org")):
+        client = Client()
+        client.force_login(make_user(username))
+        page = client.get("/").content.decode()
+        assert f"--adapter {adapter} --auto-load --wait" in page, page
+        assert f'"model": "{adapter}"' in page
+        assert f"kiln token create --user {username}" in page
+        assert "--adapter first " not in page and "kiln up</code> printed" not in page
