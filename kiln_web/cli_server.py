@@ -95,6 +95,23 @@ def _register_packaged_bases() -> None:
     print(f"Default base: {runtime.default_base()} (kiln base list; KILN_DEFAULT_BASE chooses another)", flush=True)
 
 
+def port_refusal(host: str, port: int) -> str | None:
+    """Why `kiln up` cannot listen on HOST:PORT, or None: the address is bound the way uvicorn binds it
+    (SO_REUSEADDR, so a port left in TIME_WAIT counts as free) and released at once."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use; pass --port"
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
@@ -109,6 +126,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.processes > 1 and settings.KILN_EMBEDDED_WORKER:
         print("kiln up: --processes above 1 needs REDIS_URL: without Redis, jobs run in the one web process's "
               "embedded worker and WebSocket events reach only that process", file=sys.stderr)
+        return 2
+    refusal = port_refusal(args.host, args.port)  # before anything starts or is announced
+    if refusal is not None:
+        print(f"kiln up: {refusal}", file=sys.stderr)
         return 2
 
     from kiln_web.accounts.actions import do_ensure_token
@@ -130,28 +151,30 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"KILN_TOKEN={token})")
     housekeeper = Housekeeper().start()  # the lost-job check, whichever workers run the jobs
     worker = None
-    if settings.KILN_EMBEDDED_WORKER:
-        worker = EmbeddedWorker().start()
-        print("Training jobs run in this process (embedded worker; set REDIS_URL for Celery workers)")
-    else:
-        print("Training jobs go to Celery: run `celery -A kiln_web worker -Q training` beside this")
-    print(f"Kiln is serving at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `docker stop` stops as cleanly as Ctrl-C
-    try:
-        # lifespan off: the Channels router does not speak the ASGI lifespan protocol.
-        # no per-message deflate: job events are a few hundred bytes of JSON, and compressing each one once
-        # per open dashboard costs the web process more CPU than the bytes it saves on a local network
-        # several processes: uvicorn's supervisor (this process, which keeps the housekeeper) spawns
-        # children that each import the application; one process serves in this interpreter
-        app = "kiln_web.asgi:application" if args.processes > 1 else application
-        uvicorn.run(app, host=args.host, port=args.port, lifespan="off", log_level="info",
-                    ws_per_message_deflate=False, workers=args.processes if args.processes > 1 else None)
-    except KeyboardInterrupt:
-        pass  # uvicorn has shut down the server and re-raised the signal
-    if worker is not None:
-        _stop_worker(worker)
-    housekeeper.stop()
-    print("Kiln stopped", flush=True)
+    try:  # whatever ends the server (Ctrl-C, SIGTERM, uvicorn's exit on a failed start), the worker stops
+        if settings.KILN_EMBEDDED_WORKER:
+            worker = EmbeddedWorker().start()
+            print("Training jobs run in this process (embedded worker; set REDIS_URL for Celery workers)")
+        else:
+            print("Training jobs go to Celery: run `celery -A kiln_web worker -Q training` beside this")
+        print(f"Kiln is serving at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `docker stop` stops as cleanly as Ctrl-C
+        try:
+            # lifespan off: the Channels router does not speak the ASGI lifespan protocol.
+            # no per-message deflate: job events are a few hundred bytes of JSON, and compressing each one once
+            # per open dashboard costs the web process more CPU than the bytes it saves on a local network
+            # several processes: uvicorn's supervisor (this process, which keeps the housekeeper) spawns
+            # children that each import the application; one process serves in this interpreter
+            app = "kiln_web.asgi:application" if args.processes > 1 else application
+            uvicorn.run(app, host=args.host, port=args.port, lifespan="off", log_level="info",
+                        ws_per_message_deflate=False, workers=args.processes if args.processes > 1 else None)
+        except KeyboardInterrupt:
+            pass  # uvicorn has shut down the server and re-raised the signal
+    finally:
+        if worker is not None:
+            _stop_worker(worker)
+        housekeeper.stop()
+        print("Kiln stopped", flush=True)
     return 0
 
 

@@ -418,3 +418,67 @@ def test_wait_does_not_wait_for_a_promotion_nobody_asked_for(monkeypatch, capsys
     client = RecordedJobs([job_state("succeeded", "not_requested", "auto_load was not requested")])
     assert cli_remote._submitted(client, job_state("queued", None), argparse.Namespace(json=False, wait=True)) == 0
     assert client.polls == 1 and "waiting for the promotion" not in capsys.readouterr()[1]
+
+
+def test_kiln_up_refuses_a_port_in_use_before_starting_or_announcing_anything(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from .services import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+    env |= {"KILN_HOME": str(tmp_path), "KILN_DEFAULT_BASE": "kiln-tiny"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kiln_web.cli", "up", "--port", str(port)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"kiln up: port {port} on 127.0.0.1 is in use; pass --port" in done.stderr
+    assert "serving" not in done.stdout and "worker" not in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_kiln_up_stops_its_worker_whatever_ends_the_server(monkeypatch, capsys):
+    """uvicorn exits with SystemExit when it cannot start (the port taken after the check, say): the embedded
+    worker and the housekeeper are stopped then too, not only on Ctrl-C."""
+    import signal
+
+    import uvicorn
+
+    from kiln_web import cli_server
+    from kiln_web.jobs import worker as jobs_worker
+
+    stopped = []
+
+    class Thread:
+        running_job = None
+
+        def start(self):
+            return self
+
+        def stop(self, timeout=None):
+            stopped.append(type(self).__name__)
+
+    class EmbeddedWorker(Thread):
+        pass
+
+    class Housekeeper(Thread):
+        pass
+
+    def fail_to_start(*args, **kwargs):
+        raise SystemExit(3)
+
+    monkeypatch.setattr(jobs_worker, "EmbeddedWorker", EmbeddedWorker)
+    monkeypatch.setattr(jobs_worker, "Housekeeper", Housekeeper)
+    monkeypatch.setattr(cli_server, "_register_packaged_bases", lambda: None)
+    monkeypatch.setattr(cli_server, "port_refusal", lambda host, port: None, raising=False)
+    monkeypatch.setattr(uvicorn, "run", fail_to_start)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # leave this process's SIGTERM handler alone
+    with pytest.raises(SystemExit):
+        main(["up", "--port", "8000"])  # never bound: the check and uvicorn are replaced
+    assert sorted(stopped) == ["EmbeddedWorker", "Housekeeper"]
+    assert "Kiln stopped" in capsys.readouterr()[0]
