@@ -4,6 +4,7 @@ machine's server), cli_local (local files), cli_remote or cli_serving (the HTTP 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -51,7 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     from django.core.exceptions import ImproperlyConfigured
 
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a reader that has gone shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        # stdout's reader has gone (`kiln train list | head -3`): stop quietly, as Python's signal docs advise:
+        # stdout to devnull, so that the interpreter's last flush does not fail again, and exit 1
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except ImproperlyConfigured as exc:
         print(f"kiln: configuration error: {exc}", file=sys.stderr)
         return 2

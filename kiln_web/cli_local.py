@@ -85,6 +85,8 @@ def cmd_base(args: argparse.Namespace) -> int:
             special = info.tokenizer["special_tokens"]
             print("tokenizer   " + ", ".join(f"{k}={v!r}" for k, v in special.items()))
             print(f"            tokenizer.json sha256 {info.tokenizer['tokenizer_json_sha256']}")
+    except BrokenPipeError:
+        raise  # stdout's reader has gone: not a failure of the base (kiln_web.cli.main)
     except (ValueError, LookupError, OSError, ImportError) as exc:
         print(f"kiln base {args.base_command}: {exc}", file=sys.stderr)
         return 1

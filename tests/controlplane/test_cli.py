@@ -482,3 +482,38 @@ def test_kiln_up_stops_its_worker_whatever_ends_the_server(monkeypatch, capsys):
         main(["up", "--port", "8000"])  # never bound: the check and uvicorn are replaced
     assert sorted(stopped) == ["EmbeddedWorker", "Housekeeper"]
     assert "Kiln stopped" in capsys.readouterr()[0]
+
+
+def into_a_closed_pipe(argv, env):
+    """`kiln ARGV | head` once head has exited: stdout is a pipe whose reader is gone before anything is written."""
+    import os
+    import subprocess
+    import sys
+
+    from .services import ROOT
+
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run([sys.executable, "-m", "kiln_web.cli", *argv], cwd=ROOT, env=env, stdout=writer,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(writer)
+
+
+def cli_env(tmp_path, **extra):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
+    return env | {"KILN_HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"), **extra}
+
+
+def test_a_closed_pipe_ends_a_local_command_quietly(tmp_path):
+    done = into_a_closed_pipe(["base", "show", "kiln-tiny"], cli_env(tmp_path))
+    assert done.returncode == 1 and done.stderr == ""  # neither "[Errno 32] Broken pipe" nor a traceback
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_closed_pipe_ends_an_api_command_quietly(live_server, ada, tmp_path):
+    done = into_a_closed_pipe(["train", "list"], cli_env(tmp_path, KILN_URL=live_server.url, KILN_TOKEN=ada.token))
+    assert done.returncode == 1 and done.stderr == ""
