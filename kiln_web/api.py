@@ -15,7 +15,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
 from kiln_web.accounts.actions import authenticate_token
-from kiln_web.core.http import error_response, refused
+from kiln_web.core.http import error_location, error_response, refused
 from kiln_web.evals.api import router as evals_router
 from kiln_web.jobs.api import router as train_router
 from kiln_web.serving.api import promotions_router
@@ -57,8 +57,8 @@ api = NinjaAPI(
 )
 
 
-def _field(location) -> str | None:
-    parts = [str(part) for part in location]
+def _field(error: dict) -> str | None:
+    parts = list(error_location(error))
     if parts and parts[0] in {"body", "query", "path"}:
         parts = parts[1:]
     if parts and parts[0] in {"payload", "body"}:  # the operation's parameter name
@@ -68,7 +68,7 @@ def _field(location) -> str | None:
 
 def _sentence(error: dict) -> str:
     kind = error.get("type", "")
-    field = _field(error.get("loc", ())) or "the request"
+    field = _field(error) or "the request"
     if kind == "extra_forbidden":
         return f"unknown field {field!r}; /v1/openapi.json lists the accepted fields"
     if kind == "missing":
@@ -80,7 +80,7 @@ def _sentence(error: dict) -> str:
 def _invalid(request, exc: ValidationError):
     errors = exc.errors or [{}]
     message = "; ".join(_sentence(error) for error in errors)
-    return error_response(400, "invalid_request", message, field=_field(errors[0].get("loc", ())))
+    return error_response(400, "invalid_request", message, field=_field(errors[0]))
 
 
 @api.exception_handler(AuthenticationError)

@@ -7,6 +7,7 @@ from typing import Any
 from django.http import JsonResponse
 from ninja import Schema
 from pydantic import ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 try:
     from ninja import Status
@@ -53,6 +54,21 @@ def refusal_for(exc: BaseException) -> ActionRefused | None:
     if isinstance(code, str) and code in STATUS:
         return ActionRefused(STATUS[code], code, str(getattr(exc, "message", None) or exc))
     return None
+
+
+def field_refusal(field: str, message: str) -> PydanticCustomError:
+    """What a model validator raises to refuse FIELD (a name in its own model): pydantic gives a model validator's
+    error no location, so the field travels in the error's context and error_location puts it back."""
+    return PydanticCustomError("invalid_field", message, {"field": field})
+
+
+def error_location(error: dict) -> tuple[str, ...]:
+    """Where a pydantic error (one of ValidationError.errors()) lies: its location, then the field a model
+    validator named with field_refusal."""
+    location = tuple(str(part) for part in error.get("loc", ()))
+    if error.get("type") == "invalid_field" and (error.get("ctx") or {}).get("field"):
+        location += (str(error["ctx"]["field"]),)
+    return location
 
 
 def error_response(status: int, code: str, message: str, **extra) -> JsonResponse:

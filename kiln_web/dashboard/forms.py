@@ -24,6 +24,7 @@ from django import forms
 from django.conf import settings
 from pydantic_core import PydanticUndefined
 
+from kiln_web.core.http import error_location
 from kiln_web.jobs.models import JobKind
 from kiln_web.jobs.schemas import GRPORequest, OPDRequest, SFTRequest
 
@@ -269,7 +270,7 @@ class JobForm(forms.Form):
             payload = self.request_schema.model_validate(body)
         except pydantic.ValidationError as exc:
             for error in exc.errors():
-                self._add_at(tuple(str(part) for part in error.get("loc", ())), error.get("msg", "invalid value"))
+                self._add_at(error_location(error), error.get("msg", "invalid value"))
             return cleaned
         self.body, self.payload = body, payload.model_dump(exclude_unset=True)
         return cleaned

@@ -15,7 +15,7 @@ import typing
 import pydantic
 from django.conf import settings
 
-from kiln_web.core.http import ActionRefused
+from kiln_web.core.http import ActionRefused, error_location
 from kiln_web.jobs import actions, runtime
 from kiln_web.adapters.models import CheckpointRecord
 from kiln_web.jobs.models import JobKind, JobStatus, TrainingJob
@@ -144,7 +144,7 @@ def do_resume_job(user, job: TrainingJob, source: dict | None = None) -> Trainin
         payload = REQUESTS[job.kind].model_validate(body)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
+        where = ".".join(error_location(first))
         raise ActionRefused(400, "invalid_request", f"the resume request is not valid: {where}: {first.get('msg')}",
                             field=where or None) from None
     return actions.do_submit_job(user, body, payload.model_dump(exclude_unset=True), kind=job.kind)

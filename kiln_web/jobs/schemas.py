@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 from ninja import Schema
 from pydantic import ConfigDict, Field, model_validator
 
+from kiln_web.core.http import field_refusal
 from kiln_web.jobs.runtime import request_default
 from kiln_web.serving.schemas import JobPromotionOut, PromotionGate
 
@@ -45,7 +46,7 @@ class OneSource(Strict):
     @model_validator(mode="after")
     def _one_source(self):
         if (self.dataset_path is None) == (getattr(self, self.INLINE) is None):
-            raise ValueError(f"give exactly one of dataset_path and {self.INLINE}")
+            raise field_refusal("dataset_path", f"give exactly one of dataset_path and {self.INLINE}")
         return self
 
 

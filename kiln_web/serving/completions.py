@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kiln_web.core.http import error_location, field_refusal
+
 MAX_SEED = 2**63 - 1
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")  # chat templates' end-of-turn markers
@@ -58,14 +60,15 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _supported(self):
         if self.n != 1:
-            raise ValueError("n: Kiln returns one choice per prompt; send n=1 (or leave it out)")
+            raise field_refusal("n", "Kiln returns one choice per prompt; send n=1 (or leave it out)")
         if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+            raise field_refusal("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                                "presence_penalty and frequency_penalty are not supported; leave them at 0")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise field_refusal("logit_bias", "not supported")
         stops = self.stop_strings
         if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings")
+            raise field_refusal("stop", "at most 4 non-empty strings")
         return self
 
     @property
@@ -90,13 +93,13 @@ class CompletionRequest(_Request):
     @model_validator(mode="after")
     def _completion_supported(self):
         if self.suffix:
-            raise ValueError("suffix (insertion) is not supported")
+            raise field_refusal("suffix", "insertion is not supported")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported; leave it out")
+            raise field_refusal("best_of", "not supported; leave it out")
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens: 0 is only meaningful with echo (scoring the prompt)")
+            raise field_refusal("max_tokens", "0 is only meaningful with echo (scoring the prompt)")
         if self.stream and self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is answered whole; send stream: false")
+            raise field_refusal("stream", "echo with logprobs is answered whole; send stream: false")
         return self
 
 
@@ -133,11 +136,14 @@ class ChatRequest(_Request):
     @model_validator(mode="after")
     def _chat_supported(self):
         if self.max_tokens == 0:
-            raise ValueError("max_tokens must be at least 1")
+            raise field_refusal("max_tokens", "must be at least 1")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise field_refusal("top_logprobs", "needs logprobs: true")
         for message in self.messages:
-            message.text()
+            try:
+                message.text()
+            except ValueError as exc:
+                raise field_refusal("messages", str(exc)) from None
         return self
 
 
@@ -149,7 +155,7 @@ def parse_request(schema: type[_Request], body: Any) -> _Request:
         return schema.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        location = ".".join(str(part) for part in error.get("loc", ()))
+        location = ".".join(error_location(error))
         message = error.get("msg", "invalid value").removeprefix("Value error, ")
         if error.get("type") == "missing":
             message = f"{location} is required"

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from ninja import Schema
 from pydantic import ConfigDict, Field, model_validator
 
+from kiln_web.core.http import field_refusal
+
 OUTCOMES = Literal["promoted", "gate_failed", "inconclusive", "unavailable", "canary_failed", "not_requested",
                    "pending"]
 
@@ -30,7 +32,7 @@ class PromotionGate(Schema):
     @model_validator(mode="after")
     def _a_threshold(self) -> "PromotionGate":
         if self.min_accuracy is None and self.min_improvement is None:
-            raise ValueError("a gate needs min_accuracy, min_improvement or both")
+            raise field_refusal("min_accuracy", "a gate needs min_accuracy, min_improvement or both")
         return self
 
 
@@ -90,7 +92,7 @@ class ShareIn(Schema):
     @model_validator(mode="after")
     def _one_target(self) -> "ShareIn":
         if (self.user is None) == (self.group is None):
-            raise ValueError("name exactly one of user and group")
+            raise field_refusal("user", "name exactly one of user and group")
         return self
 
 

@@ -19,7 +19,8 @@ def refused(api, kind, body, status=400):
 
 
 @pytest.mark.parametrize("kind, body, field, words", [
-    ("grpo", lambda n: {**grpo_inline(n), "dataset_path": "/x.jsonl"}, None, "exactly one of dataset_path and groups"),
+    ("grpo", lambda n: {**grpo_inline(n), "dataset_path": "/x.jsonl"}, "dataset_path",
+     "exactly one of dataset_path and groups"),
     ("grpo", lambda n: grpo_inline(n, loss_type="ppo"), "config.loss_type", "grpo"),
     ("grpo", lambda n: grpo_inline(n, epsilon=1.5), "config.epsilon", "less than 1"),
     ("grpo", lambda n: grpo_inline(n, reference={"type": "ema", "mixup_alpha": 2}), "config.reference.mixup_alpha",

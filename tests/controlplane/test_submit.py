@@ -71,8 +71,8 @@ def test_checkpoint_interval_must_be_positive(fake_runner, api, adapter_name, in
     (lambda n: sft_body(n, seed=-5), "config.seed", "greater than or equal to 0"),
     (lambda n: sft_body(n, seed=2**64), "config.seed", "less than or equal"),
     (lambda n: sft_body("../escape"), "config.output_name", "pattern"),
-    (lambda n: {**sft_body(n), "dataset_path": "/tmp/x.jsonl"}, None, "exactly one of dataset_path and data"),
-    (lambda n: {"config": {"output_name": n}}, None, "exactly one of dataset_path and data"),
+    (lambda n: {**sft_body(n), "dataset_path": "/tmp/x.jsonl"}, "dataset_path", "exactly one of dataset_path and data"),
+    (lambda n: {"config": {"output_name": n}}, "dataset_path", "exactly one of dataset_path and data"),
     (lambda n: {**sft_body(n), "data": []}, "data", "at least 1"),
 ])
 def test_schema_refusals_name_the_field(fake_runner, api, adapter_name, body, field, words):
@@ -80,6 +80,15 @@ def test_schema_refusals_name_the_field(fake_runner, api, adapter_name, body, fi
     assert error["code"] == "invalid_request"
     assert error.get("field") == field
     assert words in error["message"]
+
+
+@pytest.mark.parametrize("body", [lambda n: {**sft_body(n), "dataset_path": "/tmp/x.jsonl"},
+                                  lambda n: {"config": {"output_name": n}}])
+def test_both_or_neither_source_is_a_clean_refusal_of_dataset_path(fake_runner, api, adapter_name, body):
+    """A model validator's refusal names its field and says nothing of pydantic ("Value error", "the request")."""
+    assert refused(api, body(adapter_name)) == {
+        "code": "invalid_request", "field": "dataset_path",
+        "message": "dataset_path: give exactly one of dataset_path and data"}
 
 
 def test_malformed_json_is_refused(fake_runner, api):

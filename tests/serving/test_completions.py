@@ -136,9 +136,18 @@ def test_refusals(http, loaded):
         response = post(http, "/v1/completions", body)
         assert (response.status_code, response.json()["error"]["code"]) == (status, code), body
         assert response.json()["error"]["message"]
+    fields = [  # a model validator's refusals name their field as OpenAI's param
+        ({"model": "kiln-tiny", "prompt": "a", "n": 2}, "n", "n: Kiln returns one choice per prompt"),
+        ({"model": "kiln-tiny", "prompt": "a", "logit_bias": {"1": 5}}, "logit_bias", "logit_bias: not supported"),
+        ({"model": "kiln-tiny", "prompt": "a", "stop": ["", "x"]}, "stop", "stop: at most 4 non-empty strings"),
+        ({"model": "kiln-tiny", "prompt": "a", "best_of": 2}, "best_of", "best_of: not supported"),
+    ]
+    for body, param, words in fields:
+        error = post(http, "/v1/completions", body).json()["error"]
+        assert error["param"] == param and error["message"].startswith(words) and "Value error" not in error["message"]
     bad = post(http, "/v1/chat/completions", {"model": loaded, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
-    assert bad.status_code == 400
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
 
 
 def test_a_pool_follows_the_served_adapters_of_other_processes(ada, http, publish, adapter_name):
