@@ -437,3 +437,25 @@ def test_admission_loads_no_weights(bases, tmp_path, monkeypatch):
     before = opd.admit_opd(request(native_teacher(bases)), settings)
     refuse_weights(monkeypatch)
     assert opd.admit_opd(request(native_teacher(bases)), settings).to_json() == before.to_json()
+
+
+def test_a_native_teacher_over_another_tokenizer_is_refused_naming_both_bases(bases, tmp_path):
+    """The teacher scores the student's tokens, so its base must tokenize alike; the refusal names both bases
+    and the tokenizer fields that differ (the teacher's as `checkpoint`, the student's as `request`)."""
+    source = tmp_path / "hf-other-template"
+    shutil.copytree(bases / "hf-sharp", source)
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    root = tmp_path / "bases"
+    shutil.copytree(bases / "bases", root / "bases")
+    import_base(source, "kiln-other-template", root)
+    spec = {"alias": "templated@native", "route": "native", "base": "kiln-other-template", "adapter": None}
+    teacher = {**spec, "identity_revision": teachers.identity_revision(spec)}
+    settings = make_settings(tmp_path / "home", root)
+    with pytest.raises(AdmissionError) as info:
+        opd.admit_opd(request(teacher), settings)
+    error = info.value
+    assert error.code == "teacher_tokenizer_mismatch"
+    assert "'kiln-other-template'" in error.message and "'kiln-tiny'" in error.message
+    assert [d["field"] for d in error.differences] == ["teacher.tokenizer.chat_template_sha256"]

@@ -27,11 +27,11 @@ from trainer.runs import checkpoint_dir, device_plan, objectives
 from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
-                                    check_base_adapter_unchanged, check_planning_schema, check_shared, dataset_file,
-                                    difference, has_dataset_path, int_field, load_resume, lora_config, merge_config,
-                                    number_field, planning_identity, prepare, reopen_resume, require_loss_route,
-                                    revalidate, run_identities, select_loss_route, settle_seed, sha256_hex,
-                                    warm_start)
+                                    check_base_adapter_unchanged, check_planning_schema, check_shared, compare,
+                                    dataset_file, difference, has_dataset_path, int_field, load_resume, lora_config,
+                                    merge_config, number_field, planning_identity, prepare, reopen_resume,
+                                    require_loss_route, revalidate, run_identities, select_loss_route, settle_seed,
+                                    sha256_hex, warm_start)
 from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
 from trainer.runs.formats import GUARDRAILS, MAX_IDLE_CANDIDATES, rollout_seed  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
@@ -211,9 +211,14 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
     if native is not None:
         teacher_base = native[0]
         if teacher_base.tokenizer != tokenizer.identity():
-            raise AdmissionError("teacher_tokenizer_mismatch", f"teacher {teacher['alias']} uses another tokenizer "
-                                 "than the student; distillation scores the student's own tokens",
-                                 [difference("teacher.tokenizer", teacher_base.tokenizer, tokenizer.identity())])
+            # differences: the teacher base's tokenizer as `checkpoint`, the student base's as `request`
+            differences = []
+            compare("teacher.tokenizer", teacher_base.tokenizer, tokenizer.identity(), differences)
+            raise AdmissionError("teacher_tokenizer_mismatch", f"teacher {teacher['alias']} is over the base "
+                                 f"{teacher_base.name!r}, whose tokenizer is not that of the student's base "
+                                 f"{base.name!r}; distillation scores the student's own tokens, so choose a teacher "
+                                 "over a base with the student's tokenizer, or a student base with the teacher's",
+                                 differences)
     dataset = {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "prompts": len(records),
                "order": "source"}
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(KIND, config, loss_route),
