@@ -1,6 +1,7 @@
 """The /v1/ HTTP API: one NinjaAPI with bearer-token auth on every operation and one error shape.
 
-Every refusal is `{"error": {"code", "message", "field"?, "differences"?}}`; a view lets an action's
+Every refusal is `{"error": {"code", "message", "field"?, "differences"?, ...}}` (the optional fields some codes
+add are declared in kiln_web.core.http.ErrorBody); a view lets an action's
 refusal propagate and the handler here answers it (kiln_web.core.http.refused). The schema at
 /v1/openapi.json (and the browsable /v1/docs) is generated from the routers' schemas and
 is the source of truth for request and response fields; it needs a token or a signed-in session.

@@ -93,6 +93,11 @@ class ErrorBody(Schema):
     field: str | None = Field(None, description="the request field at fault, dotted: config.checkpoint_interval")
     differences: list[dict[str, Any]] | None = Field(
         None, description="resume drift: [{field, checkpoint, request}, ...]")
+    job_id: str | None = Field(None, description="the job in the way: adapter_busy, teacher_in_use")
+    evaluation_id: str | None = Field(None, description="the evaluation in the way: adapter_busy")
+    matches: list[str] | None = Field(None, description="ambiguous_job_id: the full ids the prefix matches")
+    candidate_base: str | None = Field(None, description="cross_base_comparison: the candidate adapter's base")
+    baseline_base: str | None = Field(None, description="cross_base_comparison: the baseline's base")
 
     model_config = ConfigDict(extra="allow")
 

@@ -148,3 +148,23 @@ def test_ensure_token_only_when_the_user_has_none(django_user_model):
     assert token and authenticate_token(token) == admin
     assert do_ensure_token(admin, "kiln up") is None
     assert ApiToken.objects.filter(user=admin).count() == 1
+
+
+def test_the_error_schema_declares_every_field_a_refusal_carries():
+    """The schema is the source of truth: every keyword an ActionRefused or error_response is given in kiln_web
+    (job_id, matches, candidate_base ...) is an ErrorBody property of /v1/openapi.json."""
+    import ast
+    from pathlib import Path
+
+    import kiln_web
+
+    carried = {}
+    for path in Path(kiln_web.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in {"ActionRefused", "error_response"}:
+                for keyword in node.keywords:
+                    if keyword.arg is not None:  # not a **splat
+                        carried.setdefault(keyword.arg, f"{path.name}:{node.lineno}")
+    schema = ninja_api.get_openapi_schema()["components"]["schemas"]["ErrorBody"]["properties"]
+    assert {"job_id", "matches", "candidate_base", "baseline_base"} <= set(carried)
+    assert {name: where for name, where in carried.items() if name not in schema} == {}
