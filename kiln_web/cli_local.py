@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from kiln_web.cli_server import add_subcommand, setup_django, subcommands
+from kiln_web.cli_server import add_subcommand, readable, setup_django, subcommands
 
 
 def add_base(parser: argparse.ArgumentParser) -> None:
@@ -169,12 +169,12 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         return 0
     for key in ("resume_checkpoint", "training_kind", "adapter", "step", "checkpoint_id", "data_source_kind",
                 "committed_step", "total_steps", "next_cursor", "complete"):
-        print(f"{key:<18}{summary.get(key)}")
+        print(f"{key:<18}{readable(summary.get(key))}")
     print(f"{'manifest_digest':<18}{loaded.manifest_digest}")
     for key in ("seed", "base", "planning"):
         if key in loaded.manifest:
             value = loaded.manifest[key]
-            print(f"{key:<18}{json.dumps(value, sort_keys=True) if isinstance(value, dict) else value}")
+            print(f"{key:<18}{json.dumps(value, sort_keys=True) if isinstance(value, dict) else readable(value)}")
     print("(metadata only; `kiln checkpoint verify` checks every file's SHA-256)")
     return 0
 

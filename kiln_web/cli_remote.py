@@ -7,7 +7,7 @@ import os
 import sys
 
 from kiln_web import cli_serving
-from kiln_web.cli_server import add_subcommand, subcommands
+from kiln_web.cli_server import add_subcommand, readable, subcommands
 
 TERMINAL = {"succeeded", "cancelled", "failed", "lost"}
 PENDING = "pending"  # a succeeded job's promotion outcome until its decision is recorded (serving.promotion)
@@ -270,10 +270,8 @@ def _print_job(job: dict) -> None:
               f"content {(teacher.get('content_revision') or '?')[:16]})")
     checkpoint = job.get("latest_checkpoint")
     if checkpoint:
-        cursor = checkpoint.get("next_cursor") or {}
-        where = ", ".join(f"{key} {value}" for key, value in cursor.items()) if isinstance(cursor, dict) else cursor
         print(f"checkpoint step {checkpoint.get('committed_step')} of {checkpoint.get('total_steps')}"
-              f"{' (complete)' if checkpoint.get('complete') else ''}, next {where}")
+              f"{' (complete)' if checkpoint.get('complete') else ''}, next {readable(checkpoint.get('next_cursor'))}")
         print(f"resume_checkpoint {checkpoint['resume_checkpoint']}")
     elif job.get("latest_checkpoint_error"):
         problem = job["latest_checkpoint_error"]

@@ -35,6 +35,18 @@ def add_subcommand(commands, name: str, help: str, operand: str | None = None, *
     return subcommand
 
 
+def readable(value) -> str:
+    """VALUE as the CLI's text output shows it to a person, never as Python's repr: a mapping (a checkpoint's
+    cursor) as "key value, ..." without its empty entries, a list comma-separated, yes/no, and "-" for none."""
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {readable(item)}" for key, item in value.items() if item is not None) or "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(readable(item) for item in value) or "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "-" if value is None else str(value)
+
+
 def hide_password(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:

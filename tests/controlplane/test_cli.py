@@ -140,7 +140,9 @@ def test_checkpoint_verify_and_show(fake_runner, api, adapter_name, capsys, sett
     assert "only its files and checksums were checked, not its state" in out and "no planning identity" in out
     assert main(["checkpoint", "show", str(path)]) == 0
     out, _ = capsys.readouterr()
-    assert f"resume_checkpoint {path.name}" in out and "complete          True" in out
+    assert f"resume_checkpoint {path.name}" in out and "complete          yes" in out
+    cursor = next(line for line in out.splitlines() if line.startswith("next_cursor"))
+    assert "{" not in cursor and "None" not in cursor and "'" not in cursor, cursor
     assert main(["checkpoint", "show", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr()[0])["step"] == 2
     (path / "state.json").write_text('{"step": 7}')
@@ -517,3 +519,16 @@ def test_a_closed_pipe_ends_a_local_command_quietly(tmp_path):
 def test_a_closed_pipe_ends_an_api_command_quietly(live_server, ada, tmp_path):
     done = into_a_closed_pipe(["train", "list"], cli_env(tmp_path, KILN_URL=live_server.url, KILN_TOKEN=ada.token))
     assert done.returncode == 1 and done.stderr == ""
+
+
+def test_status_shows_a_grpo_cursor_without_python_values(capsys):
+    """A complete GRPO checkpoint's cursor has group_sha256 null: it is left out, not printed as None."""
+    from kiln_web import cli_remote
+
+    job = job_state("succeeded", "not_requested") | {"kind": "grpo", "latest_checkpoint": {
+        "committed_step": 4, "total_steps": 4, "complete": True, "resume_checkpoint": "g-checkpoint-step-00000004",
+        "next_cursor": {"epoch": 2, "group": 0, "iteration": 0, "group_sha256": None}}}
+    cli_remote._print_job(job)
+    out = capsys.readouterr()[0]
+    assert "checkpoint step 4 of 4 (complete), next epoch 2, group 0, iteration 0\n" in out
+    assert "None" not in out
