@@ -16,7 +16,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
 from kiln_web.accounts.actions import authenticate_token
-from kiln_web.core.http import error_location, error_response, refused
+from kiln_web.core.http import HTTP_CODES, NOT_JSON, error_location, error_response, refused
 from kiln_web.evals.api import router as evals_router
 from kiln_web.jobs.api import router as train_router
 from kiln_web.serving.api import promotions_router
@@ -112,9 +112,9 @@ def _refused(request, exc: Exception):
 
 @api.exception_handler(HttpError)
 def _http_error(request, exc: HttpError):
-    codes = {400: "invalid_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-             409: "conflict", 413: "request_too_large"}
-    return error_response(exc.status_code, codes.get(exc.status_code, "error"), exc.message)
+    # django-ninja answers a body its parser refused with "Cannot parse request body", raised from the JSON error
+    message = NOT_JSON if exc.status_code == 400 and isinstance(exc.__cause__, ValueError) else exc.message
+    return error_response(exc.status_code, HTTP_CODES.get(exc.status_code, "error"), message)
 
 
 api.add_router("/train/", train_router)

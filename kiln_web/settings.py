@@ -245,6 +245,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # inside SecurityMiddleware, whose headers it keeps; outside the rest, whose error pages it sees
+    "kiln_web.core.middleware.CodedApiErrors",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

@@ -45,6 +45,12 @@ STATUS = {
 }
 
 
+# The code of a refusal known only by its HTTP status (django-ninja's HttpError, Django's own 404 and 405 pages).
+HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+              405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 500: "internal_error"}
+NOT_JSON = "the request body is not JSON"  # the same words from the training API and the serving endpoints
+
+
 def refusal_for(exc: BaseException) -> ActionRefused | None:
     """The refusal EXC means (itself when it is one; a coded failure with its status from STATUS), or None for
     anything else, which the caller re-raises. Trainer refusals arrive here already mapped by the actions."""

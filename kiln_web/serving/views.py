@@ -24,7 +24,7 @@ from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from kiln_web.accounts.actions import authenticate_token
-from kiln_web.core.http import STATUS
+from kiln_web.core.http import NOT_JSON, STATUS
 from kiln_web.serving import completions as oai
 from kiln_web.serving import runtime
 from kiln_web.serving.runtime import SamplingConfig, ServingError
@@ -138,7 +138,7 @@ async def _complete(request: HttpRequest, schema):
     try:
         body = json.loads(request.body or b"null")
     except ValueError:
-        return _error(400, "invalid_request", "the request body is not JSON")
+        return _error(400, "invalid_request", NOT_JSON)
     try:
         parsed = oai.parse_request(schema, body)
         serving, wanted = await _in_step()
