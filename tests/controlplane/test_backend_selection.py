@@ -560,6 +560,16 @@ def test_cuda_is_refused_when_the_device_has_less_free_memory_than_the_run_plans
     assert error["code"] == "backend_unavailable" and "1024 bytes free" in error["message"]
 
 
+def set_aside_later_checkpoints(registry, adapter: str, step: int) -> None:
+    """Move ADAPTER's checkpoints after STEP out of the registry (as the runbook says before resuming an older one),
+    so that the one at STEP can be resumed."""
+    aside = registry.parent / f"aside-{adapter}"
+    aside.mkdir()
+    for path in checkpoint_dir.list_checkpoints(registry, adapter):
+        if checkpoint_dir.parse_basename(path.name)[1] > step:
+            path.rename(aside / path.name)
+
+
 @pytest.mark.slow
 @pytest.mark.django_db
 def test_a_resume_on_another_backend_is_refused_and_a_warm_start_across_backends_is_admitted(
@@ -571,6 +581,7 @@ def test_a_resume_on_another_backend_is_refused_and_a_warm_start_across_backends
     done = TrainingJob.objects.get(pk=first.json()["id"])
     assert done.status == JobStatus.SUCCEEDED, done.error_message
     basename = f"{adapter_name}-checkpoint-step-00000002.kiln-checkpoint"
+    set_aside_later_checkpoints(real_sft.KILN_ADAPTERS_DIR, adapter_name, 2)
 
     probe(AVAILABLE)  # a device is found: cuda may be asked for
     resume = {**body, "config": {**body["config"], "resume_checkpoint": basename, "backend": "cuda"}}
@@ -615,6 +626,7 @@ def test_a_resume_on_another_gpu_is_refused_naming_the_gpu_field_and_a_warm_star
     done = TrainingJob.objects.get(pk=first.json()["id"])
     assert done.status == JobStatus.SUCCEEDED, done.error_message
     basename = f"{adapter_name}-checkpoint-step-00000002.kiln-checkpoint"
+    set_aside_later_checkpoints(real_sft.KILN_ADAPTERS_DIR, adapter_name, 2)
     held = checkpoint_dir.load_checkpoint(real_sft.KILN_ADAPTERS_DIR / basename, full=False,
                                           allowed_manifest_fields=admission.MANIFEST_FIELDS).manifest["execution"]
     assert held["backend"] == "cuda" and set(held["gpu"]) == GPU_FIELDS and held["gpu"]["name"]

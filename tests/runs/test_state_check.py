@@ -87,7 +87,7 @@ def refused(runs, name, path, capsys, tmp_path=None):
     return error.code, str(error)
 
 
-def test_real_checkpoints_pass_loader_cli_and_admission(runs, capsys):
+def test_real_checkpoints_pass_loader_cli_and_admission(runs, capsys, tmp_path):
     count = 0
     for name, (settings, request, paths) in runs.items():
         assert len(paths) >= 4
@@ -98,7 +98,11 @@ def test_real_checkpoints_pass_loader_cli_and_admission(runs, capsys):
         code, out = verify(paths[-2], capsys)
         assert code == 0 and out.out.startswith(f"valid: {paths[-2].name}"), out
         assert "not its state" not in out.out  # a real run's checkpoint: its state was checked too
-        admission = admit(runs, name, paths[-2])
+        with pytest.raises(AdmissionError) as behind:  # the run's last checkpoint lies beside it
+            admit(runs, name, paths[-2])
+        assert behind.value.code == "later_checkpoints" and paths[-1].name in str(behind.value)
+        alone = shutil.copytree(paths[-2], tmp_path / name / paths[-2].name)  # alone in a registry of its own
+        admission = admit(runs, name, alone)
         assert admission.resume["checkpoint"] == paths[-2].name
     assert count == sum(len(paths) for _, _, paths in runs.values())
 
