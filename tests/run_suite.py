@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,7 +129,15 @@ def split_args(args: list[str]) -> tuple[list[str], list[str] | None]:
     return rest, paths
 
 
+def _stop_on_signal(signum, _frame) -> None:
+    """SIGTERM or SIGHUP (a cancelled CI job, a closed terminal) ends the run as Ctrl-C does: the pytest pass in
+    flight is killed and the finally in main stops the private services (Python's default would leave them)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    for each in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(each, _stop_on_signal)
     args, postgresql_paths = split_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="kiln-suite-"))
     redis = postgres = None

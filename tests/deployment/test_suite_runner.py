@@ -1,9 +1,16 @@
 """`./dev test`'s runner (tests/run_suite.py): its PostgreSQL pass uses a private cluster, never the machine's,
-and it fails, naming the reason, when PostgreSQL is installed but its pass could not run or skipped tests."""
+and it fails, naming the reason, when PostgreSQL is installed but its pass could not run or skipped tests; a
+terminated run stops what it started."""
 
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import textwrap
+import threading
+import time
 
 import pytest
 
@@ -46,6 +53,57 @@ def test_the_postgresql_pass_runs_every_test_whatever_the_machine_cluster_is(deb
     assert "private cluster" in line and f":{machine.port})" not in line, line
     assert " 0 failed, 0 skipped" in line, line  # the PostgreSQL-only claim race ran
     assert result.stdout.splitlines()[-1].startswith("total: ")
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.slow
+def test_a_terminated_run_stops_its_services_and_its_pass(tmp_path):
+    """A cancelled CI job sends SIGTERM: the runner kills the pytest pass in flight and stops its private Redis and
+    PostgreSQL, as at a normal end. The pass here is one test that blocks until released, so the signal surely
+    lands while it runs."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    blocker = tmp_path / "test_blocks.py"
+    blocker.write_text(textwrap.dedent(f"""
+        import os
+        import time
+        from pathlib import Path
+
+        def test_blocks():
+            Path({str(started)!r}).write_text(str(os.getpid()))
+            while not Path({str(release)!r}).exists():
+                time.sleep(0.05)
+    """))
+    env = {key: value for key, value in os.environ.items() if key not in run_suite.SERVICE_VARIABLES}
+    runner = subprocess.Popen([sys.executable, "tests/run_suite.py", "-q", "-p", "no:cacheprovider", str(blocker)],
+                              cwd=run_suite.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(runner.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 600  # a bound on a broken runner, not a window the test relies on
+        while not started.exists():
+            assert runner.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        release.touch()
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait(timeout=120)
+        reader.join(timeout=120)
+    services = next(line for line in lines if line.startswith("dev: services:"))
+    redis = int(re.search(r"Redis \S+ \(private, 127\.0\.0\.1:(\d+)\)", services).group(1))
+    postgres = int(re.search(r"private cluster, 127\.0\.0\.1:(\d+)\)", services).group(1))
+    assert _refused(redis) and _refused(postgres), services
+    with pytest.raises(ProcessLookupError):  # the pass was killed, not left running
+        os.kill(int(started.read_text()), 0)
+    assert not any(line.startswith("total:") for line in lines)  # no verdict for a run that did not finish
 
 
 def fake_pass(name: str, exitstatus: int = 0, skips=None, **counts) -> run_suite.Pass:
