@@ -143,7 +143,7 @@ class ServingPool:
         self.lock = ReadWriteLock()
         self.turns = TurnLock()  # one request computes at a time, token by token
         self._bases = {}  # name -> Served: registered bases
-        self._served = {}  # name -> Served: loaded adapters (never a base's name: load_adapter refuses those)
+        self._adapters = {}  # name -> Served: loaded adapters (never a base's name: load_adapter refuses those)
         self._active = None  # the adapter served when a request names no model
 
     def _place(self, model):
@@ -199,8 +199,8 @@ class ServingPool:
         model = self._place(model)
         served = Served(name=adapter, base=base, model=model, tokenizer=tokenizer, adapter_path=str(path))
         with self.lock.write():
-            previous = self._served.get(adapter)
-            self._served[adapter] = served
+            previous = self._adapters.get(adapter)
+            self._adapters[adapter] = served
         if previous is not None:
             previous.model.close()
         return served
@@ -208,7 +208,7 @@ class ServingPool:
     def unload(self, name: str):
         """Unload the adapter NAME, else the base NAME."""
         with self.lock.write():
-            served = self._served.pop(name, None)
+            served = self._adapters.pop(name, None)
             if served is None:
                 served = self._bases.pop(name, None)
             if self._active == name:
@@ -219,7 +219,7 @@ class ServingPool:
 
     def activate(self, adapter: str):
         with self.lock.write():
-            if adapter not in self._served or self._served[adapter].adapter_path is None:
+            if adapter not in self._adapters:
                 raise ServingError("adapter_not_loaded", f"load adapter {adapter!r} before activating it")
             self._active = adapter
 
@@ -235,11 +235,11 @@ class ServingPool:
     def loaded(self) -> list:
         with self.lock.read():
             return [{"name": s.name, "base": s.base, "adapter": s.adapter_path is not None,
-                     "active": s.name == self._active} for s in [*self._bases.values(), *self._served.values()]]
+                     "active": s.name == self._active} for s in [*self._bases.values(), *self._adapters.values()]]
 
     def adapter(self, name: str) -> Served:
         """The loaded adapter NAME (ServingError model_not_found when it is not loaded)."""
-        served = self._served.get(name)
+        served = self._adapters.get(name)
         if served is None:
             raise ServingError("model_not_found", f"no adapter named {name!r} is loaded")
         return served
@@ -251,9 +251,9 @@ class ServingPool:
             if self._active is None:
                 raise ServingError("model_required", "no adapter is active; name a model")
             return self.adapter(self._active)
-        if name in self._bases or is_registered(name, self.bases_root) or name not in self._served:
+        if name in self._bases or is_registered(name, self.bases_root) or name not in self._adapters:
             return self.base(name)
-        return self._served[name]
+        return self._adapters[name]
 
     def complete(self, name, prompt_ids, sampling: SamplingConfig, seed=None, echo=False, on_token=None,
                  top_logprobs=0, served=None):
@@ -278,7 +278,7 @@ class ServingPool:
     def canary(self, adapter: str) -> tuple:
         """(passed, reason): the adapter loads, generates, and its log-probabilities are finite."""
         try:
-            served = self._served[adapter] if adapter in self._served else None
+            served = self._adapters.get(adapter)
             if served is None:
                 raise ServingError("adapter_not_loaded", f"{adapter!r} is not loaded")
             prompt = served.tokenizer.encode(served.tokenizer.apply_chat_template(
@@ -294,7 +294,7 @@ class ServingPool:
 
     def close(self):
         with self.lock.write():
-            served = [*self._bases.values(), *self._served.values()]
-            self._bases, self._served = {}, {}
+            served = [*self._bases.values(), *self._adapters.values()]
+            self._bases, self._adapters = {}, {}
         for s in served:
             s.model.close()
