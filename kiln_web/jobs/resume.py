@@ -59,8 +59,7 @@ def _refuse_if_overtaken(job: TrainingJob, basename: str) -> None:
     it): resuming from it again would reach their immutable names. Names the job to resume instead."""
     module = runtime.checkpoint_module()
     step = module.parse_basename(basename)[1]
-    later = [path.name for path in module.list_checkpoints(settings.KILN_ADAPTERS_DIR, job.adapter.name)
-             if module.parse_basename(path.name)[1] > step]
+    later = [path.name for path in module.later_checkpoints(settings.KILN_ADAPTERS_DIR, job.adapter.name, step)]
     if not later:
         return
     record = CheckpointRecord.objects.filter(basename=later[-1]).first()

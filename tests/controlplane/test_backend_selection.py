@@ -565,9 +565,8 @@ def set_aside_later_checkpoints(registry, adapter: str, step: int) -> None:
     so that the one at STEP can be resumed."""
     aside = registry.parent / f"aside-{adapter}"
     aside.mkdir()
-    for path in checkpoint_dir.list_checkpoints(registry, adapter):
-        if checkpoint_dir.parse_basename(path.name)[1] > step:
-            path.rename(aside / path.name)
+    for path in checkpoint_dir.later_checkpoints(registry, adapter, step):
+        path.rename(aside / path.name)
 
 
 @pytest.mark.slow

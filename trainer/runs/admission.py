@@ -524,8 +524,7 @@ def refuse_later_checkpoints(loaded) -> None:
     them again; and two branches of one adapter in the registry would make "its latest checkpoint" ambiguous."""
     registry, basename = loaded.path.parent, loaded.path.name
     adapter, step = checkpoint_dir.parse_basename(basename)
-    later = [path.name for path in checkpoint_dir.list_checkpoints(registry, adapter)
-             if checkpoint_dir.parse_basename(path.name)[1] > step]
+    later = [path.name for path in checkpoint_dir.later_checkpoints(registry, adapter, step)]
     if later:
         raise AdmissionError("later_checkpoints", f"{adapter} already has {len(later)} checkpoint(s) after step "
                              f"{step}, the newest {later[-1]}: a run resumed from {basename} would reach their "

@@ -79,6 +79,11 @@ def list_checkpoints(registry, adapter: str | None = None) -> list[Path]:
     return [Path(registry) / name for _, name in sorted(found)]
 
 
+def later_checkpoints(registry, adapter: str, step: int) -> list[Path]:
+    """The adapter's checkpoint directories after STEP, sorted by step (what a run resumed from STEP would reach)."""
+    return [path for path in list_checkpoints(registry, adapter) if parse_basename(path.name)[1] > step]
+
+
 def latest_checkpoint(registry, adapter: str) -> Path | None:
     """The highest-step checkpoint directory of the adapter, or None (validate it with load_checkpoint)."""
     paths = list_checkpoints(registry, adapter)
