@@ -10,12 +10,15 @@ This ASGI wrapper keeps, per web process, the last 200 answer Django gave for ea
 (status line, headers and body, byte for byte) and the tokens Django authenticated. A poll
 is answered from memory only when
 
-- the token's user may see the job (its owner, or staff: the rule of `kiln_web.jobs.api`);
+- the token's user may see the job (its owner, or staff: the rule of `kiln_web.jobs.api`), judged by user
+  id: an answer Django gave its owner is kept for that user id (a rename, and someone new taking the old
+  name, change nothing), one it gave staff for staff only;
 - the job's state and the token did not change since: each state change of a job (its
-  `job.status` event, kiln_web.jobs.events) and each change to a token or user is announced: with REDIS_URL on a Redis channel every web process listens to (while it
-  is not subscribed, every poll goes to Django), without Redis in the one process where the
-  worker runs too. A change drops what it affects, and an answer Django was building while a
-  change arrived is not kept;
+  `job.status` event, kiln_web.jobs.events) and each change to a token or user is announced:
+  with REDIS_URL on a Redis channel every web process listens to (while it is not subscribed,
+  every poll goes to Django), without Redis in the one process where the worker runs too. A
+  change drops what it affects, and an answer Django was building while a change arrived is not
+  kept;
 - the answer is younger than KILN_STATUS_CACHE_SECONDS (default 1 s) and the token's
   authentication younger than KILN_TOKEN_CACHE_SECONDS (default 10 s). These bound what no
   announcement covers: a running job's progress (committed step, latest checkpoint, heartbeat),
@@ -61,7 +64,7 @@ REPLAYED_HEADERS = {b"content-type", b"content-length", b"x-content-type-options
 
 @dataclass(frozen=True)
 class _Token:
-    username: str
+    user_id: int
     is_staff: bool
     auth_generation: int  # token and user changes heard of before Django authenticated it
     expires: float
@@ -69,7 +72,7 @@ class _Token:
 
 @dataclass(frozen=True)
 class _Answer:
-    owner: str
+    owner_id: int | None  # the user Django answered, its owner; None: Django answered staff, kept for staff
     headers: list
     body: bytes
     job_generation: int
@@ -77,20 +80,30 @@ class _Answer:
     expires: float  # from here it is never given
 
 
+@dataclass
+class _Poll:
+    """A status poll on its way through Django: the changes heard of before Django ran, and whom Django
+    authenticated (remember_token, in Django's thread, writes it)."""
+
+    generations: tuple[int, int]  # (job, auth)
+    user_id: int | None = None
+    is_staff: bool = False
+
+
 _tokens: dict[str, _Token] = {}
 _answers: dict[str, _Answer] = {}
 _lock = threading.Lock()  # Django fills from its threads; the event loop reads
 _job_generations: dict[str, int] = {}  # changes heard of, per job
 _auth_generation = 0  # token and user changes heard of
+_observed = contextvars.ContextVar("kiln_status_poll", default=None)  # the _Poll Django is answering
+_sync_client = None  # (url, client)
+_listeners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Listener
 
 
 def auth_changes_heard() -> int:
     """How many token or user changes this process has heard of (made here, or announced on Redis by another
     web process while the listener runs); a cache of authentications is stale once this has moved."""
     return _auth_generation
-_observed = contextvars.ContextVar("kiln_status_generations", default=None)  # (job, auth) before Django ran
-_sync_client = None  # (url, client)
-_listeners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Listener
 
 
 def _bounded(table: dict) -> None:
@@ -170,12 +183,12 @@ def remember_token(token_hash: str, user) -> None:
     seconds = settings.KILN_TOKEN_CACHE_SECONDS
     if seconds <= 0 or settings.KILN_STATUS_CACHE_SECONDS <= 0:
         return
-    observed = _observed.get()
-    if observed is None:
+    poll = _observed.get()
+    if poll is None:
         return  # not a status poll: what changed since is not known here, and nothing needs it
+    poll.user_id, poll.is_staff = user.pk, bool(user.is_staff)
     with _lock:
-        _tokens[token_hash] = _Token(user.get_username(), bool(user.is_staff), observed[1],
-                                     time.monotonic() + seconds)
+        _tokens[token_hash] = _Token(user.pk, poll.is_staff, poll.generations[1], time.monotonic() + seconds)
         _bounded(_tokens)
 
 
@@ -246,27 +259,28 @@ def _lookup(token_hash: str, job_id: str, generations) -> tuple[_Answer | None, 
     if (generations is None or who is None or answer is None or who.expires <= now or answer.expires <= now
             or (answer.job_generation, who.auth_generation) != generations):
         return None, True
-    if not (who.is_staff or who.username == answer.owner):
+    if not (who.is_staff or (answer.owner_id is not None and who.user_id == answer.owner_id)):
         return None, True  # Django answers: 404, as for a job that does not exist
     return answer, now >= answer.refresh_after
 
 
-def _remember_answer(job_id: str, generations: tuple[int, int], status: int, headers: list, body: bytes) -> None:
-    if status != 200 or any(name.lower() == b"set-cookie" for name, _ in headers):
+def _remember_answer(job_id: str, poll: _Poll, status: int, headers: list, body: bytes) -> None:
+    if status != 200 or poll.user_id is None or any(name.lower() == b"set-cookie" for name, _ in headers):
         return
     try:
-        document = json.loads(body)
-        owner = document["owner"]
-        if document["id"] != job_id or not isinstance(owner, str):
+        if json.loads(body)["id"] != job_id:
             return
     except (ValueError, KeyError, TypeError):
         return
+    generations = poll.generations
     kept = [(name, value) for name, value in headers if name.lower() in REPLAYED_HEADERS]
     now, seconds = time.monotonic(), settings.KILN_STATUS_CACHE_SECONDS
     with _lock:
         if (_job_generations.get(job_id, 0), _auth_generation) != generations:
             return  # something changed (or went unheard) while Django was building this answer
-        _answers[job_id] = _Answer(owner, kept, body, generations[0], now + seconds / 2, now + seconds)
+        # a 200 went to the job's owner or to staff (kiln_web.jobs.api): an owner's answer is for that user id
+        owner_id = None if poll.is_staff else poll.user_id
+        _answers[job_id] = _Answer(owner_id, kept, body, generations[0], now + seconds / 2, now + seconds)
         _bounded(_answers)
 
 
@@ -311,18 +325,19 @@ class JobStatusFastPath:
         if filling:
             self._filling[job_id] = asyncio.Event()
         start, chunks = {}, []
+        poll = None if generations is None else _Poll(generations)
 
         async def keep(message):
             if message["type"] == "http.response.start":
                 start.update(message)
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
-                if not message.get("more_body", False) and start and generations is not None:
-                    _remember_answer(job_id, generations, start["status"], list(start.get("headers") or ()),
+                if not message.get("more_body", False) and start and poll is not None:
+                    _remember_answer(job_id, poll, start["status"], list(start.get("headers") or ()),
                                      b"".join(chunks))
             await send(message)
 
-        token = _observed.set(generations)  # Django's threads inherit it: remember_token records the auth generation
+        token = _observed.set(poll)  # Django's threads inherit it: remember_token records whom it authenticated
         try:
             await self.app(scope, receive, keep)
         finally:

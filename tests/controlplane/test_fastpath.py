@@ -98,6 +98,23 @@ def test_only_the_owner_or_staff_is_answered_from_memory(stack, ada, bob, make_u
     assert len(counting.calls) == calls
 
 
+def test_an_answer_is_matched_to_its_owner_by_id_not_by_name(stack, ada, make_user, adapter_name):
+    """ada is renamed and someone new takes the name "ada" while ada's answer is fresh in memory: the
+    newcomer's token is authenticated after the rename (so no announcement makes it old), and the answer's
+    body still says "owner": "ada". Only the owner's id (or staff) may be given it."""
+    app, counting = stack
+    path = f"/v1/train/jobs/{make_job(ada, adapter_name)}"
+    assert get(app, path, ada.token)[0] == 200  # remembered, "owner": "ada"
+    ada.username = "ada-old"
+    ada.save()
+    newcomer = make_user("ada")
+    for _ in range(2):  # the first authenticates the newcomer's token, the second would meet the answer
+        calls = len(counting.calls)
+        status, _, body = get(app, path, newcomer.token)
+        assert status == 404 and b"belongs to someone else" in body
+        assert len(counting.calls) == calls + 1
+
+
 def test_missing_wrong_and_revoked_tokens_always_reach_django(stack, ada, adapter_name):
     app, counting = stack
     path = f"/v1/train/jobs/{make_job(ada, adapter_name)}"
