@@ -27,7 +27,7 @@ def _alias(name: str) -> TeacherAlias:
 @router.get("", response={200: TeacherListOut, **REFUSALS}, summary="List teacher aliases",
             operation_id="list_teachers")
 def list_teachers(request: HttpRequest):
-    return {"items": [alias.to_dict() for alias in TeacherAlias.objects.select_related("owner")]}
+    return {"items": [actions.shown_to(alias, request.auth) for alias in TeacherAlias.objects.select_related("owner")]}
 
 
 @router.post("", response={201: TeacherOut, **CHANGE_REFUSALS}, summary="Register a teacher alias",
@@ -37,13 +37,13 @@ def create_teacher(request: HttpRequest, payload: TeacherIn):
     adapter must lie in the adapter registry or a data root. 409 teacher_exists when the name is taken."""
     fields = payload.model_dump(exclude={"name"})
     alias = actions.do_create_teacher(request.auth, payload.name, fields)
-    return Status(201, alias.to_dict())
+    return Status(201, actions.shown_to(alias, request.auth))
 
 
 @router.get("/{name}", response={200: TeacherOut, **REFUSALS}, summary="One teacher alias",
             operation_id="get_teacher")
 def get_teacher(request: HttpRequest, name: str):
-    return _alias(name).to_dict()
+    return actions.shown_to(_alias(name), request.auth)
 
 
 @router.put("/{name}", response={200: TeacherOut, **CHANGE_REFUSALS}, summary="Change a teacher alias",
@@ -53,7 +53,7 @@ def update_teacher(request: HttpRequest, name: str, payload: TeacherConfig):
     checkpoints made with the old one are refused on resume (409 teacher_changed) until it is restored.
     Refused while an active OPD job names the alias (409 teacher_in_use)."""
     alias = actions.do_update_teacher(request.auth, name, payload.model_dump())
-    return alias.to_dict()
+    return actions.shown_to(alias, request.auth)
 
 
 @router.delete("/{name}", response={204: None, **REFUSALS}, summary="Delete a teacher alias",

@@ -35,6 +35,9 @@ class TeacherOut(Schema):
     adapter: str | None
     endpoint: str | None
     model: str | None
+    adapter_hidden: bool = Field(description="native: the adapter is one of the registry's that the caller may not "
+                                             "see, so `adapter` is left out (null) and the alias cannot be their "
+                                             "teacher")
     owner: str
     identity_revision: str = Field(description="SHA-256 of {alias, route, base, adapter, endpoint, model}: "
                                                "an OPD checkpoint binds it")

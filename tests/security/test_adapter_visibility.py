@@ -379,3 +379,24 @@ def test_weights_by_path_follow_visibility(scene, settings):
     refused = teacher(theirs)
     assert refused.json()["error"]["code"] == "adapter_not_found"
     _unknown_alike(refused, teacher(gone), scene.name)
+
+
+def test_a_teacher_alias_shows_its_adapter_only_to_who_may_see_it(scene, settings):
+    """Teacher aliases are global names, listed to everyone; the registry directory of alice's adapter that one
+    names is shown to alice, carol (shared) and staff, and left out for bob (`adapter_hidden`), as the adapter's
+    own routes answer him as for a name that does not exist. The identity revision is the same for all."""
+    path = str(settings.KILN_ADAPTERS_DIR / scene.name)
+    name = f"{scene.name}-t@native"
+    created = call(scene.api("alice"), "POST", "/v1/teachers", {"name": name, "base": "kiln-tiny", "adapter": path})
+    assert created.status_code == 201, created.content
+    assert created.json()["adapter"] == path and created.json()["adapter_hidden"] is False
+    for person, shown in (("alice", True), ("carol", True), ("root", True), ("bob", False)):
+        one = call(scene.api(person), "GET", f"/v1/teachers/{name}").json()
+        listed = [item for item in call(scene.api(person), "GET", "/v1/teachers").json()["items"]
+                  if item["name"] == name]
+        for document in (one, *listed):
+            assert document["adapter"] == (path if shown else None), person
+            assert document["adapter_hidden"] is (not shown), person
+            assert document["identity_revision"] == created.json()["identity_revision"]
+        page = session(scene.people[person]).get("/teachers/").content.decode()
+        assert (path in page) is shown, person
