@@ -402,9 +402,16 @@ def add_teacher(parser: argparse.ArgumentParser) -> None:
     add_subcommand(commands, "delete", "delete an alias you own", "name", metavar="NAME@ROUTE")
 
 
+def _teacher_adapter(alias: dict) -> str:
+    """' + adapter PATH' for a native teacher's adapter; the server leaves out one not shared with you."""
+    if alias.get("adapter_hidden"):
+        return " + an adapter not shared with you"
+    return f" + adapter {alias['adapter']}" if alias.get("adapter") else ""
+
+
 def _print_teacher(alias: dict) -> None:
-    target = (f"{alias['base']}" + (f" + adapter {alias['adapter']}" if alias.get("adapter") else "")
-              if alias["route"] == "native" else f"{alias['model']} at {alias['endpoint']}")
+    target = (f"{alias['base']}{_teacher_adapter(alias)}" if alias["route"] == "native"
+              else f"{alias['model']} at {alias['endpoint']}")
     print(f"name      {alias['name']}")
     print(f"teacher   {target}")
     print(f"owner     {alias['owner']}")
@@ -429,7 +436,7 @@ def cmd_teacher(args: argparse.Namespace) -> int:
             for alias in client.teachers()["items"]:
                 target = alias["base"] if alias["route"] == "native" else alias["endpoint"]
                 print(f"{alias['name']:<32}  {alias['identity_revision'][:12]}  {alias['owner']:<12}  {target}"
-                      + (f" + {alias['adapter']}" if alias.get("adapter") else ""))
+                      + _teacher_adapter(alias))
         elif args.teacher_command == "show":
             alias = client.teacher(args.name)
             cli_serving.show(alias, args.json, _print_teacher)

@@ -203,6 +203,19 @@ def test_train_grpo_sends_a_data_root_file_by_path_and_uploads_others(cli, setti
 
 
 @pytest.mark.django_db(transaction=True)
+def test_teacher_show_names_an_adapter_or_says_it_is_not_shared(capsys):
+    from kiln_web.cli_remote import _print_teacher
+
+    alias = {"name": "tutor@native", "route": "native", "base": "kiln-tiny", "owner": "ada",
+             "identity_revision": "ab" * 32, "content_revision": None}
+    _print_teacher({**alias, "adapter": "/data/tutor", "adapter_hidden": False})
+    assert "teacher   kiln-tiny + adapter /data/tutor\n" in capsys.readouterr().out
+    _print_teacher({**alias, "adapter": None, "adapter_hidden": True})
+    assert "teacher   kiln-tiny + an adapter not shared with you\n" in capsys.readouterr().out
+    _print_teacher({**alias, "adapter": None, "adapter_hidden": False})
+    assert "teacher   kiln-tiny\n" in capsys.readouterr().out
+
+
 def test_teacher_add_list_show_and_train_opd_from_a_request_file(cli, tmp_path, adapter_name):
     from .rl_data import PROMPTS
 
