@@ -39,6 +39,7 @@ kiln_emu_switch:
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -48,6 +49,32 @@ namespace kiln_emu {
 namespace {
 
 constexpr size_t kStack = 256 * 1024;
+
+// the launch limits of the device the emulation reports (compute capability 8.0, an A100): grid x below 2^31, grid
+// y and z at most 65535, 1024 threads a block (z at most 64), 48 KiB of dynamic shared memory a block unless
+// cudaFuncSetAttribute raised the kernel's limit, which it can up to 163 KiB
+constexpr unsigned kMaxGridX = 0x7fffffffu, kMaxGridYZ = 65535, kMaxThreads = 1024, kMaxBlockZ = 64;
+constexpr size_t kDefaultShared = 48 << 10, kOptInShared = 163 << 10;
+
+struct Device {
+    std::map<const void *, size_t> shared_limit;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
+    cudaError_t error = cudaSuccess;              // the first launch error not yet taken by cudaGetLastError
+    cudaError_t fail_next = cudaSuccess;          // kiln_emu_fail_next_launch
+    bool dry_run = false;                         // kiln_emu_set_dry_run
+};
+
+Device device;
+
+cudaError_t check_launch(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes) {
+    const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > kMaxGridX || grid.y > kMaxGridYZ ||
+        grid.z > kMaxGridYZ || threads == 0 || threads > kMaxThreads || block.z > kMaxBlockZ)
+        return cudaErrorInvalidConfiguration;
+    auto limit = device.shared_limit.find(kernel);
+    if (shared_bytes > (limit == device.shared_limit.end() ? kDefaultShared : limit->second))
+        return cudaErrorInvalidValue;
+    return cudaSuccess;
+}
 
 struct Scheduler {
     dim3 grid, block, block_index;
@@ -129,7 +156,28 @@ void syncthreads() {
 #endif
 }
 
-void run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body) {
+cudaError_t take_error() {
+    cudaError_t error = device.error;
+    device.error = cudaSuccess;
+    return error;
+}
+
+cudaError_t set_max_dynamic_shared(const void *kernel, int bytes) {
+    if (bytes < 0 || (size_t)bytes > kOptInShared) return cudaErrorInvalidValue;
+    device.shared_limit[kernel] = (size_t)bytes;
+    return cudaSuccess;
+}
+
+bool dry_run() { return device.dry_run; }
+
+void run(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body) {
+    cudaError_t error = device.fail_next ? device.fail_next : check_launch(kernel, grid, block, shared_bytes);
+    device.fail_next = cudaSuccess;
+    if (error != cudaSuccess) {
+        if (device.error == cudaSuccess) device.error = error;
+        return;
+    }
+    if (device.dry_run) return;
     const size_t n = (size_t)block.x * block.y * block.z;
     scheduler.grid = grid;
     scheduler.block = block;
@@ -190,6 +238,14 @@ int kiln_record_argument(const char *where, const char *message) {
 
 extern "C" {
 
+// Test hooks of the emulation (not kiln_cuda_* symbols, not in libkiln_cuda.so): with dry_run set, a launch, a
+// memset and a GEMM check their arguments and configuration but touch no memory, so the tests can give every entry
+// point a real model's shapes; fail_next_launch makes the next launch fail with ERROR, as a device's would; reset
+// puts the emulated device back as it was loaded (no launch error pending, no kernel attribute set).
+void kiln_emu_set_dry_run(int on) { kiln_emu::device.dry_run = on != 0; }
+void kiln_emu_fail_next_launch(int error) { kiln_emu::device.fail_next = error; }
+void kiln_emu_reset(void) { kiln_emu::device = kiln_emu::Device(); }
+
 const char *kiln_cuda_last_error(void) { return kiln_last_error; }
 int kiln_cuda_abi_version(int *version) { *version = KILN_CUDA_ABI_VERSION; return 0; }
 int kiln_cuda_device_count(int *count) { *count = 1; return 0; }
@@ -213,7 +269,10 @@ int kiln_cuda_free(void *pointer) { free(pointer); return 0; }
 int kiln_cuda_memcpy_h2d(void *dst, const void *src, size_t bytes, void *) { memcpy(dst, src, bytes); return 0; }
 int kiln_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *) { memcpy(dst, src, bytes); return 0; }
 int kiln_cuda_memcpy_d2d(void *dst, const void *src, size_t bytes, void *) { memmove(dst, src, bytes); return 0; }
-int kiln_cuda_memset(void *pointer, int value, size_t bytes, void *) { memset(pointer, value, bytes); return 0; }
+int kiln_cuda_memset(void *pointer, int value, size_t bytes, void *) {
+    if (!kiln_emu::dry_run()) memset(pointer, value, bytes);
+    return 0;
+}
 int kiln_cuda_stream_create(void **stream) { *stream = nullptr; return 0; }
 int kiln_cuda_stream_destroy(void *) { return 0; }
 int kiln_cuda_stream_synchronize(void *) { return 0; }
@@ -255,6 +314,9 @@ int kiln_cuda_gemm_strided_batched(void *blas, int trans_a, int trans_b, int64_t
     KILN_REQUIRE(blas, "no cuBLAS handle");
     KILN_REQUIRE(precision == 0 || precision == 1 || precision == 2,
                  "precision must be 0 (FP32), 1 (TF32) or 2 (BF16)");
+    for (int64_t value : {M, N, K, lda, ldb, ldc, batch})  // runtime.cu's guard: cuBLAS takes int dimensions
+        KILN_REQUIRE(value >= 0 && value <= 0x7fffffff, "a GEMM dimension is negative or above 2^31-1");
+    if (kiln_emu::dry_run()) return 0;
     for (int64_t b = 0; b < batch; b++)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) {

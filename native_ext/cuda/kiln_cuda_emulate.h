@@ -27,7 +27,7 @@
 typedef void *cudaStream_t;
 typedef void *cudaEvent_t;
 typedef int cudaError_t;
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 typedef int cublasStatus_t;
 typedef void *cublasHandle_t;
@@ -59,7 +59,12 @@ const dim3 &block_dim();
 const dim3 &grid_dim();
 void syncthreads();
 void *dynamic_shared();
-void run(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body);
+/* a launch: its configuration checked against the device's limits (a failure is kept for cudaGetLastError and
+ * nothing runs), then every block in turn; KERNEL identifies the kernel for its shared-memory attribute */
+void run(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()> &body);
+cudaError_t take_error(); /* the first launch error since the last call, then cleared (cudaGetLastError) */
+cudaError_t set_max_dynamic_shared(const void *kernel, int bytes);
+bool dry_run(); /* kiln_emu_set_dry_run: launches and copies are checked, not run */
 
 template <typename Kernel>
 struct Launcher {
@@ -69,7 +74,7 @@ struct Launcher {
     template <typename... Args>
     void operator()(Args... args) const {
         Kernel *k = kernel;
-        run(grid, block, shared_bytes, [=]() { k(args...); });
+        run(reinterpret_cast<const void *>(k), grid, block, shared_bytes, [=]() { k(args...); });
     }
 };
 
@@ -87,11 +92,13 @@ Launcher<Kernel> launcher(Kernel *kernel, dim3 grid, dim3 block, size_t shared_b
 #define KILN_LAUNCH(kernel, grid, block, shared, stream) ((void)(stream), kiln_emu::launcher(kernel, (grid), (block), (shared)))
 #define KILN_DYNAMIC_SHARED(type, name) type *name = (type *)kiln_emu::dynamic_shared()
 
-static inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+static inline cudaError_t cudaGetLastError() { return kiln_emu::take_error(); }
 template <typename T>
-cudaError_t cudaFuncSetAttribute(T, cudaFuncAttribute, int) { return cudaSuccess; }
+cudaError_t cudaFuncSetAttribute(T kernel, cudaFuncAttribute, int bytes) {
+    return kiln_emu::set_max_dynamic_shared(reinterpret_cast<const void *>(kernel), bytes);
+}
 static inline cudaError_t cudaMemsetAsync(void *pointer, int value, size_t bytes, cudaStream_t) {
-    memset(pointer, value, bytes);
+    if (!kiln_emu::dry_run()) memset(pointer, value, bytes);
     return cudaSuccess;
 }
 
