@@ -36,8 +36,12 @@ KILN_INTERNAL int kiln_record_argument(const char *where, const char *message);
     do {                                                                    \
         if (!(condition)) return kiln_record_argument(__func__, message);   \
     } while (0)
-/* after a kernel launch: the launch error, if any, names the kernel */
-#define KILN_LAUNCHED(name) KILN_CUDA(cudaGetLastError())
+/* after a kernel launch: the launch error, if any, names the kernel (a string literal) */
+#define KILN_LAUNCHED(name)                                                 \
+    do {                                                                    \
+        cudaError_t kiln_error_ = cudaGetLastError();                       \
+        if (kiln_error_ != cudaSuccess) return kiln_record_cuda(kiln_error_, "launching " name); \
+    } while (0)
 /* a call that itself returns a Kiln status */
 #define KILN_TRY(expr)                                                      \
     do {                                                                    \

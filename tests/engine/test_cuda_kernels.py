@@ -471,3 +471,45 @@ def test_gradient_norm_and_clip(gpu):
     factor = np.float32(1.0 / (values[0] + 1e-6))  # trainer/runs/step.py's clip factor
     gpu.call("kiln_cuda_scale", device[2].ptr, tensors[2].shape[0], float(factor), None)
     np.testing.assert_array_equal(device[2].to_host(), tensors[2] * factor)
+
+
+# -- launches: the emulation checks each launch's configuration against the device's limits (grid x below 2^31,
+# y and z at most 65535, 1024 threads, 48 KiB of dynamic shared memory unless the kernel's attribute allows more, up
+# to an A100's 163 KiB), and its test hooks run an entry point dry (configurations and arguments checked, no memory
+# touched) or make a launch fail
+
+
+@pytest.fixture
+def emulation(emulated_library):
+    """The host emulation with its kiln_emu_* test hooks bound, put back as loaded after the test."""
+    library = cuda.open_library(emulated_library)
+    for name, argtypes in (("kiln_emu_set_dry_run", [ctypes.c_int]), ("kiln_emu_fail_next_launch", [ctypes.c_int]),
+                           ("kiln_emu_reset", [])):
+        getattr(library, name).argtypes, getattr(library, name).restype = argtypes, None
+    library.kiln_emu_reset()
+    yield library
+    library.kiln_emu_reset()
+
+
+NOWHERE = 16  # a non-null device address for a dry run, which never reads or writes it
+
+LAUNCHES = {  # entry point -> (its first kernel, its arguments with no memory behind them: run dry)
+    "kiln_cuda_swiglu_forward": ("swiglu_forward_kernel", (None, None, 7, 24, None)),
+    "kiln_cuda_rmsnorm_backward": ("rmsnorm_backward_dx_kernel",
+                                   (None, None, None, None, None, None, NOWHERE, 7, 24, None)),
+    "kiln_cuda_attention_forward": ("attention_forward_kernel",
+                                    (None, None, None, None, None, 2, 9, 2, 9, 64, 0, 0, 0.125, None)),
+    "kiln_cuda_cross_entropy_rows": ("cross_entropy_rows_kernel", (None, None, None, 1, 1.0, None, -100, 7, 23, None)),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(LAUNCHES))
+def test_a_failed_launch_comes_back_as_its_status_naming_the_kernel(emulation, entry):
+    """A launch the device refuses (cudaErrorLaunchOutOfResources, 701, made to happen by the emulation's hook) is the
+    entry point's status, and kiln_cuda_last_error() names the kernel that failed, not only cudaGetLastError."""
+    kernel, arguments = LAUNCHES[entry]
+    emulation.kiln_emu_set_dry_run(1)
+    assert getattr(emulation, entry)(*arguments) == 0, cuda.last_error(emulation)
+    emulation.kiln_emu_fail_next_launch(701)
+    assert getattr(emulation, entry)(*arguments) == 701
+    assert kernel in cuda.last_error(emulation), cuda.last_error(emulation)
