@@ -513,3 +513,66 @@ def test_a_failed_launch_comes_back_as_its_status_naming_the_kernel(emulation, e
     emulation.kiln_emu_fail_next_launch(701)
     assert getattr(emulation, entry)(*arguments) == 701
     assert kernel in cuda.last_error(emulation), cuda.last_error(emulation)
+
+
+# name: (C, F, V, H, KV, D) of the models the backend is for, from SmolLM2-135M to the largest head counts
+MODEL_SHAPES = {"SmolLM2-135M": (576, 1536, 49152, 9, 3, 64), "SmolLM2-1.7B": (2048, 8192, 49152, 32, 32, 64),
+                "Llama-3-8B": (4096, 14336, 128256, 32, 8, 128), "Qwen2.5-7B": (3584, 18944, 152064, 28, 4, 128),
+                "Qwen3-32B": (5120, 25600, 151936, 64, 8, 128)}
+
+
+def _model_step_calls(blas, C, F, V, H, KV, D, B, T, window, rank=64, block_size=64):
+    """(entry point, arguments) of each kernel call a training step, and a decoding step, make at these shapes, as
+    trainer/cuda_model.py and cuda_decode.py make them, with no memory behind the pointers (for a dry run)."""
+    p, N, g, G = NOWHERE, B * T, H // KV, B * KV
+    W3, R = (H + 2 * KV) * D, T * g
+    calls = [("kiln_cuda_embedding_forward", (p, p, p, N, C, V, None)),
+             ("kiln_cuda_embedding_backward", (p, p, p, N, C, V, None))]
+    for rows, width in ((N, C), (N * H, D), (N * KV, D)):  # the block's norms, and Qwen3's per-head q and k norms
+        calls += [("kiln_cuda_rmsnorm_forward", (p, p, 1e-6, p, p, rows, width, None)),
+                  ("kiln_cuda_rmsnorm_backward", (p, p, p, p, p, p, p, rows, width, None))]
+    for group in (g, 1):  # q, then k (and v's layout move)
+        calls += [("kiln_cuda_rope_forward", (p, T * W3, W3, D, p, p, T, 0, p, B, T, KV, group, D, None)),
+                  ("kiln_cuda_rope_backward", (p, p, p, T, 0, p, T * W3, W3, D, B, T, KV, group, D, None))]
+    calls += [("kiln_cuda_swiglu_forward", (p, p, N, F, None)), ("kiln_cuda_swiglu_backward", (p, p, p, N, F, None)),
+              ("kiln_cuda_attention_forward", (p, p, p, p, p, G, T, g, T, D, 0, window, 0.125, None)),
+              ("kiln_cuda_attention_backward", (p, p, p, p, p, p, p, p, p, p, G, T, g, T, D, 0, window, 0.125, None)),
+              ("kiln_cuda_attention_forward", (p, p, p, p, p, G, 1, g, T, D, T - 1, window, 0.125, None)),  # decoding
+              ("kiln_cuda_attention_probabilities", (p, p, 0, 1, T, g, T, 0, window, None)),  # dense, one group
+              ("kiln_cuda_attention_dscores", (p, p, p, p, p, 1, T, g, T, D, 0.125, None))]
+    for chunk in (64, N):  # the fused route's chunks, and the full logits
+        calls += [("kiln_cuda_fused_linear_cross_entropy",
+                   (blas, p, p, p, N, C, V, chunk, mode, 1.0, p, -100, p, p if mode else None, None, p, 0))
+                  for mode in (0, 1, 2)]
+    calls += [("kiln_cuda_nf4_dequantize", (p, p, p, 0, F * C, block_size, None)),
+              ("kiln_cuda_nf4_decode_absmax", (p, p, p, 0.0, p, F * C // block_size, None)),
+              ("kiln_cuda_nf4_linear", (blas, p, p, p, block_size, p, 0.0, p, 131072 // C, N, C, F, 0)),
+              ("kiln_cuda_lora_forward", (blas, p, p, p, 2.0, p, p, N, C, F, rank, 0)),
+              ("kiln_cuda_lora_backward", (blas, p, p, p, p, p, 2.0, p, p, p, p, N, C, F, rank, 0)),
+              ("kiln_cuda_gemm_strided_batched", (blas, 0, 1, R, T, D, 0.125, p, D, R * D, p, D, T * D, 0.0, p, T,
+                                                  R * T, G, 2)),
+              ("kiln_cuda_adam_update", (p, p, p, p, V * C, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001, None)),
+              ("kiln_cuda_sum_squares", (p, V * C, p, p, None)), ("kiln_cuda_scale", (p, V * C, 0.5, None))]
+    return calls
+
+
+@pytest.fixture
+def emulated_blas(emulation):
+    handle = c_void_p(0)
+    cuda.check(emulation, emulation.kiln_cuda_blas_create(byref(handle), None, 0), "kiln_cuda_blas_create")
+    yield handle.value
+    emulation.kiln_cuda_blas_destroy(handle.value)
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
+def test_every_launch_of_a_real_models_step_is_one_the_device_takes(emulation, emulated_blas, model):
+    """Batches of 8 x 4096 tokens (N = 32768 rows; the full logits [N,V] pass 2^32 elements), head sizes 64 and 128,
+    a sliding window of 4096 and none, through every entry point a step calls, run dry: each launch's grid, threads
+    and dynamic shared memory within the device's limits (and the kernel's shared-memory attribute), each GEMM's
+    dimensions within cuBLAS's int."""
+    emulation.kiln_emu_set_dry_run(1)
+    for window in (0, 1024):
+        for entry, arguments in _model_step_calls(emulated_blas, *MODEL_SHAPES[model], B=8, T=4096, window=window):
+            status = getattr(emulation, entry)(*arguments)
+            assert status == 0, f"{model}: {entry}{arguments[-9:]}: status {status}: {cuda.last_error(emulation)}"
+
