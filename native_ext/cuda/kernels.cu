@@ -87,16 +87,17 @@ __global__ void rmsnorm_backward_dx_kernel(const float *dout, const float *x, co
     }
 }
 
-// partial[chunk, c] = sum over the chunk's rows, in order, of dout * (x * rstd)
+// partial[chunk, c] = sum over the chunk's rows, in order, of dout * (x * rstd); the chunk is blockIdx.x (up to
+// 2^31 - 1 of them: Qwen3's per-head norms pass the 65535 of grid.y), the columns' block blockIdx.y
 __global__ void rmsnorm_backward_partial_kernel(const float *dout, const float *x, const float *rstd,
                                                 double *partial, int64_t N, int64_t C) {
-    int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    int64_t c = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (c >= C) return;
-    int64_t start = blockIdx.y * (int64_t)KILN_RMSNORM_CHUNK_ROWS;
+    int64_t start = blockIdx.x * (int64_t)KILN_RMSNORM_CHUNK_ROWS;
     int64_t end = kiln_tile_end(start, KILN_RMSNORM_CHUNK_ROWS, N);
     double sum = 0.0;
     for (int64_t n = start; n < end; n++) sum += (double)(dout[n * C + c] * (x[n * C + c] * rstd[n]));
-    partial[blockIdx.y * C + c] = sum;
+    partial[blockIdx.x * C + c] = sum;
 }
 
 __global__ void rmsnorm_backward_weight_kernel(const double *partial, float *dweight, int64_t chunks, int64_t C) {
@@ -302,13 +303,14 @@ int kiln_cuda_rmsnorm_backward_workspace(int64_t N, int64_t C, size_t *bytes) {
 int kiln_cuda_rmsnorm_backward(const float *dout, const float *x, const float *weight, const float *rstd, float *dx,
                                float *dweight, void *workspace, int64_t N, int64_t C, void *stream) {
     KILN_REQUIRE(N >= 0 && C > 0 && N <= 0x7fffffff, "N must be in [0, 2^31), C positive");
+    KILN_REQUIRE(kiln_ceil_div(C, KILN_THREADS) <= 65535, "C must be at most 65535 * 256 (a grid's y dimension)");
     KILN_REQUIRE(workspace || N == 0, "rmsnorm_backward needs its workspace (kiln_cuda_rmsnorm_backward_workspace)");
     if (N == 0) return 0;
     cudaStream_t s = kiln_stream(stream);
     KILN_LAUNCH(rmsnorm_backward_dx_kernel, (unsigned)N, KILN_THREADS, 0, s)(dout, x, weight, rstd, dx, C);
     KILN_LAUNCHED("rmsnorm_backward_dx_kernel");
     int64_t chunks = kiln_ceil_div(N, KILN_RMSNORM_CHUNK_ROWS);
-    dim3 grid((unsigned)kiln_ceil_div(C, KILN_THREADS), (unsigned)chunks);
+    dim3 grid((unsigned)chunks, (unsigned)kiln_ceil_div(C, KILN_THREADS));
     KILN_LAUNCH(rmsnorm_backward_partial_kernel, grid, KILN_THREADS, 0, s)(dout, x, rstd, (double *)workspace, N, C);
     KILN_LAUNCHED("rmsnorm_backward_partial_kernel");
     KILN_LAUNCH(rmsnorm_backward_weight_kernel, (unsigned)kiln_ceil_div(C, KILN_THREADS), KILN_THREADS, 0, s)(

@@ -576,3 +576,13 @@ def test_every_launch_of_a_real_models_step_is_one_the_device_takes(emulation, e
             status = getattr(emulation, entry)(*arguments)
             assert status == 0, f"{model}: {entry}{arguments[-9:]}: status {status}: {cuda.last_error(emulation)}"
 
+
+def test_rmsnorm_backward_takes_more_weight_chunks_than_grid_y_holds(emulation):
+    """The weight gradient sums rows in chunks of 64: Qwen3-32B's query-head norm over a step of 16 x 4096 tokens
+    has 64 heads x 65536 = 2^22 rows, so 65536 chunks, one more than a grid's y dimension takes (65535). Run dry."""
+    emulation.kiln_emu_set_dry_run(1)
+    status = emulation.kiln_cuda_rmsnorm_backward(*[NOWHERE] * 7, 1 << 22, 128, None)
+    assert status == 0, cuda.last_error(emulation)
+    # the columns' blocks take grid.y instead: a width past 65535 * 256 is refused before any launch
+    assert emulation.kiln_cuda_rmsnorm_backward(*[NOWHERE] * 7, 64, 65535 * 256 + 1, None) == 2001
+    assert "65535 * 256" in cuda.last_error(emulation)
