@@ -40,6 +40,7 @@ kiln_emu_switch:
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -61,9 +62,27 @@ struct Device {
     cudaError_t error = cudaSuccess;              // the first launch error not yet taken by cudaGetLastError
     cudaError_t fail_next = cudaSuccess;          // kiln_emu_fail_next_launch
     bool dry_run = false;                         // kiln_emu_set_dry_run
+    int thread_order = 0;                         // kiln_emu_set_thread_order
+    uint64_t shuffle_state = 0;
 };
 
 Device device;
+
+// The order of a round's threads: by index (0), reversed (1), or shuffled afresh each round (2, a fixed xorshift
+// sequence from kiln_emu_set_thread_order). On a device the threads run between two barriers in no fixed order, so a
+// kernel whose result changes with the order reads what another thread writes in the same interval: a race.
+void next_order(std::vector<size_t> &order, size_t n) {
+    order.resize(n);
+    for (size_t i = 0; i < n; i++) order[i] = device.thread_order == 1 ? n - 1 - i : i;
+    if (device.thread_order != 2) return;
+    for (size_t i = n - 1; i > 0; i--) {
+        uint64_t &x = device.shuffle_state;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::swap(order[i], order[x % (i + 1)]);
+    }
+}
 
 cudaError_t check_launch(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes) {
     const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
@@ -84,6 +103,7 @@ struct Scheduler {
     void *main_stack_pointer = nullptr;
     std::vector<std::vector<char>> stacks;
     std::vector<char> done;
+    std::vector<size_t> order;  // the order in which this round runs the block's threads
     std::unique_ptr<char[]> shared;  // a fresh allocation per block, exactly its size (a sanitizer sees overruns)
     ucontext_t main;
     const std::function<void()> *body = nullptr;
@@ -200,7 +220,8 @@ void run(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes, const s
                 }
                 for (;;) {  // one round: every live thread runs to its next barrier or its end
                     size_t finished = 0, waiting = 0;
-                    for (size_t t = 0; t < n; t++) {
+                    next_order(scheduler.order, n);
+                    for (size_t t : scheduler.order) {
                         if (scheduler.done[t]) continue;
                         scheduler.current = (int)t;
                         enter(t);
@@ -240,11 +261,16 @@ extern "C" {
 
 // Test hooks of the emulation (not kiln_cuda_* symbols, not in libkiln_cuda.so): with dry_run set, a launch, a
 // memset and a GEMM check their arguments and configuration but touch no memory, so the tests can give every entry
-// point a real model's shapes; fail_next_launch makes the next launch fail with ERROR, as a device's would; reset
-// puts the emulated device back as it was loaded (no launch error pending, no kernel attribute set).
+// point a real model's shapes; fail_next_launch makes the next launch fail with ERROR, as a device's would;
+// set_thread_order runs each round of a block's threads by index (0), reversed (1) or shuffled (2: next_order); reset
+// puts the emulated device back as it was loaded (index order, no launch error pending, no kernel attribute set).
 void kiln_emu_set_dry_run(int on) { kiln_emu::device.dry_run = on != 0; }
 void kiln_emu_fail_next_launch(int error) { kiln_emu::device.fail_next = error; }
 void kiln_emu_reset(void) { kiln_emu::device = kiln_emu::Device(); }
+void kiln_emu_set_thread_order(int order) {
+    kiln_emu::device.thread_order = order;
+    kiln_emu::device.shuffle_state = 0x9E3779B97F4A7C15ull;
+}
 
 const char *kiln_cuda_last_error(void) { return kiln_last_error; }
 int kiln_cuda_abi_version(int *version) { *version = KILN_CUDA_ABI_VERSION; return 0; }

@@ -1,7 +1,8 @@
 /* A host emulation of the little of CUDA the kernels use, for tests on machines without a GPU: the same
  * kernel source compiled by g++ with -DKILN_CUDA_EMULATE. A launch runs the blocks one after another; the
  * threads of a block are fibers (ucontext) on one OS thread that switch at __syncthreads, so __shared__
- * (a static local) and dynamic shared memory behave as on the device. A barrier that some threads of a
+ * (a static local) and dynamic shared memory behave as on the device; the threads run to their next barrier by
+ * index, or reversed or shuffled (kiln_emu_set_thread_order, for races). A barrier that some threads of a
  * block skip aborts with a message. Dynamic shared memory starts as NaN bytes, so a read before a write
  * shows. Built into a test library with emulate_runtime.cpp (host memory, a plain GEMM); never shipped
  * in libkiln_cuda.so. */

@@ -484,6 +484,7 @@ def emulation(emulated_library):
     """The host emulation with its kiln_emu_* test hooks bound, put back as loaded after the test."""
     library = cuda.open_library(emulated_library)
     for name, argtypes in (("kiln_emu_set_dry_run", [ctypes.c_int]), ("kiln_emu_fail_next_launch", [ctypes.c_int]),
+                           ("kiln_emu_set_thread_order", [ctypes.c_int]),
                            ("kiln_emu_reset", [])):
         getattr(library, name).argtypes, getattr(library, name).restype = argtypes, None
     library.kiln_emu_reset()
@@ -586,3 +587,60 @@ def test_rmsnorm_backward_takes_more_weight_chunks_than_grid_y_holds(emulation):
     # the columns' blocks take grid.y instead: a width past 65535 * 256 is refused before any launch
     assert emulation.kiln_cuda_rmsnorm_backward(*[NOWHERE] * 7, 64, 65535 * 256 + 1, None) == 2001
     assert "65535 * 256" in cuda.last_error(emulation)
+
+
+def test_no_kernel_result_depends_on_the_order_its_threads_run_between_barriers(emulation):
+    """On a device a block's threads run between two barriers in no fixed order; the emulation runs them by index,
+    reversed, or shuffled afresh each round. Every kernel that shares memory across threads (the block reductions
+    of RMSNorm, cross-entropy, the gradient norm and the dense softmax; the attention tiles, windowed, with a past,
+    GQA, head sizes 40 and 128 over partial tiles) gives the same bits in all three orders: no thread reads what
+    another writes in the same interval."""
+    gpu = Gpu(emulation)
+    G, T, g, past, window = 2, 70, 3, 20, 45
+    S, R = past + T, T * g
+    N, C, V = 70, 300, 517
+    inputs = {"x": normal(N, C), "w": normal(C), "dout": normal(N, C), "logits": normal(N, V, scale=4.0),
+              "targets": rng.integers(0, V, N).astype(I64), "scores": normal(G, R, S, scale=3.0)}
+    inputs["targets"][[0, 9]] = -100
+    attention_inputs = {D: [normal(G, n, D) for n in (R, S, S, R)] for D in (40, 128)}  # q, k, v, dout
+
+    def run():
+        out = {}
+        x = gpu.put(inputs["x"])
+        normed, rstd = gpu.zeros((N, C)), gpu.zeros((N,))
+        gpu.call("kiln_cuda_rmsnorm_forward", x.ptr, gpu.put(inputs["w"]).ptr, 1e-5, normed.ptr, rstd.ptr, N, C, None)
+        size = ctypes.c_size_t(0)
+        gpu.call("kiln_cuda_rmsnorm_backward_workspace", N, C, byref(size))
+        dx, dw = gpu.zeros((N, C)), gpu.zeros((C,))
+        gpu.call("kiln_cuda_rmsnorm_backward", gpu.put(inputs["dout"]).ptr, x.ptr, gpu.put(inputs["w"]).ptr, rstd.ptr,
+                 dx.ptr, dw.ptr, gpu.zeros((size.value,), np.uint8).ptr, N, C, None)
+        logits, per_row = gpu.put(inputs["logits"]), gpu.zeros((N,))
+        gpu.call("kiln_cuda_cross_entropy_rows", logits.ptr, gpu.put(inputs["targets"]).ptr, per_row.ptr, 1, 0.25,
+                 None, -100, N, V, None)
+        sums = gpu.zeros((2,), np.float64)
+        gpu.call("kiln_cuda_sum_squares", logits.ptr, N * V, gpu.zeros((cuda.NORM_BLOCKS,), np.float64).ptr,
+                 sums.ptr, None)
+        scores, lse = gpu.put(inputs["scores"]), gpu.zeros((G, R))
+        gpu.call("kiln_cuda_attention_probabilities", scores.ptr, lse.ptr, 0, G, T, g, S, past, window, None)
+        out.update(normed=normed, rstd=rstd, dx=dx, dw=dw, dlogits=logits, per_row=per_row, sums=sums, p=scores,
+                   p_lse=lse)
+        for D, (q, k, v, dout) in attention_inputs.items():
+            q, k, v, dout = (gpu.put(a) for a in (q, k, v, dout))
+            att, att_lse = gpu.zeros((G, R, D)), gpu.zeros((G, R))
+            gpu.call("kiln_cuda_attention_forward", q.ptr, k.ptr, v.ptr, att.ptr, att_lse.ptr, G, T, g, S, D, past,
+                     window, 0.125, None)
+            dq, dk, dv = gpu.zeros((G, R, D)), gpu.zeros((G, S, D)), gpu.zeros((G, S, D))
+            gpu.call("kiln_cuda_attention_backward", dout.ptr, q.ptr, k.ptr, v.ptr, att.ptr, att_lse.ptr, dq.ptr,
+                     dk.ptr, dv.ptr, gpu.zeros((G, R)).ptr, G, T, g, S, D, past, window, 0.125, None)
+            out.update({f"{name}{D}": a for name, a in (("att", att), ("lse", att_lse), ("dq", dq), ("dk", dk),
+                                                          ("dv", dv))})
+        return {name: a.to_host() for name, a in out.items()}
+
+    try:
+        by_index = run()
+        for order in (1, 2):
+            emulation.kiln_emu_set_thread_order(order)
+            for name, value in run().items():
+                assert np.array_equal(value, by_index[name]), f"{name} changes with the threads' order ({order})"
+    finally:
+        gpu.free()
