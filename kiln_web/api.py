@@ -13,10 +13,12 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import Http404, HttpRequest
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
 from ninja.security import HttpBearer
 
 from kiln_web.accounts.actions import authenticate_token
-from kiln_web.core.http import HTTP_CODES, NOT_JSON, error_location, error_response, refused
+from kiln_web.core.http import (HTTP_CODES, NOT_JSON, ActionRefused, error_location, error_response, json_body,
+                                refused)
 from kiln_web.evals.api import router as evals_router
 from kiln_web.jobs.api import router as train_router
 from kiln_web.serving.api import promotions_router
@@ -30,6 +32,14 @@ class BearerToken(HttpBearer):
         if user is not None:
             request.user = user
         return user
+
+
+class JsonBody(Parser):
+    """Request bodies as kiln_web.core.http.json_body reads them: NaN, Infinity, NUL characters and unpaired
+    surrogates are refused with the field that holds them, before a view or a stored request could see them."""
+
+    def parse_body(self, request: HttpRequest):
+        return json_body(request.body)
 
 
 UNAUTHORIZED = ("a valid API token is required: send 'Authorization: Bearer <token>' "
@@ -55,6 +65,7 @@ api = NinjaAPI(
     auth=BearerToken(),
     urls_namespace="v1",
     docs_decorator=_docs_access,
+    parser=JsonBody(),
 )
 
 
@@ -112,7 +123,9 @@ def _refused(request, exc: Exception):
 
 @api.exception_handler(HttpError)
 def _http_error(request, exc: HttpError):
-    # django-ninja answers a body its parser refused with "Cannot parse request body", raised from the JSON error
+    # django-ninja answers a body its parser refused with "Cannot parse request body", raised from the parser's error
+    if isinstance(exc.__cause__, ActionRefused):
+        return refused(exc.__cause__)
     message = NOT_JSON if exc.status_code == 400 and isinstance(exc.__cause__, ValueError) else exc.message
     return error_response(exc.status_code, HTTP_CODES.get(exc.status_code, "error"), message)
 

@@ -2,6 +2,9 @@
 table of HTTP statuses for coded failures, and `refusal_for`, which every API module and dashboard view uses to
 turn a failure into a refusal."""
 
+import json
+import math
+import re
 from typing import Any
 
 from django.http import JsonResponse
@@ -49,6 +52,59 @@ STATUS = {
 HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
               405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 500: "internal_error"}
 NOT_JSON = "the request body is not JSON"  # the same words from the training API and the serving endpoints
+NUL_TEXT = "holds a NUL character (U+0000), which no database text field keeps; remove it"
+# what may spell a value json_body refuses; a body without any of these is not walked
+_SUSPECT = re.compile(rb"NaN|Infinity|\\u0000|\\u[dD][89a-fA-F]")
+
+
+def json_body(raw: bytes, *, stored: bool = True):
+    """RAW parsed as a /v1/ request body. ValueError when it is not JSON, nesting too deep for the parser included;
+    ActionRefused (400 invalid_request, naming the field) for what Python's json reads but no JSON value is and
+    nothing downstream can take: NaN and Infinity, an unpaired UTF-16 surrogate escape (not text: the tokenizer
+    refuses it), and, in a body that is STORED, a NUL character (PostgreSQL text and jsonb refuse it)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if _SUSPECT.search(raw):
+        _check_values(value, stored)
+    return value
+
+
+def _text_problem(text: str, stored: bool) -> str | None:
+    if stored and "\x00" in text:
+        return NUL_TEXT
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff alone), which is not text"
+    return None
+
+
+def _check_values(value, stored: bool) -> None:
+    """Refuse the first value json_body must not pass on, by its dotted location (walked without recursion)."""
+    pending = [((), value)]
+    while pending:
+        location, item = pending.pop()
+        problem = None
+        if isinstance(item, float) and not math.isfinite(item):
+            problem = "must be a finite number (JSON has no NaN or Infinity)"
+        elif isinstance(item, str):
+            problem = _text_problem(item, stored)
+        elif isinstance(item, dict):
+            for key in item:
+                key_problem = _text_problem(key, stored)
+                if key_problem is not None:
+                    problem, location = f"its name {key_problem}", location + (key,)
+                    break
+            else:
+                pending.extend((location + (key,), item[key]) for key in reversed(list(item)))
+        elif isinstance(item, list):
+            pending.extend((location + (str(index),), element) for index, element in reversed(list(enumerate(item))))
+        if problem is not None:
+            field = ".".join(location) or None
+            raise ActionRefused(400, "invalid_request", f"{field or 'the request'}: {problem}", field=field)
 
 
 def refusal_for(exc: BaseException) -> ActionRefused | None:

@@ -1,13 +1,16 @@
 """Every /v1/ error in the API's one shape: Django answers a path no route has with an HTML 404 and django-ninja
 a method an operation does not take with a plain-text 405, before any of Kiln's handlers can; this middleware
-turns any /v1/ error response that is not JSON into {"error": {"code", "message"}}."""
+turns any /v1/ error response that is not JSON into {"error": {"code", "message"}}. It also refuses a /v1/ path
+or query parameter holding a NUL character before any view looks it up: PostgreSQL refuses NUL in a query's
+text, which would be a 500 (request bodies: kiln_web.core.http.json_body)."""
 
 from __future__ import annotations
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponse
+from django.urls import Resolver404, resolve
 
-from kiln_web.core.http import HTTP_CODES, error_response
+from kiln_web.core.http import HTTP_CODES, NUL_TEXT, error_response
 
 API_PREFIX = "/v1/"
 KEPT_HEADERS = ("Allow", "Vary")
@@ -37,6 +40,25 @@ def coded(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     return error
 
 
+def nul_refusal(request: HttpRequest) -> HttpResponse | None:
+    """400 invalid_request naming the path or query parameter that holds a NUL character, for a /v1/ request."""
+    if not (request.path + "/").startswith(API_PREFIX):
+        return None
+    field = None
+    if "\x00" in request.path_info:
+        try:
+            kwargs = resolve(request.path_info).kwargs
+        except Resolver404:
+            kwargs = {}
+        field = next((name for name, value in kwargs.items() if "\x00" in str(value)), "path")
+    else:
+        field = next((key for key, values in request.GET.lists()
+                      if "\x00" in key or any("\x00" in value for value in values)), None)
+    if field is None:
+        return None
+    return error_response(400, "invalid_request", f"{field} {NUL_TEXT}", field=field)
+
+
 class CodedApiErrors:
     """Sync and async alike (no thread hop for the async serving views): `coded` on every response."""
 
@@ -52,7 +74,7 @@ class CodedApiErrors:
     def __call__(self, request: HttpRequest):
         if self.is_async:
             return self._acall(request)
-        return coded(request, self.get_response(request))
+        return nul_refusal(request) or coded(request, self.get_response(request))
 
     async def _acall(self, request: HttpRequest):
-        return coded(request, await self.get_response(request))
+        return nul_refusal(request) or coded(request, await self.get_response(request))

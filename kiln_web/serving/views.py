@@ -24,7 +24,7 @@ from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from kiln_web.accounts.actions import authenticate_token
-from kiln_web.core.http import NOT_JSON, STATUS
+from kiln_web.core.http import NOT_JSON, STATUS, ActionRefused, json_body
 from kiln_web.serving import completions as oai
 from kiln_web.serving import runtime
 from kiln_web.serving.runtime import SamplingConfig, ServingError
@@ -136,7 +136,9 @@ async def _complete(request: HttpRequest, schema):
         return _error(401, "unauthorized", "a valid API token is required: send 'Authorization: Bearer <token>' "
                                            "(create one with: kiln token create --user NAME)")
     try:
-        body = json.loads(request.body or b"null")
+        body = json_body(request.body or b"null", stored=False)  # a prompt may hold NUL: it is never stored
+    except ActionRefused as refusal:
+        return _error(refusal.status, refusal.code, refusal.message, refusal.extra.get("field"))
     except ValueError:
         return _error(400, "invalid_request", NOT_JSON)
     try:

@@ -1,0 +1,150 @@
+"""Malformed input to every /v1/ endpoint is refused with a coded 4xx error that names the field, never a 500 and
+never accepted to fail later in a worker: values Python's json reads but no JSON value is (NaN, Infinity), text no
+database keeps or no tokenizer takes (NUL, unpaired surrogate escapes), bodies nested past the parser's depth, and
+NUL characters in path and query parameters (PostgreSQL refuses NUL in a query's text). The PostgreSQL pass runs
+this file too: there NUL reached the database and was a 500.
+
+Found by sending malformed requests to every endpoint (wrong JSON types, huge and non-finite numbers, bools for
+ints, NUL and surrogates, long strings, nesting); the cases that were answered well are not repeated here, the
+schema tests (tests/security/test_schemathesis.py) keep those."""
+
+import json
+
+import pytest
+from django.test import Client
+
+from controlplane.conftest import sft_body
+from kiln_web.jobs.models import TrainingJob
+from kiln_web.teachers.models import TeacherAlias
+
+pytestmark = pytest.mark.django_db
+
+INLINE = [{"prompt": "q", "completion": "a"}]
+JOB = "00000000-0000-0000-0000-000000000000"  # the body is refused before the job is looked up
+
+
+def _sft(**config) -> dict:
+    return {"data": INLINE, "config": {"output_name": "malformed", **config}}
+
+
+def coded(response, status: int, code: str = "invalid_request") -> dict:
+    assert response.status_code == status, response.content[:300]
+    assert response["Content-Type"].startswith("application/json"), response.content[:200]
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"], error
+    return error
+
+
+def send(client: Client, method: str, path: str, text: str):
+    return client.generic(method, path, data=text.encode(), content_type="application/json")
+
+
+@pytest.fixture
+def client(ada):
+    return Client(raise_request_exception=False, HTTP_AUTHORIZATION=f"Bearer {ada.token}")
+
+
+# (method, path, body as sent, the field named); json.dumps writes NaN and Infinity as Python's json reads them
+NAN_BODIES = [
+    ("POST", "/v1/train/sft", _sft(learning_rate=float("inf")), "config.learning_rate"),
+    ("POST", "/v1/train/sft", {"data": [{"prompt": "q", "completion": "a", "score": float("nan")}],
+                               "config": {"output_name": "x"}}, "data.0.score"),
+    ("POST", "/v1/train/sft", {**_sft(), "gate": {"suite": "s", "min_accuracy": float("-inf")}, "auto_load": True},
+     "gate.min_accuracy"),
+    ("POST", "/v1/train/grpo", {"groups": [{"prompt": "p", "completions": [{"text": "a", "reward": float("nan")}]}],
+                                "config": {"output_name": "x"}}, "groups.0.completions.0.reward"),
+    ("POST", "/v1/train/opd", {"prompts": ["p"], "config": {"output_name": "x", "teacher": "t@openai",
+                                                            "guardrails": {"kl_ceiling": float("nan")}}},
+     "config.guardrails.kl_ceiling"),
+    ("POST", f"/v1/train/jobs/{JOB}/resume", {"data": [{"prompt": "q", "completion": "a", "w": float("inf")}]},
+     "data.0.w"),
+]
+
+NUL_BODIES = [
+    ("POST", "/v1/train/sft", {"data": [{"prompt": "q\x00", "completion": "a"}], "config": {"output_name": "x"}},
+     "data.0.prompt"),
+    ("POST", "/v1/train/sft", _sft(base_adapter="/\x00"), "config.base_adapter"),
+    ("POST", "/v1/train/sft", {**_sft(), "auto_load": True, "gate": {"suite": "s\x00", "min_accuracy": 0.5}},
+     "gate.suite"),
+    ("POST", "/v1/train/sft", {"data": [{"prompt": "q", "completion": "a", "n\x00": 1}],
+                               "config": {"output_name": "x"}}, "data.0.n\x00"),
+    ("POST", "/v1/train/grpo", {"groups": [{"prompt": "\x00", "completions": []}], "config": {"output_name": "x"}},
+     "groups.0.prompt"),
+    ("POST", "/v1/train/opd", {"prompts": ["p\x00"], "config": {"output_name": "x", "teacher": "t@openai"}},
+     "prompts.0"),
+    ("POST", "/v1/teachers", {"name": "t@native", "base": "kiln-tiny", "adapter": "/\x00"}, "adapter"),
+    ("PUT", "/v1/teachers/t@openai", {"endpoint": "http://gpu-1:8000", "model": "m\x00"}, "model"),
+    ("POST", "/v1/adapters/some-bot/shares", {"user": "\x00"}, "user"),
+    ("POST", "/v1/adapters/some-bot/shares", {"group": "g\x00"}, "group"),
+    ("POST", "/v1/adapters/some-bot/load", {"base": "\x00"}, "base"),
+    ("POST", "/v1/evals/runs", {"adapter": "some-bot", "suite": "\x00"}, "suite"),
+    ("POST", "/v1/evals/suites", {"name": "s", "content": '{"prompt": "a", "expected": "b"}\n\x00'}, "content"),
+    ("POST", f"/v1/train/jobs/{JOB}/resume", {"dataset_path": "/\x00"}, "dataset_path"),
+]
+
+SURROGATE_TEXTS = [  # an unpaired surrogate escape only exists in the body's text: json.dumps would pair nothing
+    ("POST", "/v1/train/sft", '{"data": [{"prompt": "q\\ud800", "completion": "a"}], "config": {"output_name": "x"}}',
+     "data.0.prompt"),
+    ("POST", "/v1/train/sft", '{"data": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                              '"content": "\\udfff"}]}], "config": {"output_name": "x"}}', "data.0.messages.1.content"),
+    ("POST", "/v1/train/opd", '{"prompts": ["\\uD83D"], "config": {"output_name": "x", "teacher": "t@openai"}}',
+     "prompts.0"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, field", NAN_BODIES + NUL_BODIES,
+                         ids=[f"{case[1]}:{case[3]}" for case in NAN_BODIES + NUL_BODIES])
+def test_a_body_value_json_cannot_carry_is_refused_naming_its_field(client, method, path, body, field):
+    jobs, teachers = TrainingJob.objects.count(), TeacherAlias.objects.count()
+    error = coded(send(client, method, path, json.dumps(body)), 400)
+    assert error["field"] == field and error["message"].startswith(f"{field}: "), error
+    assert TrainingJob.objects.count() == jobs and TeacherAlias.objects.count() == teachers
+
+
+@pytest.mark.parametrize("method, path, text, field", SURROGATE_TEXTS, ids=[case[3] for case in SURROGATE_TEXTS])
+def test_an_unpaired_surrogate_escape_is_refused_naming_its_field(client, method, path, text, field):
+    error = coded(send(client, method, path, text), 400)
+    assert error["field"] == field and "surrogate" in error["message"], error
+    assert not TrainingJob.objects.exists()
+
+
+def test_text_that_only_looks_suspect_is_accepted(client, fake_runner):
+    """A paired surrogate escape (an emoji), and NaN, Infinity and an escaped backslash before u0000 as text."""
+    text = json.dumps(sft_body("looks-suspect")).replace('"q0"', '"\\ud83d\\ude00 NaN Infinity \\\\u0000"')
+    response = send(client, "POST", "/v1/train/sft", text)
+    assert response.status_code == 201, response.content[:300]
+    assert TrainingJob.objects.get().request["data"][0]["prompt"] == "\U0001F600 NaN Infinity \\u0000"
+
+
+@pytest.mark.parametrize("path", ["/v1/train/sft", "/v1/teachers", "/v1/completions", "/v1/chat/completions"])
+def test_a_body_nested_past_the_parsers_depth_is_not_json(client, path):
+    error = coded(send(client, "POST", path, "[" * 100_000 + "]" * 100_000), 400)
+    assert error["message"] == "the request body is not JSON"
+
+
+@pytest.mark.parametrize("path, text, param", [
+    ("/v1/completions", '{"prompt": "x\\ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages.0.content"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1, "temperature": NaN}', "temperature"),
+])
+def test_serving_refuses_what_its_tokenizer_cannot_take_naming_the_param(client, path, text, param):
+    error = coded(send(client, "POST", path, text), 400)
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("method, path, field", [
+    ("GET", "/v1/teachers/t%00@openai", "name"),
+    ("PUT", "/v1/teachers/%00", "name"),
+    ("DELETE", "/v1/teachers/t%00", "name"),
+    ("GET", "/v1/evals/suites/s%00", "name"),
+    ("DELETE", "/v1/adapters/some-bot/shares/user/%00", "target"),
+    ("DELETE", "/v1/adapters/some-bot/shares/group/g%00", "target"),
+    ("GET", "/v1/train/jobs?adapter=%00", "adapter"),
+    ("GET", "/v1/evals/runs?adapter=b%00t", "adapter"),
+    ("GET", "/v1/promotions?adapter=%00", "adapter"),
+    ("GET", "/v1/train/jobs?%00=1", "\x00"),
+    ("GET", "/v1/models?x=%00", "x"),
+])
+def test_a_nul_in_a_path_or_query_parameter_is_refused_naming_it(client, method, path, field):
+    error = coded(client.generic(method, path), 400)
+    assert error["field"] == field and "NUL" in error["message"], error
