@@ -79,7 +79,8 @@ class OptimizerConfig(Strict):
 
 class QuantizationConfig(Strict):
     type: Literal["nf4"] = Field(description="NF4 as bitsandbytes quantize_4bit(quant_type='nf4')")
-    block_size: int | None = Field(None, ge=32, description=absent("sft", "quantization.block_size"))
+    block_size: int | None = Field(None, ge=32, description=absent(
+        "sft", "quantization.block_size", "32, 64, 128, 256, 512, 1024, 2048 or 4096 (bitsandbytes' block sizes); "))
     double_quantization: bool | None = Field(None, description=absent("sft", "quantization.double_quantization"))
 
 

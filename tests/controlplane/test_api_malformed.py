@@ -14,6 +14,7 @@ import pytest
 from django.test import Client
 
 from controlplane.conftest import sft_body
+from controlplane.rl_data import grpo_inline
 from kiln_web.jobs.models import TrainingJob
 from kiln_web.teachers.models import TeacherAlias
 
@@ -148,3 +149,24 @@ def test_serving_refuses_what_its_tokenizer_cannot_take_naming_the_param(client,
 def test_a_nul_in_a_path_or_query_parameter_is_refused_naming_it(client, method, path, field):
     error = coded(client.generic(method, path), 400)
     assert error["field"] == field and "NUL" in error["message"], error
+
+
+# -- values the schema takes but the run could not: refused at admission, never by the worker --
+
+BEYOND_64_BITS = 2**63  # a checkpoint manifest holds signed 64-bit integers; the job failed bad_field at its first
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/train/sft", _sft(batch_size=BEYOND_64_BITS), "config.batch_size"),
+    ("/v1/train/sft", _sft(checkpoint_interval=2**64), "config.checkpoint_interval"),
+    ("/v1/train/sft", _sft(lr_schedule={"warmup_steps": BEYOND_64_BITS}), "config.lr_schedule.warmup_steps"),
+    ("/v1/train/grpo", grpo_inline("malformed", checkpoint_interval=BEYOND_64_BITS), "config.checkpoint_interval"),
+    # the quantizer takes bitsandbytes' block sizes only: the worker failed internal_error (ValueError)
+    ("/v1/train/sft", _sft(quantization={"type": "nf4", "block_size": 33}), "config.quantization.block_size"),
+    ("/v1/train/sft", _sft(quantization={"type": "nf4", "block_size": 2**40}), "config.quantization.block_size"),
+], ids=["sft-batch_size", "sft-checkpoint_interval", "sft-warmup_steps", "grpo-checkpoint_interval",
+        "nf4-block-33", "nf4-block-2**40"])
+def test_a_value_the_run_cannot_take_is_refused_at_admission(client, path, body, field):
+    error = coded(client.post(path, json.dumps(body), content_type="application/json"), 400)
+    assert error["field"] == field, error
+    assert not TrainingJob.objects.exists()

@@ -21,6 +21,7 @@ from trainer.runs.loss_chunks import LOSS_CHUNK_BYTES, loss_options  # noqa: F40
 from trainer.bases_identity import BUILTIN_TINY
 from trainer.bases import is_registered
 from trainer.fsio import file_sha256
+from trainer.jsonio import MAX_INT
 from trainer.runs.backend import BACKENDS, BackendChoice, BackendUnavailable, cuda_unavailable, probe_cuda, resolve_backend
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, OPTIMIZER_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
@@ -88,6 +89,8 @@ def int_field(value, name, minimum=None, allow_none=False):
         raise RequestError(name, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise RequestError(name, f"must be at least {minimum}, got {value}")
+    if value > MAX_INT:  # the checkpoint manifest binds it, and holds signed 64-bit integers only
+        raise RequestError(name, f"must be at most {MAX_INT}, got {value}")
     return value
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from trainer import Adam
 from trainer.model import IGNORE_INDEX
+from trainer.quantization import BLOCK_SIZES
 from trainer.runs import checkpoint_dir, device_plan
 from trainer.runs.admission import (admit_backend, attention_options, device_precision, loss_options,
                                     precision_options, run_backend)
@@ -63,9 +64,11 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
         if not isinstance(quantization, dict) or quantization.get("type") != "nf4" \
                 or set(quantization) - {"type", "block_size", "double_quantization"}:
             raise RequestError("config.quantization", "must be null or {type: nf4, block_size, double_quantization}")
-        c["quantization"] = {"type": "nf4",
-                             "block_size": int_field(quantization.get("block_size", NF4_DEFAULT["block_size"]),
-                                                     "config.quantization.block_size", 32),
+        block_size = int_field(quantization.get("block_size", NF4_DEFAULT["block_size"]),
+                               "config.quantization.block_size", 32)
+        if block_size not in BLOCK_SIZES:  # what the run's quantizer takes: refused here, not by the worker
+            raise RequestError("config.quantization.block_size", f"must be one of {BLOCK_SIZES}, got {block_size}")
+        c["quantization"] = {"type": "nf4", "block_size": block_size,
                              "double_quantization": bool(quantization.get("double_quantization",
                                                                           NF4_DEFAULT["double_quantization"]))}
     c["max_sequence_length"] = int_field(c["max_sequence_length"], "config.max_sequence_length", 2)
