@@ -170,3 +170,13 @@ def test_a_value_the_run_cannot_take_is_refused_at_admission(client, path, body,
     error = coded(client.post(path, json.dumps(body), content_type="application/json"), 400)
     assert error["field"] == field, error
     assert not TrainingJob.objects.exists()
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["basename", "absolute"])
+def test_a_resume_checkpoint_name_too_long_for_the_filesystem_is_noncanonical(client, settings, relative):
+    """Was an OSError (ENAMETOOLONG) from the registry lookup: 500."""
+    name = "x" * 300 + "-checkpoint-step-00000001.kiln-checkpoint"
+    reference = name if relative else f"{settings.KILN_ADAPTERS_DIR}/{name}"
+    response = client.post("/v1/train/sft", json.dumps(_sft(resume_checkpoint=reference)),
+                           content_type="application/json")
+    coded(response, 400, "noncanonical_name")

@@ -1,5 +1,6 @@
 """Queries and clean-up over the adapter registry's checkpoints: resolve a resume reference, list by step, find staging orphans, delete an adapter's checkpoints."""
 
+import errno
 import os
 import shutil
 import stat
@@ -38,7 +39,9 @@ def resolve_checkpoint(registry, reference: str) -> Path:
     candidate = registry_real / base
     try:
         st = os.lstat(candidate)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError as error:  # absent; or a name too long to exist, which parse_basename refuses below
+        if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG):
+            raise
         st = None
     if st is not None and stat.S_ISDIR(st.st_mode) and is_peft_snapshot(candidate):
         raise NotACheckpoint(peft_message(base), path=candidate)
