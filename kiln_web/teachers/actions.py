@@ -64,6 +64,11 @@ def validate_teacher(name: str, fields: dict, user=None) -> tuple[str, dict, str
     values = {key: fields.get(key) or None for key in SPEC_FIELDS}
     if values["adapter"] is not None:
         values["adapter"] = _adapter_directory(values["adapter"], user)
+    for key, value in values.items():  # what the row keeps (PostgreSQL refuses a longer value: a 500)
+        limit = TeacherAlias._meta.get_field(key).max_length
+        if isinstance(value, str) and len(value) > limit:
+            raise ActionRefused(400, "invalid_request", f"{key} is {len(value)} characters long; at most {limit}",
+                                field=key)
     try:
         spec = runtime.teacher_spec({"alias": name, "route": match.group(1), **values})
     except LookupError as exc:

@@ -180,3 +180,16 @@ def test_a_resume_checkpoint_name_too_long_for_the_filesystem_is_noncanonical(cl
     response = client.post("/v1/train/sft", json.dumps(_sft(resume_checkpoint=reference)),
                            content_type="application/json")
     coded(response, 400, "noncanonical_name")
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/teachers"), ("PUT", "/v1/teachers/{name}")])
+def test_a_teacher_value_longer_than_its_column_is_refused_naming_it(client, ada, method, path):
+    """Was admitted on SQLite and a DataError (value too long) 500 on PostgreSQL."""
+    from kiln_web.teachers.actions import do_create_teacher
+
+    alias = do_create_teacher(ada, "long@openai", {"endpoint": "http://gpu-1:8000", "model": "m"})
+    endpoint = "http://gpu-1:8000/" + "v" * 1000
+    body = {"endpoint": endpoint, "model": "m"} | ({"name": "longer@openai"} if method == "POST" else {})
+    error = coded(send(client, method, path.format(name=alias.name), json.dumps(body)), 400)
+    assert error["field"] == "endpoint" and "at most 1000" in error["message"], error
+    assert list(TeacherAlias.objects.values_list("name", "endpoint")) == [("long@openai", "http://gpu-1:8000")]
