@@ -49,8 +49,14 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
             continue
         try:
             record = json.loads(line)
+            json.dumps(record, ensure_ascii=False).encode("utf-8")  # text only: no unpaired surrogate escape
         except json.JSONDecodeError as error:
             raise SuiteError(f"line {number}: not JSON ({error.msg})") from None
+        except RecursionError:
+            raise SuiteError(f"line {number}: not JSON (nested too deeply)") from None
+        except UnicodeEncodeError:
+            raise SuiteError(f"line {number}: holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff alone), "
+                             "which is not text") from None
         if not isinstance(record, dict) or "expected" not in record:
             raise SuiteError(f"line {number}: needs an object with prompt or messages and expected")
         plain = False

@@ -193,3 +193,16 @@ def test_a_teacher_value_longer_than_its_column_is_refused_naming_it(client, ada
     error = coded(send(client, method, path.format(name=alias.name), json.dumps(body)), 400)
     assert error["field"] == "endpoint" and "at most 1000" in error["message"], error
     assert list(TeacherAlias.objects.values_list("name", "endpoint")) == [("long@openai", "http://gpu-1:8000")]
+
+
+@pytest.mark.parametrize("line, words", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was a RecursionError: 500
+    ('{"prompt": "2+2\\ud800", "expected": "4"}', "surrogate"),  # was stored, for the worker's tokenizer to fail on
+    ('{"messages": [{"role": "user", "content": "\\udfff"}], "expected": "4"}', "surrogate"),
+    ('{"prompt": "2+2", "expected": "4\\ud800"}', "surrogate"),
+])
+def test_a_suite_line_that_is_not_text_json_is_refused_with_its_line(client, line, words):
+    content = '{"prompt": "1+1", "expected": "2"}\n' + line + "\n"
+    error = coded(client.post("/v1/evals/suites", json.dumps({"name": "odd", "content": content}),
+                              content_type="application/json"), 400, "invalid_suite")
+    assert error["field"] == "content" and error["message"].startswith("line 2: ") and words in error["message"]
