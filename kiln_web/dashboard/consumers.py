@@ -55,8 +55,13 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
         else:
             await super().dispatch(message)
 
-    async def receive_json(self, content, **kwargs) -> None:
-        pass  # the page only listens; it asks the HTTP views for anything else
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        pass  # the page only listens; it asks the HTTP views for anything else. Any frame (JSON or not) is ignored
+
+
+class NoRoute(RelayConsumer):
+    """A socket path no route has (a job id that is not a UUID, say): refused as not found, like someone else's
+    job, where the router would raise."""
 
 
 class JobListConsumer(RelayConsumer):

@@ -1,10 +1,11 @@
 """WebSocket routes: the jobs list and one job, both relaying kiln_web.jobs.events messages."""
 
-from django.urls import path
+from django.urls import path, re_path
 
 from kiln_web.dashboard import consumers
 
 websocket_urlpatterns = [
     path("ws/jobs/", consumers.JobListConsumer.as_asgi()),
     path("ws/jobs/<uuid:job_id>/", consumers.JobConsumer.as_asgi()),
+    re_path(r"", consumers.NoRoute.as_asgi()),  # anything else: closed 4404, not an exception in the router
 ]

@@ -207,3 +207,31 @@ def test_an_evaluation_linked_to_no_job_writes_no_job_event(ada):
                                  baseline_base="kiln-tiny")
     assert execute_evaluation(run.pk, "w") == "failed"
     assert not JobEvent.objects.exists()
+
+
+def test_a_frame_that_is_not_json_leaves_the_socket_relaying(ada):
+    """The page only listens: a text frame that is not JSON, or a binary frame, is ignored like any other message.
+    Both used to raise in the consumer (JSONDecodeError; ValueError 'No text section'), which closed the socket."""
+    job = job_of(ada, "ada-bot")
+    cookie = session_cookie(ada)
+
+    async def scenario():
+        listener = await connected(socket(f"/ws/jobs/{job.pk}/", cookie))
+        await listener.send_to(text_data="{not json")
+        await listener.send_to(bytes_data=b"\xff\x00")
+        await database_sync_to_async(actions.do_record_step)(job.pk, "w", {"step": 1, "loss": 0.5})
+        assert (await listener.receive_json_from(timeout=30))["type"] == "job.step"
+        await listener.disconnect(timeout=30)
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.parametrize("path", ["/ws/jobs/not-a-job-id/", "/ws/nope/", "/ws/jobs/%00/"])
+def test_a_socket_path_no_route_has_is_refused_with_not_found(ada, path):
+    cookie = session_cookie(ada)
+
+    async def scenario():
+        ok, code = await socket(path, cookie).connect(timeout=30)
+        assert not ok and code == 4404, code
+
+    async_to_sync(scenario)()
