@@ -10,19 +10,21 @@ from trainer.runs.admission import RunFailed
 
 
 def learning_rate_at(step: int, config: dict, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based)."""
+    """Learning rate of optimizer step `step` (0-based), as transformers' get_constant/linear/cosine_schedule_with_warmup
+    give it (Trainer steps the scheduler after each optimizer step): `base * factor`, with the warmup factor
+    step / warmup_steps (so the first step's rate is 0), the linear decay (total - step) / (total - warmup) and the
+    cosine 0.5 * (1 + cos(pi * progress)), each in transformers' own float arithmetic."""
     base = config["learning_rate"]
     schedule = config["lr_schedule"]
     warmup = schedule["warmup_steps"]
     if step < warmup:
-        return base * (step + 1) / warmup
+        return base * (float(step) / float(max(1.0, warmup)))
     if schedule["type"] == "constant":
-        return base
-    span = max(1, total_steps - warmup)
-    progress = min(1.0, (step - warmup) / span)
+        return base * 1.0
     if schedule["type"] == "linear":
-        return base * (1.0 - progress)
-    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return base * max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup)))
+    progress = float(step - warmup) / float(max(1, total_steps - warmup))
+    return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
 def clip_and_step(config, optimizer, adapters, step: int, total_steps: int, loss: float):
