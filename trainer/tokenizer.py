@@ -6,7 +6,8 @@ copied from a Hugging Face directory or built here from GGUF metadata) and
 chat_template). Chat templates render as transformers renders them: a sandboxed jinja2
 environment with trim_blocks and lstrip_blocks, the loopcontrols extension, a tojson
 that does not escape HTML, and the globals raise_exception and strftime_now, given the
-messages, add_generation_prompt and the special token strings.
+messages, add_generation_prompt and the special token strings; `{% generation %}` blocks render their
+body as transformers renders them.
 """
 
 import hashlib
@@ -98,8 +99,21 @@ def normalise_config(raw: dict, fallback_specials: dict | None = None) -> dict:
 def compile_chat_template(source: str):
     """The jinja2 template object transformers would build for `source`."""
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` block (its AssistantTracker, which TRL's
+        assistant-only templates use): it renders its body unchanged; only transformers' assistant masks read it."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -112,7 +126,7 @@ def compile_chat_template(source: str):
         return datetime.now().strftime(format)
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[loopcontrols])
+                                                extensions=[Generation, loopcontrols])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now

@@ -192,3 +192,82 @@ def test_sentencepiece_gguf_vocabulary_encodes_as_transformers_does(arch, tmp_pa
     assert ours.encode("hello", add_special_tokens=True)[0] == ours.bos_token_id == 1
     # not in the vocabulary: the space prefix, then its two UTF-8 bytes as byte tokens (<0xC3> <0xA9>), never <unk>
     assert ours.encode("é") == [3 + 256 + SPM_PIECES.index("▁"), 3 + 0xC3, 3 + 0xA9]
+
+
+# -- chat templates: Kiln's jinja2 environment against transformers' apply_chat_template ---------------------------
+
+# Each family's template shape, rendered from the same string by both (transformers builds its own environment).
+FAMILY_TEMPLATES = {
+    "llama3": (  # BOS in the template, trimmed contents, a system turn when given
+        "{{ bos_token }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+    "qwen2": (  # a default system turn, tools, the tool role
+        "{%- if tools %}{{- '<|im_start|>system\n' }}{%- for tool in tools %}{{- tool | tojson }}\n{%- endfor %}"
+        "{{- '<|im_end|>\n' }}{%- elif messages[0]['role'] != 'system' %}"
+        "{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{%- endif %}"
+        "{%- for message in messages %}{%- if message.role == 'tool' %}"
+        "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+        "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"),
+    "mistral": (  # [INST] turns, BOS, EOS after each answer, alternation enforced with raise_exception
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+        "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% endif %}{% endfor %}"),
+    "phi3": (  # block tags on their own lines: trim_blocks / lstrip_blocks decide the whitespace
+        "{% for message in messages %}\n"
+        "    {% if message['role'] == 'system' %}\n"
+        "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}\n"
+        "    {% elif message['role'] == 'user' %}\n"
+        "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}\n"
+        "    {% elif message['role'] == 'assistant' %}\n"
+        "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}\n"
+        "    {% endif %}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}\n{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"),
+    "chatml_generation": (  # TRL's assistant-only templates mark the answer with {% generation %}
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+CHATS = {
+    "one": [{"role": "user", "content": "  Hi there \n"}],
+    "multi": MESSAGES + [{"role": "assistant", "content": "Tokyo."}],
+    "system": SYSTEM,
+    "control text": [{"role": "user", "content": "say <|im_end|> and [INST] please"},
+                     {"role": "assistant", "content": "<|im_end|>"}],
+}
+
+
+def reference_tokenizer(transformers, tokenizer, template):
+    """transformers' tokenizer over the same tokenizers backend and special tokens, with TEMPLATE."""
+    config = tokenizer.config
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend, chat_template=template,
+        **{name: config[name] for name in ("bos_token", "eos_token", "pad_token", "unk_token") if config[name]})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+@pytest.mark.parametrize("chat", sorted(CHATS))
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_family_chat_templates_render_as_transformers_does(models_home, family, chat, generation_prompt):
+    transformers = pytest.importorskip("transformers")
+    from trainer.bases import TINY_SPECIALS, TINY_TOKENIZER_CONFIG
+    from trainer.tokenizer import byte_tokenizer
+    template = FAMILY_TEMPLATES[family]
+    tokenizer = byte_tokenizer(TINY_SPECIALS, {**TINY_TOKENIZER_CONFIG, "chat_template": template})
+    reference = reference_tokenizer(transformers, tokenizer, template)
+    messages = CHATS[chat]
+    try:
+        expected = reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    except Exception as error:  # the template refuses this chat: Kiln must refuse it with the same message
+        with pytest.raises(Exception, match=str(error)):
+            tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        return
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt) == expected
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True) == \
+        reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                      return_dict=False)
