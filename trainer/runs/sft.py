@@ -264,6 +264,21 @@ def _batch(examples, indices, pad_token):
     return inputs, targets
 
 
+def accumulate(computing, adapters, micro_batches):
+    """(loss, tokens) of one optimizer step whose gradient accumulates over MICRO_BATCHES [(inputs, targets)]."""
+    losses, tokens = [], 0
+    for inputs, targets in micro_batches:
+        losses.append(computing.forward_backward(inputs, targets))
+        tokens += int(np.count_nonzero(targets != IGNORE_INDEX))
+    micro = len(micro_batches)
+    if micro > 1 and on_device(computing):
+        computing.scale_gradients(np.float32(1.0 / micro))
+    elif micro > 1:
+        for p in adapters:
+            p.grad *= np.float32(1.0 / micro)
+    return float(np.mean(losses)), tokens
+
+
 def _state_document(loop: LoopState, scalars: dict) -> dict:
     return {
         "optimizer": scalars,
@@ -348,20 +363,12 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
             loop.epoch += 1
             loop.position = 0
             order = epoch_order(admission.effective_seed, loop.epoch, len(examples))
-        micro, losses, tokens = 0, [], 0
-        while micro < accumulation and loop.position < len(order):
+        micro_batches = []
+        while len(micro_batches) < accumulation and loop.position < len(order):
             indices = order[loop.position:loop.position + batch_size]
-            inputs, targets = _batch(examples, indices, pad)
-            losses.append(computing.forward_backward(inputs, targets))
-            tokens += int(np.count_nonzero(targets != IGNORE_INDEX))
+            micro_batches.append(_batch(examples, indices, pad))
             loop.position += len(indices)
-            micro += 1
-        if micro > 1 and on_device(computing):
-            computing.scale_gradients(np.float32(1.0 / micro))
-        elif micro > 1:
-            for p in adapters:
-                p.grad *= np.float32(1.0 / micro)
-        loss = float(np.mean(losses))
+        loss, tokens = accumulate(computing, adapters, micro_batches)
         grad_norm, clipped, learning_rate = step_on(computing, config, optimizer, adapters, loop.step,
                                                     admission.total_steps, loss)
         recent = loop.losses[-SPIKE_WINDOW:]
