@@ -33,7 +33,7 @@ from native_ext import nf4 as nf4_codes
 from trainer.blocks import NF4_SCRATCH_ELEMENTS, rope_tables, window_limits
 from trainer.crossentropy import IGNORE_INDEX
 from trainer.lifetime import Closeable
-from trainer.model import DecoderOnlyTransformer, check_batch, check_tokens
+from trainer.model import DecoderOnlyTransformer, check_batch, check_normalizer, check_tokens
 from trainer.cuda_decode import DeviceDecoding
 from trainer.cuda_optim import DeviceOptimizer
 from trainer.quantization import dequantize_nf4
@@ -597,13 +597,15 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
 
     # -- forward + backward ---------------------------------------------------------------------------
 
-    def forward_backward(self, inputs, targets) -> float:
-        """Mean cross-entropy over non-ignored targets; gradients accumulate on the device."""
+    def forward_backward(self, inputs, targets, normalizer=None) -> float:
+        """Mean cross-entropy over non-ignored targets; gradients accumulate on the device (divided by
+        `normalizer`, as DecoderOnlyTransformer.forward_backward's)."""
         self._check_open()
         inputs, targets, flat = check_batch(self.config, inputs, targets)
         valid = int(np.count_nonzero(flat != IGNORE_INDEX))
+        normalizer = check_normalizer(normalizer, valid)
         hidden = self._forward(inputs)
-        losses = self._loss(hidden, flat, 1, grad_scale=1.0 / valid)
+        losses = self._loss(hidden, flat, 1, grad_scale=1.0 / normalizer)
         self._backward_from_hidden(inputs.shape)
         return float(np.sum(losses, dtype=np.float64)) / valid
 

@@ -68,6 +68,17 @@ def check_batch(config, inputs, targets, trained=True) -> tuple:
     return inputs, targets, flat
 
 
+def check_normalizer(normalizer, valid: int) -> int:
+    """forward_backward's gradient divisor: VALID (the batch's own mean) when None, else a whole number of target
+    tokens that covers this batch's VALID ones (a step's total over the batches it accumulates)."""
+    if normalizer is None:
+        return valid
+    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, np.integer)) or normalizer < valid:
+        raise ValueError(f"normalizer must be a whole number of target tokens of at least this batch's {valid}, "
+                         f"got {normalizer!r}")
+    return int(normalizer)
+
+
 @dataclass
 class ForwardState:
     """What the whole-model forward keeps for backward (one batch)."""
@@ -466,17 +477,22 @@ class DecoderOnlyTransformer(Closeable):
     # -- forward + backward -------------------------------------------------------------
 
     @_computing_scope
-    def forward_backward(self, inputs, targets) -> float:
-        """Mean cross-entropy over non-ignored targets; accumulates pending gradients."""
+    def forward_backward(self, inputs, targets, normalizer=None) -> float:
+        """Mean cross-entropy over non-ignored targets; accumulates pending gradients.
+
+        The gradient is that of the summed token losses divided by `normalizer` (default: this batch's non-ignored
+        targets, i.e. of the returned mean); a caller accumulating several batches into one step passes the
+        step's total, as transformers' Trainer passes num_items_in_batch."""
         self._check_open()
         inputs, targets, flat = check_batch(self.config, inputs, targets)
         valid = int(np.count_nonzero(flat != IGNORE_INDEX))
+        normalizer = check_normalizer(normalizer, valid)
         if self._base_trainable:
             self._ensure_base_grads()
         hidden, state = self._hidden(inputs, keep_activations=True)
         losses, dhidden = fused_linear_cross_entropy(
             hidden, self.output_weight, flat, self._loss_chunk(flat.shape[0]),
-            grad_scale=1.0 / valid, head=self._trainable_head(), weight_bf16=self._output_bf16)
+            grad_scale=1.0 / normalizer, head=self._trainable_head(), weight_bf16=self._output_bf16)
         self._backward_from_hidden(dhidden, inputs, state)
         return float(np.sum(losses, dtype=np.float64)) / valid
 

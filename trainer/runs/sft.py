@@ -40,7 +40,7 @@ from trainer.runs.formats import PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW
 from trainer.runs.kind import RunKind
 from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publish, publish_final,
                                 restore_optimizer, snapshot)
-from trainer.runs.device import computing_model, on_device, publishable, step_on
+from trainer.runs.device import computing_model, publishable, step_on
 from trainer.runs.step import NullHooks, should_publish
 from trainer.runs.tokenizers import load_tokenizer
 
@@ -264,19 +264,18 @@ def _batch(examples, indices, pad_token):
     return inputs, targets
 
 
-def accumulate(computing, adapters, micro_batches):
-    """(loss, tokens) of one optimizer step whose gradient accumulates over MICRO_BATCHES [(inputs, targets)]."""
-    losses, tokens = [], 0
-    for inputs, targets in micro_batches:
-        losses.append(computing.forward_backward(inputs, targets))
-        tokens += int(np.count_nonzero(targets != IGNORE_INDEX))
-    micro = len(micro_batches)
-    if micro > 1 and on_device(computing):
-        computing.scale_gradients(np.float32(1.0 / micro))
-    elif micro > 1:
-        for p in adapters:
-            p.grad *= np.float32(1.0 / micro)
-    return float(np.mean(losses)), tokens
+def accumulate(computing, micro_batches):
+    """(loss, tokens) of one optimizer step whose gradient accumulates over MICRO_BATCHES [(inputs, targets)].
+
+    As transformers' Trainer (and so TRL's SFTTrainer) with gradient accumulation: every micro-batch's summed
+    token losses are divided by the loss tokens of the whole step (its num_items_in_batch), so the step's loss
+    and gradient are the mean over all its tokens, not a mean of micro-batch means."""
+    counts = [int(np.count_nonzero(targets != IGNORE_INDEX)) for _, targets in micro_batches]
+    tokens = sum(counts)
+    losses = [computing.forward_backward(inputs, targets, normalizer=tokens) for inputs, targets in micro_batches]
+    if len(losses) == 1:
+        return losses[0], tokens
+    return sum(loss * count for loss, count in zip(losses, counts)) / tokens, tokens
 
 
 def _state_document(loop: LoopState, scalars: dict) -> dict:
@@ -368,7 +367,7 @@ def _train(admission, settings, model, optimizer, adapters, examples, pad, loop,
             indices = order[loop.position:loop.position + batch_size]
             micro_batches.append(_batch(examples, indices, pad))
             loop.position += len(indices)
-        loss, tokens = accumulate(computing, adapters, micro_batches)
+        loss, tokens = accumulate(computing, micro_batches)
         grad_norm, clipped, learning_rate = step_on(computing, config, optimizer, adapters, loop.step,
                                                     admission.total_steps, loss)
         recent = loop.losses[-SPIKE_WINDOW:]
