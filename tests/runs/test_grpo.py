@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from run_worker import StopAt, run_until_killed
@@ -332,6 +333,9 @@ def test_request_validation(tmp_path):
         ({"groups": [{"prompt": "x", "completions": [{"text": "", "reward": 1}, {"text": "", "reward": 0}]}],
           "config": INLINE}, "groups[0]"),
         ({"groups": GROUPS, "dataset_path": "/x", "config": INLINE}, "dataset_path"),
+        ({"groups": [{"prompt": "x", "completions": [{"text": "a", "rewards": {"r": None}},
+                                                      {"text": "b", "rewards": {"r": None, "s": None}}]}],
+          "config": INLINE}, "groups[0]"),  # no completion scored
     ]
     for request, field in cases:
         with pytest.raises(RequestError) as info:
@@ -352,3 +356,21 @@ def test_admission_loads_no_weights(tmp_path, monkeypatch):
     refuse_weights(monkeypatch)
     after = [grpo.admit_grpo(inline_request(), settings), grpo.admit_grpo(streamed_request(path), settings)]
     assert [a.to_json() for a in after] == [b.to_json() for b in before]
+
+
+def test_an_unscorable_completion_is_left_out_of_its_group_baseline(tmp_path):
+    """TRL (>= 1.6): a completion every reward function returned None for has no reward, not reward 0: it is left out
+    of the group's mean and std and gets advantage 0; the reported reward statistics leave it out too."""
+    settings = make_settings(tmp_path)
+    group = {"prompt": "Q: 2 times 3 =", "completions": [
+        {"text": " 6.", "rewards": {"correct": 1.0}}, {"text": " 7.", "rewards": {"correct": 0.0}},
+        {"text": " dunno", "rewards": {"correct": None}}]}
+    config = {**INLINE, "groups_per_step": 1, "epochs": 1, "num_iterations": 1, "beta": 0.0,
+              "reference": {"type": "frozen"}}
+    result, hooks = run(settings, {"groups": [group], "config": config})
+    assert result.status == "succeeded"
+    metrics = hooks.metrics[0]
+    assert metrics["reward_mean"] == 0.5 and metrics["completions"] == 3
+    advantage = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-4)  # the two scored ones: +-advantage, the third 0
+    assert metrics["advantage_mean"] == pytest.approx(0.0, abs=1e-15)
+    assert metrics["advantage_std"] == pytest.approx(np.std([advantage, -advantage, 0.0]), rel=1e-12)

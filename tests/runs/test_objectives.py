@@ -80,6 +80,57 @@ def test_advantages_match_trl(scale_rewards):
     np.testing.assert_allclose(stds, [np.std(r, ddof=1) for r in rewards], rtol=1e-14)
 
 
+def trl_nanstd(tensor, dim=None):
+    """trl.trainer.utils.nanstd: Bessel-corrected, NaN entries ignored, NaN below two values."""
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True).to(tensor.dtype)  # TRL's count / (count - 1)
+    # is float32 (int / int); in the tensor's float64 here, so that only the formula is compared
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = torch.sqrt(variance * correction)
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def trl_scored_advantages(rewards_per_func, weights, num_generations, scale_rewards):
+    """TRL GRPOTrainer._generate_and_score_completions (multi_objective_aggregation "sum_then_normalize", TRL >= 1.6):
+    a completion every reward function returned None for (NaN) is unscorable: left out of its group's mean and
+    std, advantage 0."""
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    if scale_rewards in ["group", "none"]:
+        std_rewards = trl_nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+    else:
+        std_rewards = trl_nanstd(rewards).expand_as(rewards)
+    advantages = rewards - mean_grouped_rewards
+    if scale_rewards != "none":
+        advantages = advantages / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+SCORED = [  # two groups of four; None is a reward function that did not score the completion
+    [{"correct": 1.0, "format": None}, {"correct": None, "format": None}, {"correct": 0.0, "format": 1.0},
+     {"correct": None, "format": 0.5}],
+    [{"correct": 0.5, "format": 0.5}, {"correct": 0.5, "format": 0.5}, {"correct": None, "format": None},
+     {"correct": 0.5, "format": 0.5}],  # equal rewards: advantages 0
+]
+
+
+@pytest.mark.parametrize("scale_rewards", objectives.SCALE_REWARDS)
+def test_unscorable_completions_are_left_out_of_the_baseline_as_trl_does(scale_rewards):
+    weights = {"format": 0.3}
+    rewards = [np.array([objectives.completion_reward({"rewards": c}, weights) for c in group]) for group in SCORED]
+    ours, stds = objectives.group_advantages(rewards, scale_rewards)
+    per_func = torch.tensor([[np.nan if c[k] is None else c[k] for k in ("correct", "format")]
+                             for group in SCORED for c in group], dtype=torch.float64)
+    theirs = trl_scored_advantages(per_func, torch.tensor([1.0, 0.3], dtype=torch.float64), 4, scale_rewards)
+    np.testing.assert_allclose(np.concatenate(ours), theirs.numpy(), rtol=1e-13, atol=1e-14)
+    assert ours[0][1] == 0.0 and ours[1][2] == 0.0 and not np.any(ours[1])
+    assert all(np.isfinite(stds))
+
+
 @pytest.mark.parametrize("loss_type", objectives.LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.07])
 def test_grpo_loss_and_gradients_match_trl(loss_type, beta):

@@ -440,7 +440,7 @@ def _audit(batch: _Batch, sums: list, config: dict) -> dict:
         "ratio_mean": sum(s["ratio_sum"] for s in sums) / per,
         "ratio_min": min(mins) if mins else None,
         "ratio_max": max(maxs) if maxs else None,
-        "reward_mean": float(rewards.mean()),
+        "reward_mean": float(np.nanmean(rewards)),  # unscorable completions (NaN) left out, as TRL logs it
         "reward_std": float(np.mean([g[4] for g in batch.groups])),  # TRL logs the mean group std
         "advantage_mean": float(advantages.mean()),
         "advantage_std": float(advantages.std()),
@@ -455,7 +455,7 @@ def _accumulate(totals: dict, audit: dict, sums: list, batch: _Batch):
     totals["clipped_high"] += sum(s["clipped_high"] for s in sums)
     totals["ratio_sum"] += sum(s["ratio_sum"] for s in sums)
     totals["kl_sum"] += sum(s["kl_sum"] or 0.0 for s in sums)
-    totals["reward_sum"] += float(sum(g[2].sum() for g in batch.groups))
+    totals["reward_sum"] += float(sum(np.nansum(g[2]) for g in batch.groups))
 
 
 def _publish(admission, settings, model, optimizer, loop, source, reference, rollout, hooks, complete):

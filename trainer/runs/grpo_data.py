@@ -55,6 +55,9 @@ def parse_group(record, where: str) -> dict:
     weights = record.get("reward_weights", {})
     if not isinstance(weights, dict) or not all(_finite(v) for v in weights.values()):
         raise RequestError(where, "reward_weights must map reward names to finite numbers")
+    if all("rewards" in c and all(v is None for v in c["rewards"].values()) for c in completions):
+        raise RequestError(where, "no completion is scored (every reward component is null); a group needs at "
+                                  "least one reward to compare against")
     try:
         canonical(record)
     except ValueError:

@@ -26,23 +26,25 @@ def completion_reward(completion: dict, weights: dict) -> float:
     """The scalar reward of one completion: `reward`, or the weighted sum of `rewards` components.
 
     A component that is null is skipped (TRL sums reward functions with nansum); a component
-    without a weight has weight 1.
+    without a weight has weight 1. A completion whose components are all null is unscorable: NaN,
+    which group_advantages leaves out of the baseline, as TRL does with a completion every reward
+    function returned None for.
     """
     if "reward" in completion:
         return float(completion["reward"])
-    total = 0.0
+    total, scored = 0.0, False
     for name in sorted(completion["rewards"]):
         value = completion["rewards"][name]
         if value is not None:
             total += float(weights.get(name, 1.0)) * float(value)
-    return total
+            scored = True
+    return total if scored else math.nan
 
 
-def _unbiased_std(values: np.ndarray) -> float:
-    """torch.std's default (Bessel-corrected) standard deviation."""
-    if values.size < 2:
-        return 0.0
-    return float(np.std(values, ddof=1))
+def _nanstd(values: np.ndarray) -> float:
+    """TRL's nanstd: the Bessel-corrected (torch.std) standard deviation of the scored (not NaN) values; NaN below two."""
+    values = values[~np.isnan(values)]
+    return float(np.std(values, ddof=1)) if values.size >= 2 else math.nan
 
 
 def group_advantages(rewards_by_group, scale_rewards: str):
@@ -50,22 +52,27 @@ def group_advantages(rewards_by_group, scale_rewards: str):
 
     advantage = reward - group mean, then divided by (std + 1e-4) unless scale_rewards is
     "none"; std is the group's (scale "group"), or that of every reward in the step's batch
-    (scale "batch"), Bessel-corrected as torch.std.
+    (scale "batch"), Bessel-corrected as torch.std. Unscorable completions (NaN rewards) are left out
+    of the means and stds, and an advantage that is then undefined (an unscorable completion, a group
+    with fewer than two scored ones) is 0: TRL's nanmean, nanstd and nan_to_num. The std per group
+    (reported) is 0 below two scored completions.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     rewards_by_group = [np.asarray(r, dtype=np.float64) for r in rewards_by_group]
-    group_std = [_unbiased_std(r) for r in rewards_by_group]
-    batch_std = _unbiased_std(np.concatenate(rewards_by_group)) if rewards_by_group else 0.0
+    group_std = [_nanstd(r) for r in rewards_by_group]
+    batch_std = _nanstd(np.concatenate(rewards_by_group)) if rewards_by_group else math.nan
     out = []
     for rewards, std in zip(rewards_by_group, group_std):
-        advantage = rewards - rewards.mean()  # [G]
+        scored = rewards[~np.isnan(rewards)]
+        mean = scored.mean() if scored.size else math.nan
+        advantage = rewards - mean  # [G]
         if scale_rewards == "group":
             advantage = advantage / (std + STD_EPSILON)
         elif scale_rewards == "batch":
             advantage = advantage / (batch_std + STD_EPSILON)
-        out.append(advantage)
-    return out, group_std
+        out.append(np.nan_to_num(advantage, nan=0.0))
+    return out, [0.0 if math.isnan(std) else std for std in group_std]
 
 
 # -- GRPO per-token terms -----------------------------------------------------------------
