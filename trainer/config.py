@@ -127,6 +127,12 @@ class TransformerConfig:
     def head_dimension(self) -> int:
         return self.head_size if self.head_size is not None else self.model_width // self.head_count
 
+    def projection_shapes(self) -> dict:
+        """{name: (out_features, in_features)} of each block's linear projections (trainer.lora.PROJECTIONS)."""
+        C, F, D, H, KV = self.model_width, self.feed_forward_width, self.head_dimension, self.head_count, self.kv_heads
+        return {"q_proj": (H * D, C), "k_proj": (KV * D, C), "v_proj": (KV * D, C), "o_proj": (C, H * D),
+                "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F)}
+
     def to_dict(self) -> dict:
         """Every field, but the family fields and base_precision only where they differ from their defaults."""
         data = asdict(self)

@@ -804,8 +804,7 @@ def planned_device_bytes(config, batch: int, positions: int, lora=None, quantiza
     C, F, V, D = config.model_width, config.feed_forward_width, config.vocabulary_size, config.head_dimension
     H, KV, L = config.head_count, config.kv_heads, config.block_count
     N, W3 = batch * positions, (H + 2 * KV) * D
-    shapes = {"q_proj": (H * D, C), "k_proj": (KV * D, C), "v_proj": (KV * D, C), "o_proj": (C, H * D),
-              "gate_proj": (F, C), "up_proj": (F, C), "down_proj": (C, F)}
+    shapes = config.projection_shapes()
     linear = sum(rows * cols for rows, cols in shapes.values())
     vectors = 2 * C + (2 * D if config.qk_norm else 0) + (W3 if config.attention_bias else 0)
     dense = (1 if config.tie_embeddings else 2) * V * C + C + L * vectors  # embeddings, norms, biases

@@ -164,8 +164,11 @@ BEYOND_64_BITS = 2**63  # a checkpoint manifest holds signed 64-bit integers; th
     # the quantizer takes bitsandbytes' block sizes only: the worker failed internal_error (ValueError)
     ("/v1/train/sft", _sft(quantization={"type": "nf4", "block_size": 33}), "config.quantization.block_size"),
     ("/v1/train/sft", _sft(quantization={"type": "nf4", "block_size": 2**40}), "config.quantization.block_size"),
+    # a rank past what the targeted projections hold: the worker failed internal_error (MemoryError)
+    ("/v1/train/sft", _sft(lora={"rank": 2**40}), "config.lora.rank"),
+    ("/v1/train/grpo", grpo_inline("malformed", lora={"rank": 2**40}), "config.lora.rank"),
 ], ids=["sft-batch_size", "sft-checkpoint_interval", "sft-warmup_steps", "grpo-checkpoint_interval",
-        "nf4-block-33", "nf4-block-2**40"])
+        "nf4-block-33", "nf4-block-2**40", "sft-rank", "grpo-rank"])
 def test_a_value_the_run_cannot_take_is_refused_at_admission(client, path, body, field):
     error = coded(client.post(path, json.dumps(body), content_type="application/json"), 400)
     assert error["field"] == field, error

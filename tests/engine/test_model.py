@@ -47,6 +47,11 @@ def test_parameter_names_order_and_shapes_follow_hugging_face_llama(tie, tiny_co
             assert model.output_weight is parameters[0].value
         else:
             assert model.output_weight is parameters[-1].value
+        projections = config.projection_shapes()  # what admission's rank check and the device plan use
+        for p in parameters:
+            name = p.name.split(".")[-2]
+            if name in projections:
+                assert p.shape == projections[name], p.name
 
 
 def test_initialization_is_seeded_llama_style(tiny_config):

@@ -303,6 +303,23 @@ def test_request_validation():
         assert info.value.field == field
 
 
+def test_a_rank_beyond_what_a_targeted_projection_holds_is_refused(tmp_path):
+    """kiln-tiny's k_proj and v_proj are [32, 64] (2 KV heads of 16): an update of them has rank at most 32, so
+    rank 33 adds nothing but memory (and 2**40 was admitted, then failed the run with a MemoryError)."""
+    settings = make_settings(tmp_path)
+    path = write_dataset(tmp_path)
+    for rank in (33, 2**40):
+        with pytest.raises(RequestError) as info:
+            admit_sft(request(path, lora={"rank": rank, "alpha": 8}), settings)
+        assert info.value.field == "config.lora.rank"
+        assert f"rank {rank} exceeds what k_proj of base kiln-tiny ([32, 64])" in str(info.value)
+        assert "at most 32" in str(info.value)
+    assert admit_sft(request(path, lora={"rank": 32, "alpha": 8}), settings).effective_config["lora"]["rank"] == 32
+    wide = admit_sft(request(path, lora={"rank": 64, "alpha": 8, "targets": ["q_proj", "o_proj", "down_proj"]}),
+                     settings)
+    assert wide.effective_config["lora"]["rank"] == 64
+
+
 def test_server_checkpoint_interval_applies_when_request_has_none(tmp_path):
     settings = make_settings(tmp_path, interval=3)
     config = sft.normalise_config({"output_name": "x"}, settings)

@@ -259,12 +259,38 @@ def check_request(request, inline_field: str) -> None:
 
 
 def find_base(config: dict, settings: RunSettings):
-    """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found."""
+    """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found; the adapter's
+    rank is checked against it (check_rank_fits)."""
     from trainer.bases import show_base
     try:
-        return show_base(config["base_model"], settings.bases_root)
+        base = show_base(config["base_model"], settings.bases_root)
     except (LookupError, ValueError) as error:
         raise AdmissionError("base_not_found", str(error)) from None
+    check_rank_fits(config.get("lora"), base)
+    return base
+
+
+def check_rank_fits(lora: dict | None, base) -> None:
+    """RequestError config.lora.rank when the rank exceeds the smaller side of a projection it targets in BASE: the
+    update B @ A of an [out, in] projection has rank at most min(out, in), so a larger rank adds no capacity, only
+    memory (a huge one would fail the run after admission). A base that does not describe its architecture is
+    left to the run."""
+    from trainer.config import TransformerConfig
+
+    described = getattr(base, "config", None)
+    if not lora or not isinstance(described, dict) or not described:
+        return
+    try:
+        shapes = TransformerConfig.from_dict(described).projection_shapes()
+    except (TypeError, ValueError):
+        return
+    name, (rows, cols) = min(((n, shapes[n]) for n in lora["targets"] if n in shapes), key=lambda item: min(item[1]),
+                             default=(None, (0, 0)))
+    if name is not None and lora["rank"] > min(rows, cols):
+        raise RequestError("config.lora.rank", f"rank {lora['rank']} exceeds what {name} of base "
+                                               f"{getattr(base, 'name', '?')} ([{rows}, {cols}]) can hold: an "
+                                               f"update of it has rank at most {min(rows, cols)}; ask for at most "
+                                               f"that, or target only wider projections")
 
 
 def prepare(request, settings: RunSettings, inline_field: str, normalise, read):
