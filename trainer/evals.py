@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from trainer.generation import SamplingConfig, generate
+from trainer.jsonio import data_loads
 
 METRICS = ("exact", "contains", "regex", "numeric")
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -48,15 +49,9 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            json.dumps(record, ensure_ascii=False).encode("utf-8")  # text only: no unpaired surrogate escape
+            record = data_loads(line)
         except json.JSONDecodeError as error:
             raise SuiteError(f"line {number}: not JSON ({error.msg})") from None
-        except RecursionError:
-            raise SuiteError(f"line {number}: not JSON (nested too deeply)") from None
-        except UnicodeEncodeError:
-            raise SuiteError(f"line {number}: holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff alone), "
-                             "which is not text") from None
         if not isinstance(record, dict) or "expected" not in record:
             raise SuiteError(f"line {number}: needs an object with prompt or messages and expected")
         plain = False

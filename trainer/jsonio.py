@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 MAX_DEPTH = 64  # nesting; real documents nest a few levels, and json/deepcopy recurse per level
 MAX_INT = 2 ** 63 - 1  # integers must fit a signed 64-bit value
 MIN_INT = -(2 ** 63)
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where an unpaired UTF-16 surrogate may be spelt
 
 
 def canonical_bytes(value, *, ascii_only: bool = True, allow_nan: bool = False) -> bytes:
@@ -76,4 +78,28 @@ def strict_loads(data: bytes, *, max_depth: int = MAX_DEPTH, bounded_ints: bool 
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(str(error) or type(error).__name__) from None
     check_depth(value, max_depth)
+    return value
+
+
+def data_loads(text: str, *, max_depth: int = MAX_DEPTH):
+    """json.loads for a line or file of someone's data (training records, prompts, suites): json.JSONDecodeError,
+    whose `msg` says what is wrong, also when TEXT nests deeper than MAX_DEPTH levels (the parser's own limit is a
+    RecursionError, and json.dumps of the record would recurse past it) or holds an unpaired UTF-16 surrogate escape
+    such as "\\ud800" alone, which Python's json reads but is not text: no tokenizer takes it. NaN, duplicate keys
+    and the record's shape are left to the reader's own checks."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+    try:
+        check_depth(value, max_depth)
+    except ValueError as error:
+        raise json.JSONDecodeError(f"nested too deeply ({error})", text, 0) from None
+    escape = SURROGATE_ESCAPE.search(text)
+    if escape is not None:
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise json.JSONDecodeError("holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff alone), which is "
+                                       "not text", text, escape.start()) from None
     return value

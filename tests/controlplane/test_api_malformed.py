@@ -209,3 +209,43 @@ def test_a_suite_line_that_is_not_text_json_is_refused_with_its_line(client, lin
     error = coded(client.post("/v1/evals/suites", json.dumps({"name": "odd", "content": content}),
                               content_type="application/json"), 400, "invalid_suite")
     assert error["field"] == "content" and error["message"].startswith("line 2: ") and words in error["message"]
+
+
+# -- a dataset file's lines: refused at admission as any line that is not JSON, naming the file --
+
+DEEP_LINE = "[" * 100_000 + "]" * 100_000
+GROUP_WITH = '{"prompt": "p%s", "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 0}]}'
+
+
+@pytest.mark.parametrize("kind, line, words", [
+    ("sft", '{"prompt": "q\\ud800", "completion": "a"}', "surrogate"),  # was a TypeError in the tokenizer: 500
+    ("sft", '{"prompt": "q", "completion": "a", "meta": ' + DEEP_LINE + "}", "nested too deeply"),  # RecursionError
+    ("sft", "[" * 70 + "]" * 70, "nested too deeply"),  # past the reader's 64 levels, short of the parser's limit
+    ("grpo", GROUP_WITH % "\\udc00", "surrogate"),
+    ("grpo", DEEP_LINE, "nested too deeply"),
+], ids=["sft-surrogate", "sft-deep", "sft-64-levels", "grpo-surrogate", "grpo-deep"])
+def test_a_dataset_line_that_is_not_text_json_is_refused_naming_the_file(client, settings, kind, line, words):
+    path = settings.KILN_DATASETS_DIR / f"malformed-{kind}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"prompt": "q", "completion": "a"}\n' * (kind == "sft") + line + "\n")
+    body = {"dataset_path": str(path), "config": {"output_name": "malformed"}}
+    error = coded(client.post(f"/v1/train/{kind}", json.dumps(body), content_type="application/json"), 400)
+    assert error["field"] == "dataset_path" and words in error["message"], error
+    assert f"line {2 if kind == 'sft' else 1}" in error["message"], error
+    assert not TrainingJob.objects.exists()
+
+
+@pytest.mark.parametrize("text", ['"p\\ud800"\n', "[" * 70 + "]" * 70 + "\n", '["p", ' + DEEP_LINE + "]"],
+                         ids=["jsonl-surrogate", "jsonl-64-levels", "json-list-deep"])
+def test_an_opd_prompts_file_that_is_not_text_json_is_refused(settings, text):
+    from kiln_web.jobs.runtime import run_settings
+    from trainer.runs.admission import RequestError
+    from trainer.runs.opd import read_prompts
+
+    path = settings.KILN_DATASETS_DIR / "malformed-prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    with pytest.raises(RequestError) as info:
+        read_prompts({"dataset_path": str(path)}, run_settings())
+    assert info.value.field == "dataset_path"
+    assert "surrogate" in str(info.value) or "nested too deeply" in str(info.value)

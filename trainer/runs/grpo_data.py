@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from trainer.jsonio import data_loads
 from trainer.runs.admission import (AdmissionError, RequestError, RunFailed, RunSettings, canonical, dataset_file,
                                     difference, sha256_hex)
 
@@ -83,7 +84,7 @@ def _blank(raw: bytes) -> bool:
 
 def _parse_line(raw: bytes, number: int, source: str):
     try:
-        return json.loads(raw.decode("utf-8"))
+        return data_loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(source, f"line {number + 1} is not UTF-8 JSON: {error}") from None
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from native_ext.cuda import CudaUnavailable
 from trainer import teachers
+from trainer.jsonio import data_loads
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, device_plan, objectives
 from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
@@ -108,9 +109,9 @@ def read_prompts(request: dict, settings: RunSettings):
         try:
             text = raw.decode("utf-8")
             if text.lstrip().startswith("["):
-                items = json.loads(text)
+                items = data_loads(text)
             else:
-                items = [json.loads(line) for line in text.splitlines() if line.strip()]
+                items = [data_loads(line) for line in text.splitlines() if line.strip()]
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise RequestError("dataset_path", f"is not a UTF-8 JSON list or JSONL of prompts: {error}") from None
         kind = "file"

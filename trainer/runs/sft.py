@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainer import Adam
+from trainer.jsonio import data_loads
 from trainer.model import IGNORE_INDEX
 from trainer.quantization import BLOCK_SIZES
 from trainer.runs import checkpoint_dir, device_plan
@@ -84,7 +85,7 @@ def _parse_records(text: str, source: str) -> list:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            records.append(data_loads(line))
         except json.JSONDecodeError as error:
             raise RequestError(source, f"line {number} is not JSON: {error.msg}") from None
     return records
