@@ -264,5 +264,6 @@ def test_outputs_with_nul_characters_are_stored_readably():
 def test_a_suite_with_a_nul_character_is_refused(api):
     response = api.post("/v1/evals/suites", {"name": "nul", "content": '{"prompt": "a\\u0000", "expected": "b"}\n'
                                                                       .replace("\\u0000", "\x00")})
-    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_suite"
-    assert "NUL" in response.json()["error"]["message"]
+    # refused with the body (kiln_web.core.http.json_body), before the suite's lines are parsed
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
+    assert response.json()["error"]["field"] == "content" and "NUL" in response.json()["error"]["message"]
