@@ -43,7 +43,7 @@ class StopAt:
     """Hooks that request cancellation after `step` committed steps."""
 
     def __init__(self, step):
-        self.step, self.seen, self.checkpoints, self.metrics = step, 0, [], []
+        self.step, self.seen, self.checkpoints, self.metrics, self.events = step, 0, [], [], []
 
     def on_step(self, metrics):
         self.seen = metrics["step"]
@@ -56,7 +56,7 @@ class StopAt:
         self.checkpoints.append((summary, timing))
 
     def on_event(self, level, message):
-        pass
+        self.events.append((level, message))
 
 
 def final_files(settings, adapter="support-bot"):
@@ -318,6 +318,46 @@ def test_a_rank_beyond_what_a_targeted_projection_holds_is_refused(tmp_path):
     wide = admit_sft(request(path, lora={"rank": 64, "alpha": 8, "targets": ["q_proj", "o_proj", "down_proj"]}),
                      settings)
     assert wide.effective_config["lora"]["rank"] == 64
+
+
+def test_a_file_record_s_refusal_names_the_file_and_its_line(tmp_path):
+    """A dataset file's bad record is named by its line (blank lines counted), not by data[i] of a list the
+    person never wrote; inline records keep data[i]."""
+    settings = make_settings(tmp_path)
+    good = json.dumps(RECORDS[0])
+    path = tmp_path / "datasets" / "lines.jsonl"
+    for bad, words in (({"prompt": "q"}, "needs messages, or prompt and completion strings"),
+                       ({"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "a"}]},
+                        "the last message must be the assistant's")):
+        path.write_text(f"{good}\n\n{good}\n{json.dumps(bad)}\n")
+        with pytest.raises(RequestError) as info:
+            admit_sft(request(str(path)), settings)
+        assert info.value.field == "dataset_path" and info.value.message.startswith("line 4: " + words)
+        with pytest.raises(RequestError) as info:
+            admit_sft({"data": [RECORDS[0], RECORDS[1], bad], "config": request(None)["config"]}, settings)
+        assert info.value.field == "data[2]" and info.value.message.startswith(words)
+    path.write_text("\n\n")
+    with pytest.raises(RequestError) as info:
+        admit_sft(request(str(path)), settings)
+    assert info.value.field == "dataset_path" and "no records" in info.value.message
+
+
+def test_examples_cut_to_max_sequence_length_are_reported_once(tmp_path):
+    """Truncation is TRL's (the end is cut), but said: the run's events carry one warning with the count and the
+    longest example; a dataset that fits says nothing."""
+    settings = make_settings(tmp_path)
+    long = {"prompt": "Say hello.", "completion": " Hello" + " there" * 40 + "!"}
+    path = write_dataset(tmp_path, RECORDS + [long, long])
+    hooks = StopAt(None)
+    admission = admit_sft(request(path, max_sequence_length=160, epochs=1), settings)  # kiln-tiny: a token a byte
+    assert run_sft(admission, settings, hooks).status == "succeeded"
+    warnings = [message for level, message in hooks.events if level == "warning" and "max_sequence_length" in message]
+    assert len(warnings) == 1, hooks.events
+    assert warnings[0].startswith("2 of 10 examples are longer than max_sequence_length 160 (the longest has ")
+    fitting = StopAt(None)
+    run_sft(admit_sft(request(write_dataset(tmp_path, name="fits.jsonl"), output_name="fits", epochs=1), settings),
+            settings, fitting)
+    assert not [message for _, message in fitting.events if "max_sequence_length" in message]
 
 
 def test_server_checkpoint_interval_applies_when_request_has_none(tmp_path):

@@ -79,8 +79,23 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
 # -- data ---------------------------------------------------------------------------------
 
 
-def _parse_records(text: str, source: str) -> list:
-    records = []
+class FileRecords(list):
+    """The records of a dataset file, with the line each came from (1-based): a refusal of one names the file
+    (`dataset_path`) and the line, where an inline record's names `data[i]`."""
+
+    def __init__(self, records, lines):
+        super().__init__(records)
+        self.lines = lines
+
+
+def _where(records, index: int) -> tuple[str, str]:
+    """(the field a refusal of record INDEX names, the words its message starts with)."""
+    lines = getattr(records, "lines", None)
+    return ("dataset_path", f"line {lines[index]}: ") if lines is not None else (f"data[{index}]", "")
+
+
+def _parse_records(text: str, source: str) -> FileRecords:
+    records, lines = [], []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -88,7 +103,8 @@ def _parse_records(text: str, source: str) -> list:
             records.append(data_loads(line))
         except json.JSONDecodeError as error:
             raise RequestError(source, f"line {number} is not JSON: {error.msg}") from None
-    return records
+        lines.append(number)
+    return FileRecords(records, lines)
 
 
 def read_dataset(request: dict, settings: RunSettings):
@@ -107,67 +123,92 @@ def read_dataset(request: dict, settings: RunSettings):
     return data, raw, "inline"
 
 
-def _parts_of(record, index):
+def _refuse(where: tuple[str, str], message: str) -> RequestError:
+    field, prefix = where
+    return RequestError(field, prefix + message)
+
+
+def _parts_of(record, where):
     """(messages, None) for a chat record, (None, (prompt, completion)) for a plain-text one."""
-    where = f"data[{index}]"
     if not isinstance(record, dict):
-        raise RequestError(where, "must be an object with messages or prompt/completion")
+        raise _refuse(where, "must be an object with messages or prompt/completion")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or len(messages) < 2 or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise RequestError(where, "messages must be a list of {role, content} with at least two entries")
+            raise _refuse(where, "messages must be a list of {role, content} with at least two entries")
         if messages[-1]["role"] != "assistant":
-            raise RequestError(where, "the last message must be the assistant's (it is what is learnt)")
+            raise _refuse(where, "the last message must be the assistant's (it is what is learnt)")
         return messages, None
     if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
         return None, (record["prompt"], record["completion"])
-    raise RequestError(where, "needs messages, or prompt and completion strings")
+    raise _refuse(where, "needs messages, or prompt and completion strings")
 
 
-def _chat_example(messages, tokenizer, index):
+def _chat_example(messages, tokenizer, where):
     """The chat template's prompt (up to the generation prompt) and the final assistant turn after it."""
     prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     if not full.startswith(prompt):
-        raise RequestError(f"data[{index}]", "the chat template does not extend the prompt "
-                                             "with the assistant turn; cannot mask the prompt")
+        raise _refuse(where, "the chat template does not extend the prompt with the assistant turn; cannot mask "
+                             "the prompt")
     return tokenizer.encode(prompt), tokenizer.encode(full[len(prompt):])
 
 
-def _plain_example(prompt, completion, tokenizer, index):
+def _plain_example(prompt, completion, tokenizer, where):
     """TRL's standard prompt-completion: the text prompt + completion as it is (no chat template), with the
     base's special tokens (BOS where it adds one) and EOS after the completion; /v1/completions sends the
     same prompt the same way."""
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     full_ids = tokenizer.encode(prompt + completion, add_special_tokens=True)
     if full_ids[:len(prompt_ids)] != prompt_ids:
-        raise RequestError(f"data[{index}]", "the prompt's last tokens change when the completion follows it; "
-                                             "start the completion with a space or a newline")
+        raise _refuse(where, "the prompt's last tokens change when the completion follows it; start the completion "
+                             "with a space or a newline")
     if tokenizer.eos_token_id is not None and full_ids[-1:] != [tokenizer.eos_token_id]:
         full_ids.append(tokenizer.eos_token_id)
     return prompt_ids, full_ids[len(prompt_ids):]
 
 
-def tokenize_examples(records, tokenizer, max_length):
+class Examples(list):
+    """tokenize_examples' [(tokens, loss_mask)], with how many were cut to max_sequence_length (`truncated`) and
+    the longest one's tokens before the cut (`longest`)."""
+
+    truncated = 0
+    longest = 0
+
+    def truncation_warning(self, max_length: int) -> str | None:
+        """What a run says, once, when it trains on cut examples (their tails are not learnt), or None."""
+        if not self.truncated:
+            return None
+        return (f"{self.truncated} of {len(self)} examples are longer than max_sequence_length {max_length} "
+                f"(the longest has {self.longest} tokens) and were cut to it: their last tokens are not learnt; "
+                "raise max_sequence_length to keep them")
+
+
+def tokenize_examples(records, tokenizer, max_length) -> Examples:
     """[(tokens, loss_mask)] with loss on the final assistant turn (chat records) or the completion and its EOS
-    (plain prompt/completion records) only, truncated."""
-    examples = []
+    (plain prompt/completion records) only, truncated at the end (TRL's keep_start)."""
+    examples = Examples()
     for index, record in enumerate(records):
-        messages, plain = _parts_of(record, index)
+        where = _where(records, index)
+        messages, plain = _parts_of(record, where)
         if plain is None:
-            prompt_ids, completion_ids = _chat_example(messages, tokenizer, index)
+            prompt_ids, completion_ids = _chat_example(messages, tokenizer, where)
         else:
-            prompt_ids, completion_ids = _plain_example(*plain, tokenizer, index)
+            prompt_ids, completion_ids = _plain_example(*plain, tokenizer, where)
+        length = len(prompt_ids) + len(completion_ids)
         tokens = (prompt_ids + completion_ids)[:max_length]
         mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_length]
         if sum(mask[1:]) == 0:
-            raise RequestError(f"data[{index}]", f"no completion token fits in max_sequence_length "
-                                                 f"{max_length} after the prompt")
+            raise _refuse(where, f"no completion token fits in max_sequence_length {max_length} after the prompt "
+                                 f"({len(prompt_ids)} tokens)")
+        if length > max_length:
+            examples.truncated += 1
+            examples.longest = max(examples.longest, length)
         examples.append((tokens, mask))
     if not examples:
-        raise RequestError("data", "the dataset has no records")
+        raise RequestError("dataset_path" if hasattr(records, "lines") else "data", "the dataset has no records")
     return examples
 
 
@@ -342,6 +383,9 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                 _restore_state(loaded, model, optimizer, loop)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
+            truncation = examples.truncation_warning(config["max_sequence_length"])
+            if truncation is not None:
+                hooks.on_event("warning", truncation)
             with computing_model(model, optimizer, run_backend(admission),
                                  device_precision(admission.effective_config)) as computing:
                 result = _train(admission, settings, model, optimizer, adapters, examples, pad, loop, latest, hooks,
