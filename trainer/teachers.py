@@ -50,6 +50,8 @@ def _endpoint_ok(endpoint: str) -> bool:
     """Whether ENDPOINT is an http(s) URL of a server's root: a host, perhaps a path, nothing else."""
     try:
         parts = urllib.parse.urlsplit(endpoint)
+        if parts.port == 0:  # reading the port raises ValueError for one past 65535 or not a number
+            return False
     except ValueError:
         return False
     return (parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.query and not parts.fragment
@@ -79,6 +81,14 @@ class TeacherError(Exception):
 def identity_revision(config: dict) -> str:
     """SHA-256 of the alias's canonical configuration (the IDENTITY_FIELDS, absent ones null)."""
     return hashlib.sha256(canonical_bytes({k: config.get(k) for k in IDENTITY_FIELDS})).hexdigest()
+
+
+class SpecError(ValueError):
+    """parse_teacher's refusal; `field` names the configuration field at fault (None: the alias as a whole)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -124,27 +134,28 @@ def parse_teacher(value) -> TeacherSpec:
         raise ValueError(f"alias {alias!r} names route {match['route']!r} but the spec says {route!r}")
     for key in ("base", "adapter", "endpoint", "model"):
         if value.get(key) is not None and (not isinstance(value[key], str) or not value[key]):
-            raise ValueError(f"{key} must be a non-empty string or null")
+            raise SpecError(f"{key} must be a non-empty string or null", key)
     if route == "native":
         if not value.get("base"):
-            raise ValueError("a native teacher needs base (a registered base name)")
+            raise SpecError("a native teacher needs base (a registered base name)", "base")
         if value.get("endpoint") or value.get("model"):
-            raise ValueError("a native teacher has no endpoint or model")
+            raise SpecError("a native teacher has no endpoint or model",
+                            "endpoint" if value.get("endpoint") else "model")
         if value.get("adapter") is not None and not Path(value["adapter"]).is_absolute():
-            raise ValueError("adapter must be an absolute path to a PEFT adapter directory")
+            raise SpecError("adapter must be an absolute path to a PEFT adapter directory", "adapter")
     else:
         endpoint = value.get("endpoint")
         if not endpoint or not _endpoint_ok(endpoint):
-            raise ValueError(f"a {route} teacher needs endpoint, an http(s) URL of the server's root (no query, "
-                             "fragment or spaces)")
+            raise SpecError(f"a {route} teacher needs endpoint, an http(s) URL of the server's root (a port "
+                            "up to 65535; no query, fragment or spaces)", "endpoint")
         model = value.get("model")
         if not model:
-            raise ValueError(f"a {route} teacher needs model (the served model id)")
+            raise SpecError(f"a {route} teacher needs model (the served model id)", "model")
         if not _MODEL.match(model) or any(part in ("", ".", "..") for part in model.split("/")):
-            raise ValueError(f"model {model!r} must be a served model id: letters, digits and . _ - : @ + = /, "
-                             "with no empty, '.' or '..' path segment")
+            raise SpecError(f"model {model!r} must be a served model id: letters, digits and . _ - : @ + = /, "
+                            "with no empty, '.' or '..' path segment", "model")
         if value.get("base") or value.get("adapter"):
-            raise ValueError(f"a {route} teacher has no base or adapter")
+            raise SpecError(f"a {route} teacher has no base or adapter", "base" if value.get("base") else "adapter")
     spec = TeacherSpec(alias=alias, route=route, base=value.get("base"), adapter=value.get("adapter"),
                        endpoint=value.get("endpoint"), model=value.get("model"))
     given = value.get("identity_revision")

@@ -74,8 +74,9 @@ def validate_teacher(name: str, fields: dict, user=None) -> tuple[str, dict, str
     except LookupError as exc:
         raise ActionRefused(400, "base_not_found", f"{exc}; register it with: kiln base import PATH --name NAME",
                             field="base") from None
-    except ValueError as exc:
-        raise ActionRefused(400, "invalid_request", f"teacher {name}: {exc}") from None
+    except ValueError as exc:  # trainer.teachers.SpecError names the field at fault
+        raise ActionRefused(400, "invalid_request", f"teacher {name}: {exc}",
+                            field=getattr(exc, "field", None)) from None
     return match.group(1), values, spec["identity_revision"]
 
 

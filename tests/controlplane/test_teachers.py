@@ -46,22 +46,28 @@ def test_create_list_show_with_the_trainers_identity_revision(api, teacher_adapt
     assert create(api, base="kiln-tiny", status=409)["code"] == "teacher_exists"
 
 
-@pytest.mark.parametrize("name, config, code, words", [
-    ("tutor", {"base": "kiln-tiny"}, "invalid_request", "pattern"),
-    ("tutor@remote", {"base": "kiln-tiny"}, "invalid_request", "pattern"),
-    ("tutor@vllm", {"endpoint": "http://x:1"}, "invalid_request", "needs model"),
-    ("tutor@native", {}, "invalid_request", "needs base"),
-    ("tutor@native", {"base": "no-such-base"}, "base_not_found", "kiln base import"),
-    ("tutor@native", {"base": "kiln-tiny", "endpoint": "http://x:1"}, "invalid_request", "no endpoint"),
-    ("tutor@native", {"base": "kiln-tiny", "adapter": "relative/dir"}, "invalid_request", "absolute"),
-    ("tutor@native", {"base": "kiln-tiny", "adapter": "/etc"}, "adapter_outside_roots", "data roots"),
-    ("tutor@openai", {"endpoint": "http://x:1"}, "invalid_request", "needs model"),
-    ("tutor@openai", {"endpoint": "ftp://x", "model": "m"}, "invalid_request", "http(s) URL"),
-    ("tutor@native", {"base": "kiln-tiny", "temperature": 1}, "invalid_request", "unknown field"),
+@pytest.mark.parametrize("name, config, code, words, field", [
+    ("tutor", {"base": "kiln-tiny"}, "invalid_request", "pattern", "name"),
+    ("tutor@remote", {"base": "kiln-tiny"}, "invalid_request", "pattern", "name"),
+    ("tutor@vllm", {"endpoint": "http://x:1"}, "invalid_request", "needs model", "model"),
+    ("tutor@native", {}, "invalid_request", "needs base", "base"),
+    ("tutor@native", {"base": "no-such-base"}, "base_not_found", "kiln base import", "base"),
+    ("tutor@native", {"base": "kiln-tiny", "endpoint": "http://x:1"}, "invalid_request", "no endpoint", "endpoint"),
+    ("tutor@native", {"base": "kiln-tiny", "model": "m"}, "invalid_request", "no endpoint or model", "model"),
+    ("tutor@native", {"base": "kiln-tiny", "adapter": "relative/dir"}, "invalid_request", "absolute", "adapter"),
+    ("tutor@native", {"base": "kiln-tiny", "adapter": "/etc"}, "adapter_outside_roots", "data roots", "adapter"),
+    ("tutor@openai", {"endpoint": "http://x:1"}, "invalid_request", "needs model", "model"),
+    ("tutor@openai", {"endpoint": "ftp://x", "model": "m"}, "invalid_request", "http(s) URL", "endpoint"),
+    ("tutor@openai", {"endpoint": "http://x:99999", "model": "m"}, "invalid_request", "up to 65535", "endpoint"),
+    ("tutor@openai", {"endpoint": "http://x:1", "model": "a/../b"}, "invalid_request", "served model id", "model"),
+    ("tutor@openai", {"endpoint": "http://x:1", "model": "m", "base": "kiln-tiny"}, "invalid_request",
+     "no base or adapter", "base"),
+    ("tutor@native", {"base": "kiln-tiny", "temperature": 1}, "invalid_request", "unknown field", "temperature"),
 ])
-def test_refusals(api, name, config, code, words):
+def test_refusals(api, name, config, code, words, field):
     error = create(api, name, status=400, **config)
     assert error["code"] == code and words in error["message"], error
+    assert error.get("field") == field, error
     assert not TeacherAlias.objects.exists()
 
 
