@@ -121,11 +121,7 @@ def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) ->
                                                     f"over {candidate_base!r}, or the base itself", field="baseline")
     if serving_runtime.is_base(baseline) and not serving_runtime.has_snapshot(baseline):
         raise _cross_base(candidate, candidate_base, baseline, baseline)
-    try:
-        adapter = serving_actions.adapter_for(user, baseline, manage=False)
-    except ActionRefused as refused:
-        refused.extra.setdefault("field", "baseline")
-        raise
+    adapter = serving_actions.adapter_for(user, baseline, manage=False, field="baseline")
     served = ServedAdapter.objects.filter(adapter=adapter).first()
     if served is not None:
         baseline_base, sha = served.base, served.adapter_sha256
@@ -183,7 +179,7 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
         resolved, why = runtime.resolve_backend(backend, _planned_bytes(user, candidate, base, max_new_tokens))
     except runtime.EvaluationError as error:
         raise ActionRefused(400, error.code, error.message, field="backend") from None
-    adapter = serving_actions.adapter_for(user, candidate, manage=False)  # theirs, or shared with them
+    adapter = serving_actions.adapter_for(user, candidate, manage=False, field="adapter")  # theirs, or shared
     if not serving_runtime.has_snapshot(candidate):
         raise ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
                                                       "training run publishes one when it succeeds")

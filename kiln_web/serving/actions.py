@@ -39,14 +39,15 @@ def _not_found(name: str) -> ActionRefused:
                                                    "those shared with you")
 
 
-def adapter_for(user, name: str, *, manage: bool = True) -> Adapter:
+def adapter_for(user, name: str, *, manage: bool = True, field: str = "name") -> Adapter:
     """The adapter USER may use (MANAGE False: their own, one shared with them, anyone's for staff) or change
     (MANAGE: their own, anyone's for staff). One they may not see is refused exactly like a name that does not
     exist (404 adapter_not_found); one shared with them that they ask to change is 403 adapter_not_yours. A PEFT
-    snapshot in the registry that no run has claimed is registered to the first person who acts on it."""
+    snapshot in the registry that no run has claimed is registered to the first person who acts on it. FIELD is
+    what a malformed NAME is refused as (the path parameter, or a body's field)."""
     if not isinstance(name, str) or not ADAPTER_NAME.match(name):
         raise ActionRefused(400, "invalid_request", f"{name!r} is not an adapter name (letters, digits, '.', '_', "
-                                                    "'-'; at most 100)")
+                                                    "'-'; at most 100)", field=field)
     adapter = Adapter.objects.select_related("owner").filter(name=name).first()
     if adapter is None:
         if not runtime.has_snapshot(name):

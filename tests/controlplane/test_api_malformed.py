@@ -249,3 +249,14 @@ def test_an_opd_prompts_file_that_is_not_text_json_is_refused(settings, text):
         read_prompts({"dataset_path": str(path)}, run_settings())
     assert info.value.field == "dataset_path"
     assert "surrogate" in str(info.value) or "nested too deeply" in str(info.value)
+
+
+def test_a_malformed_adapter_name_in_a_body_is_refused_naming_its_field(client):
+    body = {"adapter": "not a name!", "suite": "s"}
+    error = coded(client.post("/v1/evals/runs", json.dumps(body), content_type="application/json"), 400)
+    assert error["field"] == "adapter" and "is not an adapter name" in error["message"], error
+
+
+def test_a_malformed_adapter_name_in_a_path_is_refused_naming_the_parameter(client):
+    error = coded(client.get("/v1/adapters/not%20a%20name!"), 400)
+    assert error["field"] == "name" and "is not an adapter name" in error["message"], error
