@@ -237,6 +237,15 @@ def add_doctor(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
+def _attention_text(device: dict) -> str:
+    """A device's opt-in shared memory per block and the head sizes the attention kernels run there (the probe's)."""
+    limits = device.get("attention_head_size_limit")
+    if not isinstance(limits, dict):
+        return ""
+    return (f", {device.get('shared_memory_per_block', 0) / 1024:g} KiB shared memory per block: head sizes up to "
+            f"{limits.get('training')} to train, {limits.get('decoding')} to decode")
+
+
 def cuda_doctor_lines(cuda: dict) -> list[str]:
     """The CUDA backend in one or two lines, from native_ext.cuda.probe()."""
     symbols = cuda["symbols"]
@@ -246,8 +255,8 @@ def cuda_doctor_lines(cuda: dict) -> list[str]:
     if not cuda["available"]:
         return [f"unavailable [{cuda['code']}]: {cuda['reason']}", f"({library})"]
     devices = "; ".join(f"{d['index']}: {d['name']} (compute {d['compute_capability']}, "
-                        f"{d['total_memory'] / 2**30:.0f} GiB, {(d['free_memory'] or 0) / 2**30:.0f} GiB free)"
-                        for d in cuda["devices"])
+                        f"{d['total_memory'] / 2**30:.0f} GiB, {(d['free_memory'] or 0) / 2**30:.0f} GiB free"
+                        f"{_attention_text(d)})" for d in cuda["devices"])
     return [f"available: {devices}",
             f"driver {cuda['driver_version']} runtime {cuda['runtime_version']} cuBLAS {cuda['cublas_version']} "
             f"({library})"]

@@ -27,6 +27,7 @@ LIBRARY_NAME = "libkiln_cuda.so"
 ENVIRONMENT_VARIABLE = "KILN_CUDA_LIBRARY"
 ABI_VERSION = 1  # kiln_cuda_abi_version() of the library this table describes
 NORM_BLOCKS = 256  # doubles of the workspace kiln_cuda_sum_squares reduces through (KILN_CUDA_NORM_BLOCKS)
+ATTENTION_MAX_HEAD = 128  # the largest head size the attention kernels take (KILN_CUDA_ATTENTION_MAX_HEAD)
 DRIVER_LIBRARY = "libcuda.so.1"
 
 CODES = ("library_missing", "symbol_missing", "driver_missing", "no_device", "device_too_old",
@@ -54,6 +55,7 @@ SYMBOLS = {
     "kiln_cuda_set_device": (c_int, [c_int]),
     "kiln_cuda_mem_info": (c_int, [_SIZE_OUT, _SIZE_OUT]),  # free, total
     "kiln_cuda_device_synchronize": (c_int, []),
+    "kiln_cuda_device_shared_memory": (c_int, [c_int, _SIZE_OUT]),  # device, opt-in shared memory per block out
     # memory: dst, src, bytes, stream
     "kiln_cuda_malloc": (c_int, [_PTR_OUT, c_size_t]),
     "kiln_cuda_free": (c_int, [P]),
@@ -104,6 +106,8 @@ SYMBOLS = {
     # dout, q, k, v, out, logsumexp, dq, dk, dv (written), delta workspace [G,T*g],
     # G, T, g, S, D, past, scale, stream
     "kiln_cuda_attention_backward": (c_int, [P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, F, P]),
+    # head size D, then the dynamic shared memory per block out: forward (decoding too), backward
+    "kiln_cuda_attention_shared_bytes": (c_int, [I, _SIZE_OUT, _SIZE_OUT]),
     "kiln_cuda_attention_probabilities": (c_int, [P, P, c_int, I, I, I, I, I, I, P]),
     "kiln_cuda_attention_dscores": (c_int, [P, P, P, P, P, I, I, I, I, I, F, P]),
     # logits [N,V] (in place -> dlogits unless mode 0), targets [N], per_row [N], mode
@@ -227,6 +231,31 @@ def _versions(library) -> dict:
     return versions
 
 
+def attention_shared_memory(library) -> list:
+    """What the attention kernels ask of a block's shared memory, as the library answers for each head size 1..
+    ATTENTION_MAX_HEAD (kiln_cuda_attention_shared_bytes): a list of tiers, each the head sizes up to `head_size` that
+    need the same `forward` (training, and cached decoding) and `backward` (training) bytes, smallest first."""
+    tiers = []
+    for head_size in range(1, ATTENTION_MAX_HEAD + 1):
+        forward, backward = c_size_t(0), c_size_t(0)
+        check(library, library.kiln_cuda_attention_shared_bytes(head_size, ctypes.byref(forward),
+                                                                ctypes.byref(backward)),
+              "kiln_cuda_attention_shared_bytes")
+        if tiers and (tiers[-1]["forward"], tiers[-1]["backward"]) == (forward.value, backward.value):
+            tiers[-1]["head_size"] = head_size
+        else:
+            tiers.append({"head_size": head_size, "forward": int(forward.value), "backward": int(backward.value)})
+    return tiers
+
+
+def attention_head_size_limit(tiers: list, per_block: int) -> dict:
+    """The largest head size whose attention kernels fit PER_BLOCK bytes of shared memory per block (a device's opt-in
+    limit), given TIERS (attention_shared_memory): {"training": forward and backward fit, "decoding": the forward
+    alone fits}; 0 where no head size does."""
+    return {workload: max([tier["head_size"] for tier in tiers if tier[key] <= per_block], default=0)
+            for workload, key in (("training", "backward"), ("decoding", "forward"))}
+
+
 def _devices(library, path):
     """The visible devices as dicts, or CudaUnavailable with driver_missing, no_device or out_of_memory."""
     count = c_int(0)
@@ -249,6 +278,10 @@ def _devices(library, path):
         raise CudaUnavailable("out_of_memory", path, f"the CUDA context could not be created: {last_error(library)}")
     if status != 0:
         raise CudaUnavailable("no_device", path, f"cudaGetDeviceCount failed with {status}: {last_error(library)}")
+    try:
+        tiers = attention_shared_memory(library)
+    except RuntimeError as error:
+        raise CudaUnavailable("load_failed", path, str(error)) from None
     devices = []
     for index in range(count.value):
         name = ctypes.create_string_buffer(256)
@@ -258,6 +291,10 @@ def _devices(library, path):
                                                      ctypes.byref(total), ctypes.byref(multiprocessors))
         if status != 0:
             raise CudaUnavailable("no_device", path, f"device {index} properties failed: {last_error(library)}")
+        per_block = c_size_t(0)
+        if library.kiln_cuda_device_shared_memory(index, ctypes.byref(per_block)) != 0:
+            raise CudaUnavailable("no_device", path, f"device {index} shared memory per block failed: "
+                                  f"{last_error(library)}")
         free_bytes, total_bytes = c_size_t(0), c_size_t(0)
         status = library.kiln_cuda_set_device(index) or library.kiln_cuda_mem_info(ctypes.byref(free_bytes),
                                                                                     ctypes.byref(total_bytes))
@@ -266,7 +303,8 @@ def _devices(library, path):
         devices.append({"index": index, "name": name.value.decode(errors="replace"),
                         "compute_capability": f"{major.value}.{minor.value}", "total_memory": int(total.value),
                         "free_memory": int(free_bytes.value) if status == 0 else None,
-                        "multiprocessors": multiprocessors.value})
+                        "multiprocessors": multiprocessors.value, "shared_memory_per_block": int(per_block.value),
+                        "attention_head_size_limit": attention_head_size_limit(tiers, per_block.value)})
     if devices:
         library.kiln_cuda_set_device(0)
     return devices
@@ -320,7 +358,10 @@ def elf_dynamic_symbols(path) -> set:
 
 def probe(min_capability=(8, 0), isolated=False) -> dict:
     """What the CUDA backend can do here; never raises. `available` is True only with the library
-    loaded, every symbol bound and a device of at least MIN_CAPABILITY.
+    loaded, every symbol bound and a device of at least MIN_CAPABILITY. `attention_shared_memory` is the
+    attention kernels' shared memory per block by head size (attention_shared_memory); each device reports its
+    opt-in `shared_memory_per_block` and the `attention_head_size_limit` that gives it for training and for
+    decoding, which backend selection compares with a workload's head size.
 
     On a GPU machine the probe initialises CUDA in the calling process and creates a context on each
     device (for its free memory); a process that forks afterwards cannot use CUDA in the child. With
@@ -332,7 +373,7 @@ def probe(min_capability=(8, 0), isolated=False) -> dict:
               "symbols": {"declared": len(SYMBOLS), "resolved": 0, "missing": []},
               "available": False, "reason": None, "code": None, "devices": [],
               "driver_version": None, "runtime_version": None, "cublas_version": None,
-              "min_capability": f"{min_capability[0]}.{min_capability[1]}"}
+              "attention_shared_memory": [], "min_capability": f"{min_capability[0]}.{min_capability[1]}"}
     try:
         if path is not None and path.is_file():
             result["library_sha256"] = file_sha256(path)
@@ -345,6 +386,7 @@ def probe(min_capability=(8, 0), isolated=False) -> dict:
         library = open_library(path)
         result["symbols"].update(resolved=len(SYMBOLS), missing=[])
         result.update(_versions(library))
+        result["attention_shared_memory"] = attention_shared_memory(library)
         devices = _devices(library, path)
         result["devices"] = devices
         if not _capable(devices, min_capability):
@@ -379,7 +421,8 @@ def _probe_in_subprocess(min_capability) -> dict:
                 "symbols": {"declared": len(SYMBOLS), "resolved": 0, "missing": []}, "available": False,
                 "reason": f"the probe subprocess failed ({type(error).__name__}: {error}) {tail}".strip(),
                 "code": "load_failed", "devices": [], "driver_version": None, "runtime_version": None,
-                "cublas_version": None, "min_capability": f"{min_capability[0]}.{min_capability[1]}"}
+                "cublas_version": None, "attention_shared_memory": [],
+                "min_capability": f"{min_capability[0]}.{min_capability[1]}"}
 
 
 class DeviceArray:

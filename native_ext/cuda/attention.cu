@@ -393,6 +393,13 @@ constexpr size_t dkdv_shared(int dmax) {
 constexpr size_t dq_shared(int dmax) {
     return sizeof(float) * (4 * tile_floats(dmax) + kTile * kRowScorePitch + 2 * kTile);
 }
+constexpr size_t backward_shared(int dmax) {  // the larger of the backward's two kernels
+    return dkdv_shared(dmax) > dq_shared(dmax) ? dkdv_shared(dmax) : dq_shared(dmax);
+}
+
+// the head size D's columns rounded up to the kernels' DMAX: the one place the launches and
+// kiln_cuda_attention_shared_bytes take it from
+constexpr int head_columns(int64_t D) { return D <= 32 ? 32 : D <= 64 ? 64 : 128; }
 
 int check_shape(int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past) {
     KILN_REQUIRE(G >= 0 && T >= 0 && g > 0 && S >= 0 && past >= 0, "G, T, S, past must be >= 0 and g positive");
@@ -456,7 +463,9 @@ __global__ void attention_dscores_kernel(float *dp, const float *p, const float 
         dp[i] = p[i] * (dp[i] - delta[i / S]) * scale;
 }
 
-// a device short of shared memory per block (99 KiB on sm_86 and sm_89) is told what the kernel needs
+// a device short of shared memory per block (99 KiB opt-in on compute 8.6, 8.9 and 12.0) is told what the kernel
+// needs; backend selection refuses such a device first (kiln_cuda_attention_shared_bytes against
+// kiln_cuda_device_shared_memory, in native_ext/cuda.py's probe)
 template <typename Kernel>
 int allow_shared(Kernel kernel, size_t bytes, const char *name) {
     cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -505,9 +514,11 @@ int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, 
     KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
     if (G == 0 || T == 0) return 0;
     cudaStream_t s = kiln_stream(stream);
-    if (D <= 32) return forward<32>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
-    if (D <= 64) return forward<64>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
-    return forward<128>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+    switch (head_columns(D)) {
+        case 32: return forward<32>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+        case 64: return forward<64>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+        default: return forward<128>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+    }
 }
 
 int kiln_cuda_attention_backward(const float *dout, const float *q, const float *k, const float *v,
@@ -527,9 +538,19 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
     KILN_LAUNCH(attention_delta_kernel, kiln_grid(G * T * g, KILN_THREADS), KILN_THREADS, 0, s)(dout, out, delta, G * T * g,
                                                                                      (int)D);
     KILN_LAUNCHED("attention_delta_kernel");
-    if (D <= 32) return backward<32>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
-    if (D <= 64) return backward<64>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
-    return backward<128>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+    switch (head_columns(D)) {
+        case 32: return backward<32>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+        case 64: return backward<64>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+        default: return backward<128>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+    }
+}
+
+int kiln_cuda_attention_shared_bytes(int64_t D, size_t *forward, size_t *backward) {
+    KILN_REQUIRE(D > 0 && D <= KILN_CUDA_ATTENTION_MAX_HEAD, "the head size must be in 1..128");
+    KILN_REQUIRE(forward && backward, "forward and backward must point to a size_t each");
+    *forward = forward_shared(head_columns(D));
+    *backward = backward_shared(head_columns(D));
+    return 0;
 }
 
 int kiln_cuda_attention_probabilities(float *scores, float *logsumexp, int from_logsumexp, int64_t G, int64_t T,

@@ -53,11 +53,26 @@ constexpr size_t kStack = 256 * 1024;
 
 // the launch limits of the device the emulation reports (compute capability 8.0, an A100): grid x below 2^31, grid
 // y and z at most 65535, 1024 threads a block (z at most 64), 48 KiB of dynamic shared memory a block unless
-// cudaFuncSetAttribute raised the kernel's limit, which it can up to 163 KiB
+// cudaFuncSetAttribute raised the kernel's limit, which it can up to the opt-in limit: 163 KiB, or what
+// $KILN_EMU_SHARED_OPTIN (bytes, read when the library loads and at kiln_emu_reset) or kiln_emu_set_shared_optin
+// says, to emulate a device with less (99 KiB: compute 8.6 and 8.9) or more (227 KiB: 9.0)
 constexpr unsigned kMaxGridX = 0x7fffffffu, kMaxGridYZ = 65535, kMaxThreads = 1024, kMaxBlockZ = 64;
 constexpr size_t kDefaultShared = 48 << 10, kOptInShared = 163 << 10;
 
+size_t optin_from_environment() {
+    const char *text = getenv("KILN_EMU_SHARED_OPTIN");
+    if (!text || !*text) return kOptInShared;
+    char *end = nullptr;
+    unsigned long long bytes = strtoull(text, &end, 10);
+    if (*end) {
+        fprintf(stderr, "kiln_emu: KILN_EMU_SHARED_OPTIN=%s is not a number of bytes\n", text);
+        abort();
+    }
+    return (size_t)bytes;
+}
+
 struct Device {
+    size_t optin_shared = optin_from_environment();  // cudaDevAttrMaxSharedMemoryPerBlockOptin
     std::map<const void *, size_t> shared_limit;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
     cudaError_t error = cudaSuccess;              // the first launch error not yet taken by cudaGetLastError
     cudaError_t fail_next = cudaSuccess;          // kiln_emu_fail_next_launch
@@ -183,7 +198,7 @@ cudaError_t take_error() {
 }
 
 cudaError_t set_max_dynamic_shared(const void *kernel, int bytes) {
-    if (bytes < 0 || (size_t)bytes > kOptInShared) return cudaErrorInvalidValue;
+    if (bytes < 0 || (size_t)bytes > device.optin_shared) return cudaErrorInvalidValue;
     device.shared_limit[kernel] = (size_t)bytes;
     return cudaSuccess;
 }
@@ -262,11 +277,14 @@ extern "C" {
 // Test hooks of the emulation (not kiln_cuda_* symbols, not in libkiln_cuda.so): with dry_run set, a launch, a
 // memset and a GEMM check their arguments and configuration but touch no memory, so the tests can give every entry
 // point a real model's shapes; fail_next_launch makes the next launch fail with ERROR, as a device's would;
-// set_thread_order runs each round of a block's threads by index (0), reversed (1) or shuffled (2: next_order); reset
-// puts the emulated device back as it was loaded (index order, no launch error pending, no kernel attribute set).
+// set_thread_order runs each round of a block's threads by index (0), reversed (1) or shuffled (2: next_order);
+// set_shared_optin sets the device's opt-in shared memory per block (what cudaFuncSetAttribute may raise a kernel's
+// limit to, and what kiln_cuda_device_shared_memory reports); reset puts the emulated device back as it was loaded
+// (index order, no launch error pending, no kernel attribute set, the opt-in limit from the environment).
 void kiln_emu_set_dry_run(int on) { kiln_emu::device.dry_run = on != 0; }
 void kiln_emu_fail_next_launch(int error) { kiln_emu::device.fail_next = error; }
 void kiln_emu_reset(void) { kiln_emu::device = kiln_emu::Device(); }
+void kiln_emu_set_shared_optin(size_t bytes) { kiln_emu::device.optin_shared = bytes; }
 void kiln_emu_set_thread_order(int order) {
     kiln_emu::device.thread_order = order;
     kiln_emu::device.shuffle_state = 0x9E3779B97F4A7C15ull;
@@ -287,6 +305,10 @@ int kiln_cuda_device_properties(int, char *name, int name_bytes, int *major, int
 int kiln_cuda_driver_version(int *version) { *version = 0; return 0; }
 int kiln_cuda_runtime_version(int *version) { *version = 0; return 0; }
 int kiln_cuda_cublas_version(int *version) { *version = 0; return 0; }
+int kiln_cuda_device_shared_memory(int, size_t *per_block_optin) {
+    *per_block_optin = kiln_emu::device.optin_shared;
+    return 0;
+}
 int kiln_cuda_set_device(int) { return 0; }
 int kiln_cuda_mem_info(size_t *free_bytes, size_t *total_bytes) { *free_bytes = *total_bytes = (size_t)1 << 30; return 0; }
 int kiln_cuda_device_synchronize(void) { return 0; }

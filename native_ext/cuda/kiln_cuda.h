@@ -42,6 +42,9 @@ int kiln_cuda_cublas_version(int *version);
 int kiln_cuda_set_device(int device);
 int kiln_cuda_mem_info(size_t *free_bytes, size_t *total_bytes);
 int kiln_cuda_device_synchronize(void);
+/* the most dynamic shared memory one block of DEVICE may use once a kernel opts in
+ * (cudaDevAttrMaxSharedMemoryPerBlockOptin) */
+int kiln_cuda_device_shared_memory(int device, size_t *per_block_optin);
 
 /* memory */
 int kiln_cuda_malloc(void **pointer, size_t bytes);
@@ -110,6 +113,9 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
                                  const float *out, const float *logsumexp, float *dq, float *dk, float *dv,
                                  float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
                                  int64_t window, float scale, void *stream);
+/* the dynamic shared memory per block those kernels launch with at head size D (1..128): forward (cached decoding
+ * too), and backward (the larger of its two kernels); a device whose opt-in limit is below one cannot run it */
+int kiln_cuda_attention_shared_bytes(int64_t D, size_t *forward, size_t *backward);
 /* the dense algorithm's row work, the products on cuBLAS (kiln_cuda_gemm_strided_batched): scores [G,T*g,S] hold
  * scale * q.k; they become the probabilities in place, 0 where masked, from the row's own logsumexp (written to
  * logsumexp [G,T*g]) or, with from_logsumexp, the saved one. dscores turns dP = dout v^T [G,T*g,S] into

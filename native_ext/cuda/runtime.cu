@@ -73,6 +73,14 @@ int kiln_cuda_cublas_version(int *version) {
     return 0;
 }
 
+int kiln_cuda_device_shared_memory(int device, size_t *per_block_optin) {
+    *per_block_optin = 0;
+    int bytes = 0;
+    KILN_CUDA(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    *per_block_optin = (size_t)bytes;
+    return 0;
+}
+
 int kiln_cuda_set_device(int device) {
     KILN_CUDA(cudaSetDevice(device));
     return 0;

@@ -226,6 +226,7 @@ long long kiln_fake_constant(const char *name) {
         {"cudaErrorMemoryAllocation", cudaErrorMemoryAllocation},
         {"cudaErrorInvalidDevice", cudaErrorInvalidDevice},
         {"cudaStreamNonBlocking", cudaStreamNonBlocking},
+        {"cudaDevAttrMaxSharedMemoryPerBlockOptin", cudaDevAttrMaxSharedMemoryPerBlockOptin},
         {"cudaMemcpyHostToDevice", cudaMemcpyHostToDevice},
         {"cudaMemcpyDeviceToHost", cudaMemcpyDeviceToHost},
         {"cudaMemcpyDeviceToDevice", cudaMemcpyDeviceToDevice},
@@ -293,6 +294,17 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *properties, int device) {
     properties->minor = 0;
     properties->totalGlobalMem = (size_t)80 << 30;
     properties->multiProcessorCount = 132;
+    return cudaSuccess;
+}
+
+// the one attribute runtime.cu asks for: the opt-in shared memory per block of a compute 9.0 device (227 KiB)
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attribute, int device) {
+    if (int status = injected("cudaDeviceGetAttribute")) return (cudaError_t)status;
+    note("device_attribute.attribute", attribute);
+    note("device_attribute.device", device);
+    if (device != 0) return cudaErrorInvalidDevice;
+    if (attribute != cudaDevAttrMaxSharedMemoryPerBlockOptin) return cudaErrorInvalidValue;
+    *value = 227 << 10;
     return cudaSuccess;
 }
 

@@ -485,7 +485,7 @@ def emulation(emulated_library):
     library = cuda.open_library(emulated_library)
     for name, argtypes in (("kiln_emu_set_dry_run", [ctypes.c_int]), ("kiln_emu_fail_next_launch", [ctypes.c_int]),
                            ("kiln_emu_set_thread_order", [ctypes.c_int]),
-                           ("kiln_emu_reset", [])):
+                           ("kiln_emu_set_shared_optin", [ctypes.c_size_t]), ("kiln_emu_reset", [])):
         getattr(library, name).argtypes, getattr(library, name).restype = argtypes, None
     library.kiln_emu_reset()
     yield library
@@ -493,6 +493,45 @@ def emulation(emulated_library):
 
 
 NOWHERE = 16  # a non-null device address for a dry run, which never reads or writes it
+
+
+def _attention_dry(library, D, backward):
+    """The attention forward (or backward) at head size D over a small GQA shape, run dry: its status."""
+    p, G, T, g = NOWHERE, 2, 9, 2
+    if backward:
+        return library.kiln_cuda_attention_backward(p, p, p, p, p, p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, None)
+    return library.kiln_cuda_attention_forward(p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, None)
+
+
+def test_the_attention_shared_bytes_the_library_exports_are_what_its_launches_request(emulation):
+    """kiln_cuda_attention_shared_bytes is what the attention launches ask of a block's shared memory: on a device whose
+    opt-in limit (kiln_emu_set_shared_optin, which kiln_cuda_device_shared_memory reports) is exactly the exported
+    forward (backward) figure, the forward (both backward kernels) launch; a byte less and the launch is refused
+    (cudaErrorInvalidValue, naming the kernel and its bytes). So the probe's attention_head_size_limit, computed from
+    those figures, is the head size that runs: on an A100's 163 KiB every head size trains and decodes; on 99 KiB
+    (RTX 30/40-series) head sizes up to 64 do and 65..128 are refused both ways."""
+    emulation.kiln_emu_set_dry_run(1)
+    per_block = ctypes.c_size_t(0)
+    assert emulation.kiln_cuda_device_shared_memory(0, byref(per_block)) == 0 and per_block.value == 163 << 10
+    tiers = cuda.attention_shared_memory(emulation)
+    for D in (1, 16, 32, 33, 64, 80, 96, 128):
+        forward, backward = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        assert emulation.kiln_cuda_attention_shared_bytes(D, byref(forward), byref(backward)) == 0
+        for is_backward, need in ((False, forward.value), (True, backward.value)):
+            emulation.kiln_emu_set_shared_optin(need)
+            assert emulation.kiln_cuda_device_shared_memory(0, byref(per_block)) == 0 and per_block.value == need
+            assert _attention_dry(emulation, D, is_backward) == 0, (D, is_backward, cuda.last_error(emulation))
+            emulation.kiln_emu_set_shared_optin(need - 1)
+            assert _attention_dry(emulation, D, is_backward) == 1, (D, is_backward)
+            assert f"needs {need} bytes of shared memory per block" in cuda.last_error(emulation)
+    for per_block_bytes in (163 << 10, 99 << 10, 120 << 10):
+        emulation.kiln_emu_set_shared_optin(per_block_bytes)
+        limits = cuda.attention_head_size_limit(tiers, per_block_bytes)
+        for D in range(1, cuda.ATTENTION_MAX_HEAD + 1):
+            assert (_attention_dry(emulation, D, False) == 0) == (D <= limits["decoding"]), (per_block_bytes, D)
+            assert (_attention_dry(emulation, D, True) == 0) == (D <= limits["training"]), (per_block_bytes, D)
+    assert cuda.attention_head_size_limit(tiers, 163 << 10) == {"training": 128, "decoding": 128}
+    assert cuda.attention_head_size_limit(tiers, 99 << 10) == {"training": 64, "decoding": 64}
 
 LAUNCHES = {  # entry point -> (its first kernel, its arguments with no memory behind them: run dry)
     "kiln_cuda_swiglu_forward": ("swiglu_forward_kernel", (None, None, 7, 24, None)),

@@ -10,6 +10,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -197,6 +198,12 @@ def test_a_file_that_is_not_a_library_is_load_failed(monkeypatch, tmp_path):
 
 # -- the device query's coded reasons, through stub libraries whose device functions answer as told -------------
 
+# the attention kernels' dynamic shared memory per block (kiln_cuda_attention_shared_bytes): head sizes up to 32, 64
+# and 128 run the kernels for 32, 64 and 128 columns; the backward's figure is the larger of its two kernels'
+ATTENTION_TIERS = [{"head_size": 32, "forward": 48384, "backward": 68096},      # 47.25 and 66.5 KiB
+                   {"head_size": 64, "forward": 72960, "backward": 100864},     # 71.25 and 98.5 KiB
+                   {"head_size": 128, "forward": 122112, "backward": 166400}]   # 119.25 and 162.5 KiB
+
 _C_TYPES = {ctypes.c_int: "int", ctypes.c_int64: "int64_t", ctypes.c_float: "float", ctypes.c_double: "double",
             ctypes.c_size_t: "size_t", ctypes.c_void_p: "void *", ctypes.c_char_p: "char *"}
 # the stub's device functions; every other symbol of SYMBOLS returns 0. Each STUB_* is a -D of the scenario.
@@ -211,9 +218,16 @@ _STUB_BODIES = {
                                    "return stub_fail(STUB_PROPERTIES_STATUS, \"cudaGetDeviceProperties\");",
     "kiln_cuda_set_device": "return a0 == 0 ? stub_fail(STUB_SET_STATUS, \"cudaSetDevice\") : 0;",
     "kiln_cuda_mem_info": "*a0 = (size_t)15 << 30; *a1 = (size_t)16 << 30; return 0;",
+    "kiln_cuda_device_shared_memory": "*a1 = STUB_SHARED; return stub_fail(STUB_SHARED_STATUS, "
+                                      "\"cudaDeviceGetAttribute\");",
+    # the attention kernels' shared memory per block as the real library answers (test_the_attention_tiers_are_...)
+    "kiln_cuda_attention_shared_bytes": "if (a0 < 1 || a0 > 128) return 2001; " + " ".join(
+        f"if (a0 <= {t['head_size']}) {{ *a1 = {t['forward']}; *a2 = {t['backward']}; return 0; }}"
+        for t in ATTENTION_TIERS) + " return 2001;",
 }
 _STUB_DEFAULTS = {"STUB_COUNT": 1, "STUB_COUNT_STATUS": 0, "STUB_DRIVER": 12040, "STUB_MAJOR": 8, "STUB_MINOR": 0,
-                  "STUB_PROPERTIES_STATUS": 0, "STUB_SET_STATUS": 0}
+                  "STUB_PROPERTIES_STATUS": 0, "STUB_SET_STATUS": 0, "STUB_SHARED": 163 << 10,
+                  "STUB_SHARED_STATUS": 0}
 
 
 def _c_type(kind) -> str:
@@ -250,7 +264,8 @@ def _stub_library(tmp_path, **defines):
 
 
 STUB_DEVICE = {"index": 0, "name": "Kiln Stub Device", "compute_capability": "8.0", "total_memory": 16 << 30,
-               "free_memory": 15 << 30, "multiprocessors": 40}
+               "free_memory": 15 << 30, "multiprocessors": 40, "shared_memory_per_block": 163 << 10,
+               "attention_head_size_limit": {"training": 128, "decoding": 128}}
 # scenario: (stub defines, libcuda.so.1 installed?, code, reason, devices listed)
 DEVICE_QUERY_FAILURES = {
     "zero devices": (dict(STUB_COUNT=0), True, "no_device",
@@ -277,6 +292,9 @@ DEVICE_QUERY_FAILURES = {
                            "cudaGetDeviceCount failed with 999: cudaGetDeviceCount: stub status 999", []),
     "properties fail": (dict(STUB_PROPERTIES_STATUS=1), True, "no_device",
                         "device 0 properties failed: cudaGetDeviceProperties: stub status 1", []),
+    "shared memory query fails": (dict(STUB_SHARED_STATUS=1), True, "no_device",
+                                  "device 0 shared memory per block failed: cudaDeviceGetAttribute: stub status 1",
+                                  []),
 }
 
 
@@ -290,9 +308,60 @@ def test_the_stub_library_is_generated_from_symbols_and_a_capable_stub_device_is
     assert result["available"] is True and (result["code"], result["reason"]) == (None, None)
     assert result["symbols"] == {"declared": len(cuda.SYMBOLS), "resolved": len(cuda.SYMBOLS), "missing": []}
     assert result["devices"] == [STUB_DEVICE]
+    assert result["attention_shared_memory"] == ATTENTION_TIERS
     assert (result["driver_version"], result["runtime_version"], result["cublas_version"]) == (12040, 13000, 130100)
     assert result["library"] == str(path) and result["library_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert cuda.load() is cuda.open_library(path)
+
+
+def test_the_attention_tiers_are_what_the_library_answers(no_override, emulated_library):
+    """ATTENTION_TIERS (what the stub answers) is what kiln_cuda_attention_shared_bytes answers for each head size, in
+    the host emulation and in the nvcc-built library; a head size outside 1..128 is an argument error."""
+    libraries = [cuda.open_library(emulated_library)]
+    if _nvcc() and _cublas_header():  # where the install builds it
+        try:
+            libraries.append(cuda.open_library(_built_library()))
+        except cuda.CudaUnavailable as error:  # it does not load here (load_failed): the emulation only
+            assert error.code == "load_failed"
+    for library in libraries:
+        assert cuda.attention_shared_memory(library) == ATTENTION_TIERS
+        forward, backward = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        for head_size in (0, cuda.ATTENTION_MAX_HEAD + 1):
+            status = library.kiln_cuda_attention_shared_bytes(head_size, ctypes.byref(forward), ctypes.byref(backward))
+            assert status == 2001 and "1..128" in cuda.last_error(library)
+    assert cuda.ATTENTION_MAX_HEAD == int(re.search(r"#define KILN_CUDA_ATTENTION_MAX_HEAD (\d+)",
+                                                    (CUDA_DIR / "kiln_cuda.h").read_text()).group(1))
+
+
+# a device's opt-in shared memory per block -> the largest head size the attention kernels run there, to train and to
+# decode: 99 KiB (compute 8.6, 8.9, 12.0), 163 KiB (8.0, 8.7), 227 KiB (9.0), and one between the two 128 kernels
+SHARED_MEMORY_LIMITS = {99 << 10: {"training": 64, "decoding": 64}, 163 << 10: {"training": 128, "decoding": 128},
+                        227 << 10: {"training": 128, "decoding": 128}, 120 << 10: {"training": 64, "decoding": 128},
+                        48 << 10: {"training": 0, "decoding": 32}}
+
+
+@pytest.mark.parametrize("per_block", sorted(SHARED_MEMORY_LIMITS))
+def test_the_probe_reports_each_devices_shared_memory_and_the_head_sizes_it_runs(capsys, monkeypatch, tmp_path,
+                                                                                 per_block):
+    """Each device's opt-in shared memory per block, as the library answers it, and the largest head size whose
+    attention kernels fit it (the library's own byte counts): a 99 KiB device stays available (SmolLM2's head size 64
+    runs) but takes head sizes up to 64 only; `kiln doctor --json` shows both, and its text says them."""
+    from kiln_web.cli import main
+
+    monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(_stub_library(tmp_path, STUB_SHARED=per_block)))
+    limits = SHARED_MEMORY_LIMITS[per_block]
+    result = cuda.probe()
+    assert result["available"] is True
+    assert result["devices"] == [{**STUB_DEVICE, "shared_memory_per_block": per_block,
+                                  "attention_head_size_limit": limits}]
+    assert cuda.attention_head_size_limit(result["attention_shared_memory"], per_block) == limits
+    main(["doctor", "--json"])
+    device = json.loads(capsys.readouterr().out)["cuda"]["devices"][0]
+    assert (device["shared_memory_per_block"], device["attention_head_size_limit"]) == (per_block, limits)
+    main(["doctor"])
+    text = capsys.readouterr().out
+    assert f"{per_block / 1024:g} KiB shared memory per block" in text, text
+    assert f"head sizes up to {limits['training']} to train, {limits['decoding']} to decode" in text, text
 
 
 def test_a_device_of_compute_capability_7_5_is_enough_only_for_a_lower_floor(monkeypatch, tmp_path):

@@ -499,3 +499,19 @@ def test_events_time_a_stream_and_are_destroyed(library, fake):
         assert milliseconds.value == 0.25  # the fake's clock advances 0.25 ms per record
         assert library.kiln_cuda_event_destroy(start) == 0 and library.kiln_cuda_event_destroy(end) == 0
     assert _counts(fake) == before
+
+
+def test_the_devices_opt_in_shared_memory_per_block_is_the_runtimes_attribute(library, fake):
+    """kiln_cuda_device_shared_memory asks cudaDeviceGetAttribute for cudaDevAttrMaxSharedMemoryPerBlockOptin of the
+    device it is given (the fake answers 227 KiB, a compute 9.0 device's), and a failure is its status, named."""
+    per_block = c_size_t(1)
+    assert library.kiln_cuda_device_shared_memory(0, byref(per_block)) == 0, _message(library)
+    assert per_block.value == 227 << 10
+    assert fake.get("device_attribute.attribute") == fake.constant("cudaDevAttrMaxSharedMemoryPerBlockOptin")
+    assert fake.get("device_attribute.device") == 0
+    per_block = c_size_t(1)
+    assert library.kiln_cuda_device_shared_memory(1, byref(per_block)) == fake.constant("cudaErrorInvalidDevice")
+    assert per_block.value == 0, "a failed query leaves no stale figure behind"
+    assert fake.get("device_attribute.device") == 1
+    assert _message(library).startswith("cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, "
+                                        "device): cudaErrorInvalidDevice"), _message(library)
