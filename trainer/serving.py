@@ -148,13 +148,22 @@ class ServingPool:
 
     def _place(self, model):
         """MODEL on the pool's backend: itself on cpu; on cuda a CudaModel copy, the CPU model closed either way
-        (ServingError backend_unavailable, with the loader's reason, when the library cannot be loaded)."""
+        (ServingError backend_unavailable, with the loader's reason, when the library cannot be loaded, or with
+        backend selection's when the device cannot run the model's attention: trainer.runs.backend.cuda_unavailable
+        of its cached decoding at its head size)."""
         if self.backend != "cuda":
             return model
         from native_ext.cuda import CudaUnavailable
         from trainer.cuda_model import CudaModel
+        from trainer.runs.backend import cuda_unavailable, probe_cuda
+        from trainer.runs.device_plan import DeviceNeed
 
         try:
+            probe = probe_cuda()  # without a device, CudaModel raises the loader's own error below
+            reason = cuda_unavailable(probe, DeviceNeed(0, [(model.config.head_dimension, False)])) \
+                if probe.get("available") else None
+            if reason is not None:
+                raise ServingError("backend_unavailable", f"backend cuda is unavailable here: {reason}")
             return CudaModel(model)
         except CudaUnavailable as error:
             raise ServingError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None

@@ -344,8 +344,9 @@ class JobOut(Schema):
     identities: dict[str, Any] = Field(description="base, dataset, tokenizer, execution and planning identity "
                                                    "(OPD: also teacher and base_adapter), backend: how the run's "
                                                    "backend was chosen {requested, resolved, reason}, and "
-                                                   "device_plan: the device bytes it plans {bytes} (null with "
-                                                   "unplannable: why it cannot be planned)")
+                                                   "device_plan: the device bytes it plans {bytes} and the head "
+                                                   "sizes its attention runs, attention [{head_size, training}] "
+                                                   "(bytes null with unplannable: why it cannot be planned)")
     teacher: TeacherRef | None = Field(None, description="OPD: the teacher alias and its revisions")
     resume_from: str | None = Field(description="the checkpoint this run resumed from")
     progress: Progress

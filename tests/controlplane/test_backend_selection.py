@@ -741,3 +741,151 @@ def test_auto_computes_a_precision_on_cuda_only_where_that_precision_is_qualifie
                             "cuda only)"
     write_receipt(tmp_path, "bfloat16", passed=False)
     assert admission.choose_backend("auto", "auto", tmp_path, precision="bfloat16").resolved == "cpu"
+
+
+# -- the attention kernels' shared memory per block: a device that cannot run the base's head size --
+
+WIDE_HEADS = {**ARCHITECTURE, "head_count": 2, "kv_head_count": 1, "head_size": 128}  # a Llama-3-8B's head size
+
+
+def emulated_probe(library, monkeypatch, per_block: int) -> dict:
+    """The real loader's probe (in a fresh interpreter, as backend.probe_cuda runs it) of the host emulation of the
+    CUDA library whose device allows PER_BLOCK bytes of opt-in shared memory per block; its free memory raised to
+    79 GiB, so that only the shared memory can refuse a request."""
+    from native_ext import cuda
+
+    with monkeypatch.context() as patch:
+        patch.setenv(cuda.ENVIRONMENT_VARIABLE, str(library))
+        patch.setenv("KILN_EMU_SHARED_OPTIN", str(per_block))
+        result = cuda._probe_in_subprocess(backend.MIN_CAPABILITY)  # the real one, even where `probe` replaced it
+    assert result["available"], result["reason"]
+    (device,) = result["devices"]
+    assert device["shared_memory_per_block"] == per_block
+    device["free_memory"] = 79 << 30
+    return result
+
+
+def test_a_device_with_too_little_shared_memory_for_the_bases_head_size_is_refused_saying_so(
+        probe, monkeypatch, tmp_path, emulated_library):
+    """A run over a base of head size 128 on a device that allows 99 KiB of shared memory per block (compute 8.6 and
+    8.9: RTX 30/40-series) is refused cuda: explicitly (backend_unavailable naming the head size, the KiB the
+    kernels need and the KiB the device allows) and under auto (cpu, with that reason), at admission and at a
+    worker's recheck of the recorded plan; a base of head size 16 runs there; a 163 KiB device (an A100's) takes
+    head size 128. An evaluation (cached decoding: the forward kernel alone) is held to the forward's figure."""
+    from trainer.runs import device_plan
+
+    settings = admission.RunSettings(home=tmp_path, registry=tmp_path / "adapters", bases_root=tmp_path,
+                                     backend="auto")
+    request = {"batch_size": 1, "max_sequence_length": 64, "lora": LORA}
+    wide = types.SimpleNamespace(name="wide-heads", config=WIDE_HEADS, parameter_count=1)
+    narrow = types.SimpleNamespace(name="described", config=ARCHITECTURE, parameter_count=1)
+    need = admission.planned_device_bytes(request, wide)
+    assert need.head_size == 128 and need.attention == ((128, True),)
+    assert device_plan.recorded({"device_plan": device_plan.record(need)}).attention == need.attention
+
+    probe(emulated_probe(emulated_library, monkeypatch, 99 << 10))
+    write_receipt(tmp_path)  # auto is qualified on this device: only the head size keeps it off cuda
+    why = ("head size 128: the CUDA attention kernels need 162.5 KiB of shared memory per block for training, and "
+           "device 0 allows 99 KiB per block (it takes head sizes up to 64 to train and up to 64 to decode)")
+    with pytest.raises(admission.AdmissionError) as refused:
+        admission.admit_backend({**request, "backend": "cuda"}, settings, wide)
+    assert refused.value.code == "backend_unavailable" and why in refused.value.message, refused.value.message
+    config = dict(request)
+    choice = admission.admit_backend(config, settings, wide)  # auto
+    assert (choice.resolved, config["backend"]) == ("cpu", "cpu") and why in choice.reason, choice.reason
+    with pytest.raises(backend.BackendUnavailable) as at_dequeue:
+        backend.require_cuda(device_plan.recorded({"device_plan": device_plan.record(need)}))
+    assert why in at_dequeue.value.message
+    assert admission.admit_backend(dict(request), settings, narrow).resolved == "cuda"  # head size 16 runs here
+    evaluation = device_plan.evaluation_bytes(wide, None, 16)
+    assert evaluation.attention == ((128, False),)
+    assert "need 119.25 KiB of shared memory per block for decoding" in backend.cuda_unavailable(
+        backend.probe_cuda(), evaluation)
+
+    probe(emulated_probe(emulated_library, monkeypatch, 120 << 10))  # the forward fits, the backward does not
+    assert backend.cuda_unavailable(backend.probe_cuda(), evaluation) is None
+    assert "162.5 KiB" in backend.cuda_unavailable(backend.probe_cuda(), need)
+
+    probe(emulated_probe(emulated_library, monkeypatch, 163 << 10))
+    assert admission.admit_backend({**request, "backend": "cuda"}, settings, wide).resolved == "cuda"
+    assert admission.admit_backend(dict(request), settings, wide).resolved == "cuda"  # auto, qualified
+    backend.require_cuda(device_plan.recorded({"device_plan": device_plan.record(need)}))
+
+
+def test_opd_holds_a_native_teacher_to_the_decoding_figure_and_the_student_to_the_training_one():
+    from trainer.runs import device_plan
+
+    student = types.SimpleNamespace(name="described", config=ARCHITECTURE)
+    teacher = types.SimpleNamespace(name="wide-heads", config=WIDE_HEADS)
+    native = {"max_new_tokens": 30, "lora": LORA, "teacher": {"route": "native"}}
+    need = device_plan.opd_bytes(native, student, 20, (teacher, None))
+    assert need.attention == ((16, True), (128, False)) and need.head_size == 128
+    assert device_plan.opd_bytes({**native, "teacher": {"route": "openai"}}, student, 20).attention == ((16, True),)
+
+
+def _register_wide_heads_base(home) -> str:
+    """A registered base like kiln-tiny but with two heads of size 128 (once per KILN_HOME); its name."""
+    import numpy as np
+
+    from trainer import TransformerConfig
+    from trainer.bases import TINY_ARCHITECTURE, _publish, bases_directory, is_registered
+    from trainer.bases_sources import _TinySource, parameter_shapes
+
+    name = "wide-heads-128"
+
+    class WideHeads(_TinySource):
+        def __init__(self):
+            self.config = TransformerConfig(**{**TINY_ARCHITECTURE, "head_count": 2, "kv_head_count": 1,
+                                               "head_size": 128})
+            rng = np.random.default_rng(5)
+            self._values = {n: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02) if len(shape) == 2
+                            else np.ones(shape, np.float32) for n, shape in parameter_shapes(self.config).items()}
+
+        def description(self):
+            return {"format": "test", "head_size": 128}
+
+    if not is_registered(name, home):
+        _publish(WideHeads(), bases_directory(home) / name)
+    return name
+
+
+@pytest.mark.django_db
+def test_the_api_refuses_cuda_for_a_head_size_the_device_cannot_run_and_auto_says_why(
+        real_sft, api, adapter_name, probe, monkeypatch, emulated_library):
+    """Through the API: an SFT run over a base of head size 128 on a 99 KiB device is refused cuda
+    (backend_unavailable, 400, naming head size, needed and allowed KiB), goes to cpu under auto with the reason on
+    the job, and is admitted on cuda on a 163 KiB device; a serving pool on cuda refuses to load that base on the
+    99 KiB device, with the same reason, before it copies anything to the device."""
+    from trainer.serving import ServingError, ServingPool
+
+    base = _register_wide_heads_base(real_sft.KILN_HOME)
+    small = emulated_probe(emulated_library, monkeypatch, 99 << 10)
+    probe(small)
+    write_receipt(real_sft.KILN_HOME)
+    why = "head size 128: the CUDA attention kernels need 162.5 KiB of shared memory per block for training, and " \
+          "device 0 allows 99 KiB per block"
+    response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, base_model=base, backend="cuda"))
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "backend_unavailable" and why in error["message"], error["message"]
+    assert "not yet written" in error["message"]
+    assert not TrainingJob.objects.exists()
+    auto = api.post("/v1/train/sft", sft_body(adapter_name, records=2, base_model=base, backend="auto"))
+    assert auto.status_code == 201, auto.content
+    chosen = auto.json()["identities"]["backend"]
+    assert chosen["resolved"] == "cpu" and chosen["reason"].startswith(f"auto: cuda unavailable: {why}"), chosen
+    assert auto.json()["identities"]["device_plan"]["attention"] == [{"head_size": 128, "training": True}]
+
+    pool = ServingPool(real_sft.KILN_HOME, real_sft.KILN_ADAPTERS_DIR, "cuda")
+    try:
+        with pytest.raises(ServingError) as refused:
+            pool.base(base)
+    finally:
+        pool.close()
+    assert refused.value.code == "backend_unavailable"
+    assert "need 119.25 KiB of shared memory per block for decoding" in refused.value.message, refused.value.message
+
+    probe(emulated_probe(emulated_library, monkeypatch, 163 << 10))
+    admitted = api.post("/v1/train/sft", sft_body(f"{adapter_name}-a100", records=2, base_model=base, backend="cuda"))
+    assert admitted.status_code == 201, admitted.content
+    assert admitted.json()["effective_config"]["backend"] == "cuda"

@@ -1,7 +1,8 @@
 """The training backend a run computes on: `auto`, `cpu` or `cuda`, resolved from capabilities, never from names.
 
 cuda is usable when the CUDA loader's probe (native_ext.cuda.probe) loads the library and finds a device of
-compute capability >= 8.0 (with free memory for the run's planned need, when that is known). `cuda` asked for
+compute capability >= 8.0 (with free memory for the run's planned need, when that is known, and shared memory per
+block for the attention kernels at the head sizes the need names: device_plan.DeviceNeed). `cuda` asked for
 explicitly needs that; without it the request is refused (`backend_unavailable`, with the loader's reason).
 Every workload computes on either: training runs (trainer.runs.device), evaluations and serving (trainer.serving).
 `auto` picks cuda only when it is usable AND a passing `kiln qualify --backend cuda` receipt
@@ -99,9 +100,45 @@ def cuda_unavailable(probe: dict, need_bytes: int | None = None) -> str | None:
     unplanned = getattr(need_bytes, "reason", None)  # device_plan.Unplannable: refused whatever the device reports
     if unplanned:
         return f"the run's device memory cannot be planned: {unplanned}"
+    short = attention_unsupported(probe, device, getattr(need_bytes, "attention", ()))
+    if short:
+        return short
     free = device.get("free_memory")
     if need_bytes and isinstance(free, int) and free < need_bytes:
         return f"device {device.get('index')} has {free} bytes free; the run plans {need_bytes}"
+    return None
+
+
+def _kib(nbytes) -> str:
+    return f"{nbytes / 1024:g} KiB"
+
+
+def attention_unsupported(probe: dict, device: dict, attention) -> str | None:
+    """Why DEVICE cannot run the tiled attention kernels for ATTENTION ((head size, training) pairs:
+    device_plan.DeviceNeed.attention), or None when it can: the kernels' shared memory per block at that head size
+    (the probe's attention_shared_memory, from the library) against the device's opt-in limit (its
+    shared_memory_per_block, and the attention_head_size_limit that gives). A device the probe reports without a limit
+    (a probe from before the library exported one) is not refused here."""
+    limits = device.get("attention_head_size_limit")
+    if not attention or not isinstance(limits, dict):
+        return None
+    tiers = probe.get("attention_shared_memory") or ()
+    for head_size, training in sorted(attention, key=lambda pair: (-pair[0], not pair[1])):  # the most demanding
+        workload = "training" if training else "decoding"
+        limit = int(limits.get(workload) or 0)
+        if head_size <= limit:
+            continue
+        tier = next((t for t in tiers if t.get("head_size", 0) >= head_size), None)
+        if tier is None:
+            largest = tiers[-1]["head_size"] if tiers else limit
+            return f"head size {head_size}: the CUDA attention kernels take head sizes up to {largest}"
+        takes = " and ".join(f"up to {limits[w]} to {verb}" if limits.get(w) else f"none to {verb}"
+                             for w, verb in (("training", "train"), ("decoding", "decode")))
+        needed = _kib(tier["backward" if training else "forward"])
+        allowed = _kib(device.get("shared_memory_per_block") or 0)
+        return (f"head size {head_size}: the CUDA attention kernels need {needed} of shared memory per block for "
+                f"{workload}, and device {device.get('index')} allows {allowed} per block (it takes head sizes "
+                f"{takes}); attention kernels with smaller tiles for such devices are not yet written")
     return None
 
 

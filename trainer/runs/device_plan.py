@@ -6,7 +6,8 @@ training step; OPD's student, which samples, scores and trains, and its native t
 evaluation's generating model), plus CUDA_CONTEXT_BYTES for the process's CUDA context. Where the request alone
 cannot give a length, the plan takes the bound the run itself cannot exceed (the base's context). A plan that
 cannot be computed at all is an Unplannable need, which every free-memory check refuses, so cuda is never chosen
-for it.
+for it. A plan that can be computed is a DeviceNeed: the bytes, and the head size of each model's attention (the
+tiled kernels' shared memory per block grows with it, and a device may allow too little for it).
 """
 
 from dataclasses import replace
@@ -47,6 +48,33 @@ class Unplannable(int):
 
     def __repr__(self) -> str:
         return f"Unplannable({self.reason!r})"
+
+
+class DeviceNeed(int):
+    """The bytes a workload plans on the device, with the attention it computes there: `attention`, a tuple of
+    (head size, training) pairs, training True for a model that trains (the attention's forward and backward
+    kernels) and False for one that only runs forward (cached decoding, a teacher's scores). `head_size` is the
+    largest. backend.cuda_unavailable refuses a device whose attention_head_size_limit (native_ext.cuda's probe) is
+    below one of them; as bytes it is the int it plans."""
+
+    def __new__(cls, nbytes: int, attention):
+        need = super().__new__(cls, int(nbytes))
+        need.attention = tuple(sorted({(int(head_size), bool(training)) for head_size, training in attention}))
+        assert need.attention, "a device need names the attention it computes"
+        return need
+
+    @property
+    def head_size(self) -> int:
+        return max(head_size for head_size, _ in self.attention)
+
+    def __reduce__(self):
+        return DeviceNeed, (int(self), self.attention)
+
+    def __str__(self) -> str:  # written as the bytes it plans, as a plain int is
+        return str(int(self))
+
+    def __repr__(self) -> str:
+        return f"DeviceNeed({int(self)}, attention={self.attention!r})"
 
 
 def architecture(base, route: str | None = "kt_tape_flce"):
@@ -94,8 +122,9 @@ def sft_bytes(config: dict, base) -> int:
     if model is None:
         return _undescribed(base)
     positions = min(int(config.get("max_sequence_length") or model.maximum_context), model.maximum_context)
-    return CUDA_CONTEXT_BYTES + planned_device_bytes(model, int(config.get("batch_size") or 1), positions,
-                                                     lora_of(config), config.get("quantization"))
+    return DeviceNeed(CUDA_CONTEXT_BYTES + planned_device_bytes(model, int(config.get("batch_size") or 1), positions,
+                                                                lora_of(config), config.get("quantization")),
+                      [(model.head_dimension, True)])
 
 
 def grpo_bytes(config: dict, base, group=None) -> int:
@@ -109,8 +138,10 @@ def grpo_bytes(config: dict, base, group=None) -> int:
     if group is None:
         return Unplannable("a GRPO run's micro-batch is one whole group, whose size only its groups give")
     rows, positions = group
-    return CUDA_CONTEXT_BYTES + planned_device_bytes(model, int(rows), min(int(positions), model.maximum_context),
-                                                     lora_of(config))
+    return DeviceNeed(CUDA_CONTEXT_BYTES + planned_device_bytes(model, int(rows), min(int(positions),
+                                                                                       model.maximum_context),
+                                                                lora_of(config)),
+                      [(model.head_dimension, True)])
 
 
 def opd_bytes(config: dict, base, prompt: int | None = None, teacher=None) -> int:
@@ -129,7 +160,7 @@ def opd_bytes(config: dict, base, prompt: int | None = None, teacher=None) -> in
     need = CUDA_CONTEXT_BYTES + planned_device_bytes(model, 1, cached - 1, lora_of(config), config.get("quantization"),
                                                      logits=True, sampling=(prompt, cached))
     if (config.get("teacher") or {}).get("route") != "native":
-        return need
+        return DeviceNeed(need, [(model.head_dimension, True)])
     if teacher is None:
         return Unplannable("an OPD run's native teacher puts its own model on the device, and the plan was not "
                            "given the teacher's base")
@@ -137,7 +168,9 @@ def opd_bytes(config: dict, base, prompt: int | None = None, teacher=None) -> in
     teacher_model = architecture(teacher_base, None)
     if teacher_model is None:
         return _undescribed(teacher_base)
-    return need + planned_device_bytes(teacher_model, 1, cached - 1, teacher_lora, training=False, logits=True)
+    return DeviceNeed(need + planned_device_bytes(teacher_model, 1, cached - 1, teacher_lora, training=False,
+                                                  logits=True),
+                      [(model.head_dimension, True), (teacher_model.head_dimension, False)])
 
 
 def evaluation_bytes(base, lora=None, max_new_tokens: int = 64, prompt: int | None = None) -> int:
@@ -152,15 +185,20 @@ def evaluation_bytes(base, lora=None, max_new_tokens: int = 64, prompt: int | No
     context = model.maximum_context
     prompt = context - 1 if prompt is None else min(int(prompt), context - 1)
     sampling = (prompt, min(prompt + int(max_new_tokens), context))
-    return CUDA_CONTEXT_BYTES + max(planned_device_bytes(model, 0, 0, adapter, training=False, sampling=sampling)
-                                    for adapter in (lora, None))
+    return DeviceNeed(CUDA_CONTEXT_BYTES + max(planned_device_bytes(model, 0, 0, adapter, training=False,
+                                                                    sampling=sampling) for adapter in (lora, None)),
+                      [(model.head_dimension, False)])
 
 
 def record(need: int) -> dict:
     """What a job records of its plan (identities.device_plan), so that a worker rechecks the device at dequeue
-    without loading anything: {"bytes": the plan, or None with "unplannable": why}."""
+    without loading anything: {"bytes": the plan, "attention": [{"head_size", "training"}, ...] (a DeviceNeed's), or
+    "bytes" None with "unplannable": why}."""
     if isinstance(need, Unplannable):
         return {"bytes": None, "unplannable": need.reason}
+    if isinstance(need, DeviceNeed):
+        return {"bytes": int(need), "attention": [{"head_size": head_size, "training": training}
+                                                  for head_size, training in need.attention]}
     return {"bytes": int(need)}
 
 
@@ -172,4 +210,9 @@ def recorded(identities) -> int | None:
     if plan.get("unplannable"):
         return Unplannable(str(plan["unplannable"]))
     need = plan.get("bytes")
-    return need if isinstance(need, int) and not isinstance(need, bool) else None
+    if not isinstance(need, int) or isinstance(need, bool):
+        return None
+    attention = plan.get("attention")
+    if isinstance(attention, list) and attention:  # a job admitted before head sizes were recorded: bytes alone
+        return DeviceNeed(need, [(int(entry["head_size"]), bool(entry["training"])) for entry in attention])
+    return need
