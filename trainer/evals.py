@@ -2,21 +2,28 @@
 
 A suite is held-out JSONL: one example per line with a `prompt` (text) or `messages`
 (chat), an `expected` answer and optionally its own `metric`. Metrics: `exact` (after
-trimming), `contains`, `regex` (the expected value is a pattern searched in the output)
+trimming), `contains`, `regex` (the expected value is a pattern searched in the output: Python `re`
+syntax, searched by the `regex` library, which can stop a search: one that runs past REGEX_SECONDS, a
+pattern that backtracks catastrophically on this output, counts as not matched and says so)
 and `numeric` (the first number in the output within `tolerance` of the expected one).
 Generation is greedy, so an evaluation is repeatable.
 """
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass, field
+
+import regex
 
 from trainer.generation import SamplingConfig, generate
 from trainer.jsonio import data_loads
 
 METRICS = ("exact", "contains", "regex", "numeric")
+logger = logging.getLogger("kiln.evals")
+REGEX_SECONDS = 1.0  # a suite's pattern on one output; a greedy output is at most max_new_tokens long
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 MINIMUM_EXAMPLES = 20  # a gate decided on fewer examples is inconclusive (the server's KILN_GATE_MIN_EXAMPLES)
 
@@ -80,8 +87,9 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
             raise SuiteError(f"line {number}: expected must be a string")
         if metric == "regex":
             try:
-                re.compile(expected)
-            except re.error as error:
+                re.compile(expected)  # the syntax people write: Python's
+                regex.compile(expected)  # and what searches it
+            except (re.error, regex.error) as error:
                 raise SuiteError(f"line {number}: bad regular expression: {error}") from None
         tolerance = record.get("tolerance", default_tolerance)
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0 \
@@ -94,14 +102,18 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
     return Suite(name=name, examples=tuple(examples), digest=hashlib.sha256(canonical).hexdigest())
 
 
-def score(example: EvalExample, output: str) -> bool:
+def score(example: EvalExample, output: str) -> bool | None:
+    """Whether OUTPUT answers EXAMPLE by its metric; None for a regex search stopped after REGEX_SECONDS."""
     text = output.strip()
     if example.metric == "exact":
         return text == example.expected.strip()
     if example.metric == "contains":
         return example.expected in output
     if example.metric == "regex":
-        return re.search(example.expected, output) is not None
+        try:
+            return regex.search(example.expected, output, timeout=REGEX_SECONDS) is not None
+        except TimeoutError:
+            return None
     match = NUMBER.search(output)
     if match is None:
         return False
@@ -148,9 +160,14 @@ def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -
             output = tokenizer.decode([t for t in generation.tokens if t not in stop],
                                       skip_special_tokens=True)
         correct = score(example, output)
-        result.correct += int(correct)
-        result.examples.append({"index": index, "output": output, "expected": example.expected,
-                                "metric": example.metric, "correct": correct})
+        record = {"index": index, "output": output, "expected": example.expected, "metric": example.metric,
+                  "correct": bool(correct)}
+        if correct is None:
+            record["note"] = (f"the pattern's search of this output ran past {REGEX_SECONDS:g} s (catastrophic "
+                              "backtracking) and was stopped: counted as not matched")
+            logger.warning("suite %s, example %d: %s", suite.name, index, record["note"])
+        result.correct += int(record["correct"])
+        result.examples.append(record)
         if progress:
             progress(index + 1, len(suite.examples))
     return result

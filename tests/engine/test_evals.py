@@ -81,3 +81,33 @@ def test_a_gate_decides_only_on_enough_examples():
     assert gate_decision({**few, "total": 20}, None, min_accuracy=0.5)[0] == "promoted"
     assert gate_decision(few, None, min_accuracy=0.5, min_examples=5)[0] == "promoted"
     assert gate_decision({**few, "total": 4}, None, min_accuracy=0.5, min_examples=5)[0] == "inconclusive"
+
+
+CATASTROPHIC = r"^(a|a)+$"  # a failing search tries both branches at each of n a's: 2**n paths
+
+
+def test_a_regex_search_that_backtracks_catastrophically_is_stopped_and_counts_as_not_matched():
+    """With `re` this search of 40 a's and a '!' would run for days (2**40 paths; 24 a's take seconds) and hold the
+    evaluation worker, GIL and all; the regex library stops it after REGEX_SECONDS (and a few more)."""
+    (example,) = parse_suite("s", suite_text({"prompt": "p", "expected": CATASTROPHIC, "metric": "regex"})).examples
+    assert score(example, "a" * 40 + "!") is None
+    assert score(example, "aaaa") is True and score(example, "b") is False
+
+
+def test_an_evaluation_says_which_example_s_search_was_stopped(tmp_path, monkeypatch):
+    import trainer.evals as evals
+
+    model, tokenizer = load_base("kiln-tiny", tmp_path)
+    output = tokenizer.encode("a" * 40 + "!")  # kiln-tiny's tokens are bytes
+
+    def fixed(model, prompt, sampling, tokenizer=None):
+        return type("Generation", (), {"tokens": output})()
+
+    monkeypatch.setattr(evals, "generate", fixed)
+    suite = parse_suite("s", suite_text({"prompt": "p", "expected": CATASTROPHIC, "metric": "regex"},
+                                        {"prompt": "q", "expected": "a!$", "metric": "regex"}))
+    result = evaluate(model, tokenizer, suite, max_new_tokens=48)
+    stopped, matched = result.examples
+    assert stopped["correct"] is False and "was stopped" in stopped["note"]
+    assert matched["correct"] is True and "note" not in matched
+    assert result.correct == 1
