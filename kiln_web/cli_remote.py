@@ -282,19 +282,29 @@ def _print_job(job: dict) -> None:
 
 
 def _follow(client, job_id: str) -> dict:
-    """Poll until the job ends, showing its progress on stderr."""
+    """Poll until the job ends, showing its progress, and its warnings and errors as they come, on stderr."""
     import time
 
-    shown = None
+    shown, told = None, 0
     while True:
         job = client.job(job_id)
         line = f"{job['status']} {job['progress']['committed_step']}/{job['progress'].get('total_steps')}"
         if line != shown:
             print(f"  {line}", file=sys.stderr, flush=True)
             shown = line
+            told = _tell_warnings(client, job_id, told)  # asked when something changed, not every poll
         if job["status"] in TERMINAL:
             return job
         time.sleep(1.0)
+
+
+def _tell_warnings(client, job_id: str, told: int) -> int:
+    """Print the job's warning and error events after its first TOLD events; how many events it has now."""
+    items = client.events(job_id)["items"]
+    for event in items[told:]:
+        if event["level"] in ("warning", "error"):
+            print(f"  {event['level']}: {event['message']}", file=sys.stderr, flush=True)
+    return len(items)
 
 
 def _await_promotion(client, job: dict) -> dict:

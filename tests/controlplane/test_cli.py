@@ -377,14 +377,38 @@ def test_the_outside_the_data_roots_refusal_names_each_root_once(tmp_path):
 
 
 class RecordedJobs:
-    """A client whose job polls answer STATES in turn (the last one from then on)."""
+    """A client whose job polls answer STATES in turn (the last one from then on), and whose events are EVENTS'
+    first as many items as polls so far."""
 
-    def __init__(self, states, timeout=300.0):
-        self.states, self.timeout, self.polls = list(states), timeout, 0
+    def __init__(self, states, timeout=300.0, events=()):
+        self.states, self.timeout, self.polls, self.events_seen = list(states), timeout, 0, list(events)
 
     def job(self, job_id):
         self.polls += 1
         return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def events(self, job_id):
+        return {"items": self.events_seen[:self.polls]}
+
+
+def test_wait_shows_each_warning_and_error_once_as_it_comes(monkeypatch, capsys):
+    import argparse
+
+    from kiln_web import cli_remote
+
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    events = [{"level": "info", "message": "claimed"},
+              {"level": "warning", "message": "2 of 9 examples are longer than max_sequence_length 64"},
+              {"level": "info", "message": "checkpoint step 1"},
+              {"level": "error", "message": "the run failed: boom"}]
+    states = [dict(job_state("running", None), progress={"committed_step": step, "total_steps": 4})
+              for step in (0, 1, 2)] + [dict(job_state("failed", None), progress={"committed_step": 2, "total_steps": 4})]
+    assert cli_remote._follow(RecordedJobs(states, events=events), "feedf00d")["status"] == "failed"
+    err = capsys.readouterr()[1]
+    assert err.count("  warning: 2 of 9 examples are longer than max_sequence_length 64\n") == 1
+    assert err.count("  error: the run failed: boom\n") == 1
+    assert "claimed" not in err and "checkpoint step 1" not in err
+    assert err.index("running 1/4") < err.index("warning:") < err.index("running 2/4")
 
 
 def job_state(status, outcome, reason=""):
