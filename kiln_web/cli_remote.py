@@ -76,10 +76,9 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     opd.add_argument("--seed", type=int)
     opd.add_argument("--steps", type=int)
     opd.add_argument("--learning-rate", type=float)
-    for kind in (sft, grpo):
+    for kind in (sft, grpo, opd):
         kind.add_argument("--base-adapter", metavar="DIR", help="weights-only warm start from a PEFT adapter "
                           "directory (a finished run's snapshot) in the adapter registry or a data root")
-    for kind in (sft, grpo, opd):
         add_backend_argument(kind)
     for kind in (grpo, opd):
         add_optimizer_arguments(kind)
@@ -116,8 +115,8 @@ SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_ch
                "backend", "precision")
 GRPO_OPTIONS = ("base_model", "seed", "learning_rate", "epochs", "groups_per_step", "loss_type", "beta",
                 "num_iterations", "checkpoint_interval", "resume_checkpoint", "base_adapter", "backend", "precision")
-OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint", "backend",
-               "precision")
+OPD_OPTIONS = ("base_model", "seed", "steps", "learning_rate", "checkpoint_interval", "resume_checkpoint",
+               "base_adapter", "backend", "precision")
 BACKENDS = ("auto", "cpu", "cuda")
 
 

@@ -569,3 +569,17 @@ def test_status_shows_a_grpo_cursor_without_python_values(capsys):
     out = capsys.readouterr()[0]
     assert "checkpoint step 4 of 4 (complete), next epoch 2, group 0, iteration 0\n" in out
     assert "None" not in out
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo", "opd"])
+def test_every_kind_takes_base_adapter_as_its_api_does(kind, tmp_path):
+    """config.base_adapter is a field of SFT, GRPO and OPD requests alike (docs/api.md), so each `kiln train` kind
+    takes --base-adapter (OPD, which had the field first, did not)."""
+    from kiln_web import cli, cli_remote
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(["Hello"] if kind == "opd" else {"prompt": "a", "completion": "b"}) + "\n")
+    argv = ["train", kind, "--file", str(data), "--adapter", "warm", "--base-adapter", "/data/kiln/adapters/cold",
+            "--upload"] + (["--teacher", "tutor@native"] if kind == "opd" else [])
+    args = cli.build_parser().parse_args(argv)
+    assert cli_remote.BODIES[kind](args)["config"]["base_adapter"] == "/data/kiln/adapters/cold"
