@@ -62,8 +62,8 @@ def test_every_documented_default_is_the_settings_default(page):
 
 
 def test_every_kiln_variable_the_code_reads_is_in_deployment_md():
-    sources = [*(ROOT / "kiln_web").rglob("*.py"), *(ROOT / "trainer").rglob("*.py"), *(ROOT / "native_ext").glob("*.py"),
-               *(ROOT / "native_ext").glob("*.h"), ROOT / "setup.py"]
+    sources = [*(ROOT / "kiln_web").rglob("*.py"), *(ROOT / "trainer").rglob("*.py"),
+               *(ROOT / "native_ext").glob("*.py"), *(ROOT / "native_ext").glob("*.h"), ROOT / "setup.py"]
     read = {name for path in sources for name in ENVIRON.findall(path.read_text(encoding="utf-8", errors="replace"))}
     read |= set(re.findall(r"getenv\(\"(KILN_[A-Z0-9_]+)\"\)", (ROOT / "native_ext" / "pool.h").read_text()))
     read |= {"KILN_CUDA_LIBRARY", "KILN_ONEDNN_LIBRARY", "KILN_CPU_GEMM"}  # named by a constant in their modules
