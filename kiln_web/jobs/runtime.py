@@ -230,7 +230,7 @@ class Refusal:
 
 
 # AdmissionError codes that mean "the request conflicts with what exists" rather than "bad input"
-CONFLICT_CODES = {"resume_drift", "later_checkpoints"}  # refusals of what the registry or a checkpoint holds
+CONFLICT_CODES = {"resume_drift", "later_checkpoints", "checkpoints_exist"}  # refusals of what the registry or a checkpoint holds
 
 
 def _error_classes(name: str, kind: str | None) -> tuple:

@@ -247,3 +247,22 @@ def test_opd_resubmits_the_teacher_alias_and_grpo_its_groups(ada, adapter_name, 
     with pytest.raises(ActionRefused) as refused:
         resume_request(grpo, {"data": groups})
     assert refused.value.status == 400 and refused.value.extra["field"] == "data"
+
+
+def test_a_new_run_beside_an_earlier_run_s_checkpoints_is_refused_409(api, adapter_name):
+    """The real trainer's admission: a second new run of a finished adapter was admitted, trained to its first
+    checkpoint and failed name_exists; it is refused before anything is queued, and the old run can be resumed
+    or the adapter deleted and trained afresh."""
+    first = api.post("/v1/train/sft", sft_body(adapter_name, checkpoint_interval=1))
+    assert first.status_code == 201, first.content
+    assert EmbeddedWorker().run_once()
+    job = TrainingJob.objects.get(pk=first.json()["id"])
+    assert job.status == JobStatus.SUCCEEDED, job.error_message
+    again = api.post("/v1/train/sft", sft_body(adapter_name, checkpoint_interval=1))
+    assert again.status_code == 409, again.content
+    error = again.json()["error"]
+    assert error["code"] == "checkpoints_exist", error
+    assert job.latest_checkpoint["resume_checkpoint"] in error["message"]
+    assert TrainingJob.objects.filter(adapter__name=adapter_name).count() == 1
+    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
+    assert api.post("/v1/train/sft", sft_body(adapter_name, checkpoint_interval=1)).status_code == 201

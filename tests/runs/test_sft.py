@@ -110,6 +110,19 @@ def test_cancel_then_resume_is_byte_identical(reference, tmp_path):
     assert final_files(settings) == final_files(reference[0])
 
 
+def test_a_new_run_under_a_name_with_checkpoints_is_refused_at_admission(reference, tmp_path):
+    """Was admitted, trained every step, then failed name_exists at its first publication: the earlier run's
+    checkpoint names are immutable. Refused before any work now, naming the newest; a resume still admits."""
+    settings, _ = reference
+    newest = checkpoint_dir.latest_checkpoint(settings.registry, "support-bot")
+    again = request(write_dataset(settings.home, name="again.jsonl"), epochs=1)
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(again, settings)
+    assert info.value.code == "checkpoints_exist" and newest.name in info.value.message
+    other = request(write_dataset(settings.home, name="other.jsonl"), epochs=1, output_name="support-bot-2")
+    assert admit_sft(other, settings).resume is None  # another name: a new run
+
+
 def test_a_resume_from_behind_a_later_checkpoint_is_refused(cancelled):
     """A checkpoint with later ones of the same adapter beside it cannot be resumed: the run would reach their
     immutable names (name_exists) after doing the work again. The newest one can."""
@@ -389,11 +402,15 @@ def test_metrics_and_diagnostics(reference, tmp_path):
     assert all({"lock_wait_seconds", "snapshot_seconds", "publish_seconds"} <= set(t) for _, t in hooks.checkpoints)
 
 
-def test_existing_checkpoint_name_stops_the_run(cancelled):
-    settings, req, basename = cancelled
-    # a fresh run of the same adapter reaches step 2, whose name already exists
+def test_a_checkpoint_name_that_appeared_after_admission_stops_the_run(cancelled, tmp_path):
+    """Admission refuses a new run beside an earlier run's checkpoints (checkpoints_exist); one that appears after
+    admission (copied back in, say) is still never overwritten: the run stops with name_exists reaching step 2."""
+    settings, _, basename = cancelled
+    fresh = make_settings(tmp_path / "fresh")
+    admission = admit_sft(request(write_dataset(tmp_path / "fresh")), fresh)
+    shutil.copytree(settings.registry / basename, fresh.registry / basename)
     with pytest.raises(checkpoint_dir.CheckpointError) as info:
-        run_sft(admit_sft(request(req["dataset_path"]), settings), settings, StopAt(None))
+        run_sft(admission, fresh, StopAt(None))
     assert info.value.code == "name_exists"
 
 

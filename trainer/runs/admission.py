@@ -561,6 +561,20 @@ def refuse_later_checkpoints(loaded) -> None:
                              "move the later ones out of the registry first")
 
 
+def refuse_existing_checkpoints(registry, adapter: str) -> None:
+    """AdmissionError("checkpoints_exist") for a new run (no resume_checkpoint) of an adapter that already has
+    checkpoints in the registry, from an earlier run: the new run's checkpoints would take their names, which are
+    immutable, so it would stop with name_exists at its first publication after doing the work up to it; and two
+    runs' checkpoints under one name would make "its latest checkpoint" ambiguous."""
+    existing = checkpoint_dir.later_checkpoints(registry, adapter, 0)
+    if existing:
+        raise AdmissionError("checkpoints_exist", f"{adapter} already has {len(existing)} checkpoint(s) from an "
+                             f"earlier run, the newest {existing[-1].name}: a new run's checkpoints would take "
+                             "their names, which are immutable. Continue that run instead (resume_checkpoint, or "
+                             "POST /v1/train/jobs/{id}/resume), train under another output_name, or delete the "
+                             f"adapter's files first (DELETE /v1/adapters/{adapter}, kiln adapter delete)")
+
+
 def check_planning_schema(manifest: dict, expected: str = PLANNING_SCHEMA_V3,
                           reason: str = "any change to the planning identity fails closed"):
     schema = (manifest.get("planning") or {}).get("schema")

@@ -31,6 +31,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     merge_config, number_field, planning_identity, reopen_resume, require_loss_route,
                                     revalidate, run_identities, select_loss_route, settle_seed, training_view,
                                     warm_start)
+from trainer.runs.admission import refuse_existing_checkpoints
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.defaults import EMA_DEFAULTS, GRPO_DEFAULTS
@@ -175,7 +176,9 @@ def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     identities["base_adapter"] = base_adapter_identity(config)
     identities["device_plan"] = device_plan.record(need)
     resume = None
-    if config["resume_checkpoint"] is not None:
+    if config["resume_checkpoint"] is None:
+        refuse_existing_checkpoints(settings.registry, config["output_name"])
+    else:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)
         manifest = loaded.manifest
         check_planning_schema(manifest)

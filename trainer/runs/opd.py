@@ -33,6 +33,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     merge_config, number_field, planning_identity, prepare, reopen_resume,
                                     require_loss_route, revalidate, run_identities, select_loss_route, settle_seed,
                                     sha256_hex, warm_start)
+from trainer.runs.admission import refuse_existing_checkpoints
 from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
 from trainer.runs.formats import GUARDRAILS, MAX_IDLE_CANDIDATES, rollout_seed  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
@@ -226,7 +227,9 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
                                 backend)
     identities.update(teacher=teacher, base_adapter=base_adapter_identity(config), device_plan=device_plan.record(need))
     resume = None
-    if config["resume_checkpoint"] is not None:
+    if config["resume_checkpoint"] is None:
+        refuse_existing_checkpoints(settings.registry, config["output_name"])
+    else:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], KIND, settings)
         manifest = loaded.manifest
         check_planning_schema(manifest)

@@ -35,6 +35,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config, prepare,
                                     reopen_resume, require_loss_route, revalidate, run_identities, select_loss_route,
                                     settle_seed, training_view, warm_start)
+from trainer.runs.admission import refuse_existing_checkpoints
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.defaults import NF4_DEFAULT, SFT_DEFAULTS
 from trainer.runs.formats import PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW  # noqa: F401 (read from here too)
@@ -256,7 +257,9 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     identities["base_adapter"] = base_adapter_identity(config)
     identities["device_plan"] = device_plan.record(need)
     resume = None
-    if config["resume_checkpoint"] is not None:
+    if config["resume_checkpoint"] is None:
+        refuse_existing_checkpoints(settings.registry, config["output_name"])
+    else:
         loaded = load_resume(config["resume_checkpoint"], config["output_name"], "sft", settings)
         check_planning_schema(loaded.manifest, PLANNING_SCHEMA_SFT, "it was planned before plain prompt/completion "
                               "records were tokenized as text (TRL's standard format) instead of through the chat "
