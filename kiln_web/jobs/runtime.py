@@ -230,7 +230,8 @@ class Refusal:
 
 
 # AdmissionError codes that mean "the request conflicts with what exists" rather than "bad input"
-CONFLICT_CODES = {"resume_drift", "later_checkpoints", "checkpoints_exist"}  # refusals of what the registry or a checkpoint holds
+# (refusals of what the registry or a checkpoint holds)
+CONFLICT_CODES = {"resume_drift", "later_checkpoints", "checkpoints_exist"}
 
 
 def _error_classes(name: str, kind: str | None) -> tuple:
