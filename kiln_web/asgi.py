@@ -15,7 +15,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from kiln_web.core.fastpath import JobStatusFastPath  # noqa: E402
 from kiln_web.core.limits import BodyLimit  # noqa: E402
-from kiln_web.dashboard.routing import websocket_urlpatterns  # noqa: E402
+from kiln_web.dashboard.routing import routes as websocket_routes  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
@@ -23,6 +23,6 @@ application = ProtocolTypeRouter(
         # bodies are bounded before Django spools them (kiln_web.core.limits); repeated job-status
         # polls are answered from Django's last answer (kiln_web.core.fastpath).
         "http": JobStatusFastPath(BodyLimit(ASGIStaticFilesHandler(django_asgi_app))),
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_routes))),
     }
 )
