@@ -459,3 +459,24 @@ def test_a_native_teacher_over_another_tokenizer_is_refused_naming_both_bases(ba
     assert error.code == "teacher_tokenizer_mismatch"
     assert "'kiln-other-template'" in error.message and "'kiln-tiny'" in error.message
     assert [d["field"] for d in error.differences] == ["teacher.tokenizer.chat_template_sha256"]
+
+
+def test_a_prompts_file_s_bad_record_is_named_by_its_line_or_item(tmp_path):
+    """As SFT's records: a JSONL file's bad prompt is refused naming dataset_path and its line (blank lines
+    counted), a JSON list's by its item, inline prompts by prompts[i]."""
+    settings = make_settings(tmp_path, tmp_path)
+    bad = {"text": "not a prompt"}
+    words = "a prompt is a string, {prompt: string} or {messages: [{role, content}...]}"
+    jsonl = tmp_path / "datasets" / "prompts.jsonl"
+    jsonl.write_text(f'"first"\n\n{json.dumps(bad)}\n')
+    listed = tmp_path / "datasets" / "prompts.json"
+    listed.write_text(json.dumps(["first", bad]))
+    for source, field, message in (({"dataset_path": str(jsonl)}, "dataset_path", f"line 3: {words}"),
+                                   ({"dataset_path": str(listed)}, "dataset_path", f"item 1: {words}"),
+                                   ({"prompts": ["first", bad]}, "prompts[1]", words)):
+        with pytest.raises(RequestError) as info:
+            opd.read_prompts(source, settings)
+        assert (info.value.field, info.value.message) == (field, message)
+    jsonl.write_text('"first"\n\n"second"\n')
+    records, _, kind = opd.read_prompts({"dataset_path": str(jsonl)}, settings)
+    assert kind == "file" and [r["prompt"] for r in records] == ["first", "second"] and records.lines == [1, 3]

@@ -258,6 +258,29 @@ def check_request(request, inline_field: str) -> None:
         raise RequestError(unknown[0], "is not a known request field")
 
 
+class FileRecords(list):
+    """The records of a dataset file, with where each came from: its line (1-based) in a JSONL file, its item
+    (0-based) in a JSON list. A refusal of one names the file (`dataset_path`) and that place, where an inline
+    record's names its field and index (`data[i]`, `prompts[i]`)."""
+
+    def __init__(self, records, lines=None):
+        super().__init__(records)
+        self.lines = lines  # None: a JSON list's items
+
+
+def record_place(records, index: int, inline_field: str) -> tuple[str, str]:
+    """(the field a refusal of record INDEX of RECORDS names, the words its message starts with)."""
+    if not isinstance(records, FileRecords):
+        return f"{inline_field}[{index}]", ""
+    return "dataset_path", (f"line {records.lines[index]}: " if records.lines is not None else f"item {index}: ")
+
+
+def refuse_record(place: tuple[str, str], message: str) -> RequestError:
+    """The RequestError for a record at PLACE (record_place)."""
+    field, prefix = place
+    return RequestError(field, prefix + message)
+
+
 def find_base(config: dict, settings: RunSettings):
     """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found; the adapter's
     rank is checked against it (check_rank_fits)."""

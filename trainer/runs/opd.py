@@ -33,7 +33,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     merge_config, number_field, planning_identity, prepare, reopen_resume,
                                     require_loss_route, revalidate, run_identities, select_loss_route, settle_seed,
                                     sha256_hex, warm_start)
-from trainer.runs.admission import refuse_existing_checkpoints
+from trainer.runs.admission import FileRecords, record_place, refuse_existing_checkpoints, refuse_record
 from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
 from trainer.runs.formats import GUARDRAILS, MAX_IDLE_CANDIDATES, rollout_seed  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
@@ -100,7 +100,7 @@ def _prompt_record(record, where):
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             return record
-    raise RequestError(where, "a prompt is a string, {prompt: string} or {messages: [{role, content}...]}")
+    raise refuse_record(where, "a prompt is a string, {prompt: string} or {messages: [{role, content}...]}")
 
 
 def read_prompts(request: dict, settings: RunSettings):
@@ -111,8 +111,10 @@ def read_prompts(request: dict, settings: RunSettings):
             text = raw.decode("utf-8")
             if text.lstrip().startswith("["):
                 items = data_loads(text)
+                items = FileRecords(items) if isinstance(items, list) else items
             else:
-                items = [data_loads(line) for line in text.splitlines() if line.strip()]
+                numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+                items = FileRecords([data_loads(line) for _, line in numbered], [number for number, _ in numbered])
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise RequestError("dataset_path", f"is not a UTF-8 JSON list or JSONL of prompts: {error}") from None
         kind = "file"
@@ -122,9 +124,13 @@ def read_prompts(request: dict, settings: RunSettings):
             raise RequestError("prompts", "must be a list of prompts")
         raw = None
         kind = "inline"
-    records = [_prompt_record(item, f"prompts[{i}]") for i, item in enumerate(items)]
+    if not isinstance(items, list):
+        raise RequestError("dataset_path", "is a JSON value that is not a list of prompts")
+    records = [_prompt_record(item, record_place(items, i, "prompts")) for i, item in enumerate(items)]
+    if isinstance(items, FileRecords):
+        records = FileRecords(records, items.lines)
     if not records:
-        raise RequestError("prompts", "there are no prompts")
+        raise RequestError("dataset_path" if kind == "file" else "prompts", "there are no prompts")
     if raw is None:
         raw = b"".join(canonical(r) + b"\n" for r in records)
     return records, raw, kind
@@ -135,10 +141,10 @@ def prompt_ids(record, tokenizer, maximum_context, where) -> list:
             if "messages" in record else record["prompt"])
     ids = tokenizer.encode(text)
     if not ids:
-        raise RequestError(where, "the prompt has no tokens")
+        raise refuse_record(where, "the prompt has no tokens")
     if len(ids) >= maximum_context:
-        raise RequestError(where, f"the prompt ({len(ids)} tokens) leaves no room to sample in the model's "
-                                  f"context of {maximum_context}")
+        raise refuse_record(where, f"the prompt ({len(ids)} tokens) leaves no room to sample in the model's "
+                                   f"context of {maximum_context}")
     return ids
 
 
@@ -203,7 +209,7 @@ def admit_opd(request: dict, settings: RunSettings) -> Admission:
     config, records, raw, kind, base = _prepare(request, settings)
     tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
     context = base.config["maximum_context"]
-    longest = max(len(prompt_ids(record, tokenizer, context, f"prompts[{index}]"))
+    longest = max(len(prompt_ids(record, tokenizer, context, record_place(records, index, "prompts")))
                   for index, record in enumerate(records))
     native = native_teacher(config, settings)
     need = device_plan.opd_bytes(config, base, longest, native)
@@ -335,7 +341,8 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
         except CudaUnavailable as error:
             raise AdmissionError("backend_unavailable", f"backend cuda is unavailable here: {error}") from None
         context = model.config.maximum_context
-        prompts = [prompt_ids(r, tokenizer, context, f"prompts[{i}]") for i, r in enumerate(records)]
+        prompts = [prompt_ids(r, tokenizer, context, record_place(records, i, "prompts"))
+                   for i, r in enumerate(records)]
         model.attach_lora(lora_config(config, admission.effective_seed))
         warm_start(model, admission)
         stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

@@ -35,7 +35,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config, prepare,
                                     reopen_resume, require_loss_route, revalidate, run_identities, select_loss_route,
                                     settle_seed, training_view, warm_start)
-from trainer.runs.admission import refuse_existing_checkpoints
+from trainer.runs.admission import FileRecords, record_place, refuse_existing_checkpoints, refuse_record
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.defaults import NF4_DEFAULT, SFT_DEFAULTS
 from trainer.runs.formats import PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW  # noqa: F401 (read from here too)
@@ -80,21 +80,6 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
 # -- data ---------------------------------------------------------------------------------
 
 
-class FileRecords(list):
-    """The records of a dataset file, with the line each came from (1-based): a refusal of one names the file
-    (`dataset_path`) and the line, where an inline record's names `data[i]`."""
-
-    def __init__(self, records, lines):
-        super().__init__(records)
-        self.lines = lines
-
-
-def _where(records, index: int) -> tuple[str, str]:
-    """(the field a refusal of record INDEX names, the words its message starts with)."""
-    lines = getattr(records, "lines", None)
-    return ("dataset_path", f"line {lines[index]}: ") if lines is not None else (f"data[{index}]", "")
-
-
 def _parse_records(text: str, source: str) -> FileRecords:
     records, lines = [], []
     for number, line in enumerate(text.splitlines(), 1):
@@ -124,27 +109,22 @@ def read_dataset(request: dict, settings: RunSettings):
     return data, raw, "inline"
 
 
-def _refuse(where: tuple[str, str], message: str) -> RequestError:
-    field, prefix = where
-    return RequestError(field, prefix + message)
-
-
 def _parts_of(record, where):
     """(messages, None) for a chat record, (None, (prompt, completion)) for a plain-text one."""
     if not isinstance(record, dict):
-        raise _refuse(where, "must be an object with messages or prompt/completion")
+        raise refuse_record(where, "must be an object with messages or prompt/completion")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or len(messages) < 2 or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise _refuse(where, "messages must be a list of {role, content} with at least two entries")
+            raise refuse_record(where, "messages must be a list of {role, content} with at least two entries")
         if messages[-1]["role"] != "assistant":
-            raise _refuse(where, "the last message must be the assistant's (it is what is learnt)")
+            raise refuse_record(where, "the last message must be the assistant's (it is what is learnt)")
         return messages, None
     if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
         return None, (record["prompt"], record["completion"])
-    raise _refuse(where, "needs messages, or prompt and completion strings")
+    raise refuse_record(where, "needs messages, or prompt and completion strings")
 
 
 def _chat_example(messages, tokenizer, where):
@@ -152,8 +132,8 @@ def _chat_example(messages, tokenizer, where):
     prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     if not full.startswith(prompt):
-        raise _refuse(where, "the chat template does not extend the prompt with the assistant turn; cannot mask "
-                             "the prompt")
+        raise refuse_record(where, "the chat template does not extend the prompt with the assistant turn; cannot "
+                                   "mask the prompt")
     return tokenizer.encode(prompt), tokenizer.encode(full[len(prompt):])
 
 
@@ -164,8 +144,8 @@ def _plain_example(prompt, completion, tokenizer, where):
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     full_ids = tokenizer.encode(prompt + completion, add_special_tokens=True)
     if full_ids[:len(prompt_ids)] != prompt_ids:
-        raise _refuse(where, "the prompt's last tokens change when the completion follows it; start the completion "
-                             "with a space or a newline")
+        raise refuse_record(where, "the prompt's last tokens change when the completion follows it; start the "
+                                   "completion with a space or a newline")
     if tokenizer.eos_token_id is not None and full_ids[-1:] != [tokenizer.eos_token_id]:
         full_ids.append(tokenizer.eos_token_id)
     return prompt_ids, full_ids[len(prompt_ids):]
@@ -192,7 +172,7 @@ def tokenize_examples(records, tokenizer, max_length) -> Examples:
     (plain prompt/completion records) only, truncated at the end (TRL's keep_start)."""
     examples = Examples()
     for index, record in enumerate(records):
-        where = _where(records, index)
+        where = record_place(records, index, "data")
         messages, plain = _parts_of(record, where)
         if plain is None:
             prompt_ids, completion_ids = _chat_example(messages, tokenizer, where)
@@ -202,14 +182,14 @@ def tokenize_examples(records, tokenizer, max_length) -> Examples:
         tokens = (prompt_ids + completion_ids)[:max_length]
         mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_length]
         if sum(mask[1:]) == 0:
-            raise _refuse(where, f"no completion token fits in max_sequence_length {max_length} after the prompt "
-                                 f"({len(prompt_ids)} tokens)")
+            raise refuse_record(where, f"no completion token fits in max_sequence_length {max_length} after the "
+                                       f"prompt ({len(prompt_ids)} tokens)")
         if length > max_length:
             examples.truncated += 1
             examples.longest = max(examples.longest, length)
         examples.append((tokens, mask))
     if not examples:
-        raise RequestError("dataset_path" if hasattr(records, "lines") else "data", "the dataset has no records")
+        raise RequestError("dataset_path" if isinstance(records, FileRecords) else "data", "the dataset has no records")
     return examples
 
 
