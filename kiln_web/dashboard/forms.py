@@ -44,10 +44,15 @@ LABELS = {
     "double_quantization": "Double quantization",
     "type": "Type",
     "resume_checkpoint": "Resume checkpoint",
+    "suite": "Gate suite",
 }
 # Top-level config fields shown in a fieldset of their own instead of "Run".
 SECTION_OF = {"seed": "Checkpoints and seed", "checkpoint_interval": "Checkpoints and seed",
               "resume_checkpoint": "Checkpoints and seed"}
+# Request fields beside config that are not a data source (auto_load, the gate's object): one fieldset.
+PROMOTION = "Promotion"
+PROMOTION_HELP = ("After the run succeeds: auto load activates the adapter once its serving canary passes; with a "
+                  "gate, only once a held-out evaluation passes (the previous adapter stays active until then).")
 # Fields whose null means something other than "the server default": a checkbox sends null.
 EXPLICIT_NULL = {"config.max_grad_norm": "No gradient clipping"}
 BOOLEAN_CHOICES = [("", "server default"), ("true", "yes"), ("false", "no")]
@@ -72,6 +77,11 @@ def _allows_strings(annotation) -> bool:
     """list[str | dict]: a record may be a plain string."""
     (item,) = typing.get_args(annotation) or (None,)
     return typing.get_origin(item) in (typing.Union, types.UnionType) and str in typing.get_args(item)
+
+
+def _is_source(annotation) -> bool:
+    """A request field beside config that carries the data: a path (str) or the records themselves (a list)."""
+    return annotation is str or typing.get_origin(annotation) is list
 
 
 def _is_model(annotation) -> bool:
@@ -152,12 +162,19 @@ class JobForm(forms.Form):
             here = path + (name,)
             if _is_model(annotation):  # config itself, or an object inside it: a fieldset of its own
                 top = here == ("config",)
-                child = cls._fieldset("Run" if top else _label(name), "" if top else info.description or "")
+                if top:
+                    child = cls._fieldset("Run", "")
+                elif not path:  # the gate, beside config: with auto_load
+                    child = cls._fieldset(PROMOTION, PROMOTION_HELP)
+                else:
+                    child = cls._fieldset(_label(name), info.description or "")
                 cls._collect(annotation, here, required and info.is_required(), child)
                 continue
-            if not path:  # beside config: a data source
+            if not path and _is_source(annotation):  # beside config: a data source (a path, or records)
                 target = cls._fieldset("Data", "", first=True)
                 cls.source_names.append(name)
+            elif not path:  # beside config, not data: auto_load
+                target = cls._fieldset(PROMOTION, PROMOTION_HELP)
             elif len(path) == 1 and name in SECTION_OF:
                 target = cls._fieldset(SECTION_OF[name], "")
             else:
@@ -395,12 +412,15 @@ class JobForm(forms.Form):
     @classmethod
     def initial_from(cls, config: dict, request: dict, resume_checkpoint: str | None) -> dict:
         """Form values from an effective configuration: every field the schema knows, the data source
-        path when the run read a file, no inline records (the checkpoint cannot reconstruct them)."""
+        path when the run read a file, no inline records (the checkpoint cannot reconstruct them), and
+        the promotion the job asked for (auto_load, gate)."""
         initial: dict = {}
         for name, leaf in cls.leaves.items():
-            if leaf.path[0] == "config":
-                node, found = config, True
-                for part in leaf.path[1:]:
+            if leaf.path[0] == "config" or leaf.path[0] not in cls.source_names:
+                # the effective configuration; beside it, what is not data (auto_load, the gate) as the job asked
+                node, parts = (config, leaf.path[1:]) if leaf.path[0] == "config" else (request, leaf.path)
+                found = True
+                for part in parts:
                     if not isinstance(node, dict) or part not in node:
                         found = False
                         break

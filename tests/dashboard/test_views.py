@@ -128,6 +128,13 @@ def test_opd_prompts_may_be_strings_and_a_json_list(signed_in):
     assert not form.is_valid() and form.errors["data"] == ["Line 1 is not a JSON object."]
 
 
+def test_prepared_resume_keeps_the_promotion_the_job_asked_for():
+    request = {"data": RECORDS, "config": {}, "auto_load": True, "gate": {"suite": "held-out", "min_accuracy": 0.5}}
+    initial = SFTJobForm.initial_from({"output_name": "bot"}, request, "bot-checkpoint-step-00000002.kiln-checkpoint")
+    assert initial["auto_load"] == "true" and initial["gate__suite"] == "held-out"
+    assert initial["gate__min_accuracy"] == 0.5 and "data" not in initial
+
+
 def test_prepared_resume_never_carries_inline_records():
     from kiln_web.dashboard.forms import JOB_FORMS
 
@@ -201,6 +208,25 @@ def test_admission_refusal_without_a_field_is_shown_above_the_form(fake_runner, 
     assert response.status_code == 400
     page = response.content.decode()
     assert 'data-refusal="base_not_found"' in page and "no base named" in page
+
+
+def test_auto_load_and_the_gate_are_promotion_not_data(fake_runner, signed_in, ada, adapter_name):
+    """auto_load sits beside config in the request, as the data does, but it is no data source: an upload with
+    auto_load was refused as "Give one data source, not both", and auto_load alone counted as the data."""
+    from kiln_web.evals.actions import do_create_suite
+
+    do_create_suite(ada, "held-out", '{"prompt": "q", "expected": "a"}\n')
+    form = signed_in.get("/jobs/new/sft/").content.decode()
+    data = re.search(r"<legend>Data</legend>(.*?)</fieldset>", form, re.S).group(1)
+    promotion = re.search(r"<legend>Promotion</legend>(.*?)</fieldset>", form, re.S).group(1)
+    assert 'name="auto_load"' not in data and 'name="auto_load"' in promotion and 'name="gate__suite"' in promotion
+    job = submitted(submit_form(signed_in, adapter_name, auto_load="true", gate__suite="held-out",
+                                gate__min_accuracy="0.5"))
+    assert job.request["auto_load"] is True and job.request["gate"] == {"suite": "held-out", "min_accuracy": 0.5}
+    assert job.request["data"] == RECORDS
+    alone = csrf_post(signed_in, "/jobs/new/sft/", {"output_name": adapter_name, "auto_load": "true"})
+    assert alone.status_code == 400
+    assert "Upload a JSONL file or give a dataset path" in " ".join(field_errors(alone.content.decode(), "data"))
 
 
 # -- job detail, Stop and save --
