@@ -26,7 +26,7 @@ from pydantic_core import PydanticUndefined
 
 from kiln_web.core.http import error_location
 from kiln_web.jobs.models import JobKind
-from kiln_web.jobs.schemas import GRPORequest, OPDRequest, SFTRequest
+from kiln_web.jobs.schemas import ADAPTER_NAME, TEACHER_ALIAS, GRPORequest, OPDRequest, SFTRequest
 
 # Labels where the field name alone reads badly; any other field is its name, humanised.
 LABELS = {
@@ -57,6 +57,10 @@ PROMOTION_HELP = ("After the run succeeds: auto load activates the adapter once 
 EXPLICIT_NULL = {"config.max_grad_norm": "No gradient clipping"}
 BOOLEAN_CHOICES = [("", "server default"), ("true", "yes"), ("false", "no")]
 DEFAULT_HINT = re.compile(r"absent: ([^;]+)")
+# What a schema pattern asks for, in words: pydantic's own message quotes the regular expression.
+NAME_RULE = "letters, digits, '.', '_' or '-' (at most 100), starting with a letter or digit"
+PATTERN_TEXT = {ADAPTER_NAME: f"Use {NAME_RULE}; no spaces or '/'.",
+                TEACHER_ALIAS: f"Give a teacher alias as NAME@native, NAME@openai or NAME@vllm, NAME being {NAME_RULE}."}
 
 
 def _label(name: str) -> str:
@@ -287,10 +291,19 @@ class JobForm(forms.Form):
             payload = self.request_schema.model_validate(body)
         except pydantic.ValidationError as exc:
             for error in exc.errors():
-                self._add_at(error_location(error), error.get("msg", "invalid value"))
+                self._add_at(error_location(error), self._error_text(error))
             return cleaned
         self.body, self.payload = body, payload.model_dump(exclude_unset=True)
         return cleaned
+
+    @staticmethod
+    def _error_text(error: dict) -> str:
+        """A schema error in words a person acts on (a pattern is described, not quoted)."""
+        if error.get("type") == "string_pattern_mismatch":
+            described = PATTERN_TEXT.get((error.get("ctx") or {}).get("pattern"))
+            if described:
+                return described
+        return error.get("msg", "invalid value")
 
     @staticmethod
     def _present(value) -> bool:
@@ -370,42 +383,60 @@ class JobForm(forms.Form):
 
     # -- refusals, from the schema or from admission --
 
-    def field_for(self, path: tuple[str, ...]) -> str | None:
-        """The form field for a request path (("config", "lora", "rank") or "config.lora.rank"), or the first
-        field of the fieldset it names; None when no field matches."""
+    def field_for(self, path: tuple[str, ...], message: str = "") -> str | None:
+        """The form field for a request path (("config", "lora", "rank") or "config.lora.rank"; list indices,
+        as in ("groups", "0") or "groups[0]", skipped): the leaf itself, the leaf the path lies inside (an
+        upload's records), or, for a path that names a fieldset, its field that MESSAGE names (else its first);
+        None when no field matches."""
+        names = tuple(part for part in path if not part.isdigit())
         for leaf in self.leaves.values():
-            if leaf.path == path:
+            if leaf.path == names:
                 return leaf.name
         for leaf in self.leaves.values():
-            if path and leaf.path[:len(path)] == path:
+            if names[:len(leaf.path)] == leaf.path:
                 return leaf.name
-        return None
+        inside = [leaf for leaf in self.leaves.values() if names and leaf.path[:len(names)] == names]
+        for leaf in inside:
+            if re.search(rf"\b{re.escape(leaf.path[-1])}\b", message):
+                return leaf.name
+        return inside[0].name if inside else None
 
-    def _add_at(self, path: tuple[str, ...], message: str) -> None:
-        name = self.field_for(path)
+    def _add_at(self, path: tuple[str, ...], message: str, *, elsewhere: bool = True) -> str | None:
+        """Show MESSAGE at the field for PATH and return its name; with no such field, above the form (unless
+        not ELSEWHERE) and None."""
+        where = ".".join(path)
+        parts = tuple(part for part in re.split(r"[.\[\]]+", where) if part)
+        name = self.field_for(parts, message)
         if name is None:
-            where = ".".join(path)
-            self.add_error(None, f"{where}: {message}" if where else message)
-        else:
-            self.add_error(name, message)
+            if elsewhere:
+                self.add_error(None, f"{where}: {message}" if where else message)
+            return None
+        leaf = self.leaves.get(name)
+        if leaf is not None and leaf.shape == "records" and len(parts) > 1 and parts[1].isdigit():
+            # a record of an upload: say which one (1-based, as an editor numbers lines) and where inside it
+            inner = where.split("]", 1)[1].lstrip(".") if "[" in where.split(".")[0] else ".".join(parts[2:])
+            message = f"Record {int(parts[1]) + 1}{', ' + inner if inner else ''}: {message}"
+        self.add_error(name, message)
+        return name
 
     def add_refusal(self, refusal) -> None:
-        """Show an admission refusal (an ActionRefused: code, message, field?, differences?) where it belongs."""
+        """Show an admission refusal (an ActionRefused: code, message, field?, differences?) where it belongs:
+        above the form, and next to the field it names (or that its code concerns), linked from above."""
         error = refusal.as_error()
         self.refusal = {"status": refusal.status, **error}
         if error.get("differences"):
             return  # the template shows the drift table
-        where = error.get("field")
+        where, code = error.get("field"), error.get("code", "")
         if where:
-            self._add_at(tuple(where.split(".")), error["message"])
-        elif error.get("code") == "backend_unavailable" and "backend" in self.fields:
-            self.add_error("backend", error["message"])
-        elif error.get("code") in CHECKPOINT_CODES and "resume_checkpoint" in self.fields:
-            self.add_error("resume_checkpoint", error["message"])
-        elif error.get("code", "").startswith("dataset") and "dataset_path" in self.fields:
-            self.add_error("dataset_path", error["message"])
+            name = self._add_at(tuple(where.split(".")), error["message"], elsewhere=False)
         else:
-            self.add_error(None, error["message"])
+            name = "resume_checkpoint" if code in CHECKPOINT_CODES else next(
+                (field for prefix, field in CODE_FIELDS if code.startswith(prefix)), None)
+            if name in self.fields:
+                self.add_error(name, error["message"])
+            else:
+                name = None
+        self.refusal["at"] = self[name] if name else None
 
     # -- prefilling from a job (prepare resume) --
 
@@ -443,6 +474,9 @@ class JobForm(forms.Form):
         return initial
 
 
+# Refusals without a field, by their code's prefix: the field that holds what was refused.
+CODE_FIELDS = [("backend_", "backend"), ("dataset", "dataset_path"), ("base_adapter", "base_adapter"),
+               ("base_", "base_model"), ("teacher_", "teacher")]
 CHECKPOINT_CODES = {"not_found", "noncanonical_name", "outside_registry", "not_a_checkpoint", "wrong_kind",
                     "wrong_adapter", "incomplete", "missing_manifest", "missing_file", "extra_file",
                     "size_mismatch", "checksum_mismatch", "inconsistent_state", "symlink", "hard_link",
@@ -501,5 +535,5 @@ class TeacherForm(forms.Form):
                 self.fields[name].help_text = info.description or ""
 
     def add_refusal(self, exc) -> None:
-        field = exc.extra.get("field")
+        field = "name" if exc.code == "teacher_exists" else exc.extra.get("field")
         self.add_error(field if field in self.fields else None, exc.message)

@@ -175,7 +175,7 @@ def field_errors(page: str, name: str) -> list[str]:
 @pytest.mark.parametrize("fields, name, words", [
     ({"epochs": "0"}, "epochs", "greater than or equal to 1"),
     ({"learning_rate": "0"}, "learning_rate", "greater than 0"),
-    ({"output_name": "no spaces"}, "output_name", "pattern"),
+    ({"output_name": "no spaces"}, "output_name", "starting with a letter or digit; no spaces"),  # not a regex
     ({"quantization__block_size": "64"}, "quantization__type", "required"),
     ({"base_model": "bad-request"}, "base_model", "not acceptable"),  # the trainer's RequestError
     ({"resume_checkpoint": "../escape"}, "resume_checkpoint", ""),  # a checkpoint refusal from admission
@@ -208,6 +208,10 @@ def test_admission_refusal_without_a_field_is_shown_above_the_form(fake_runner, 
     assert response.status_code == 400
     page = response.content.decode()
     assert 'data-refusal="base_not_found"' in page and "no base named" in page
+    # ... and at the field its code concerns, linked from above, never a third time as a form-wide error
+    assert "no base named" in " ".join(field_errors(page, "base_model"))
+    assert 'data-refusal-at="base_model"' in page and 'href="#id_base_model"' in page
+    assert page.count("no base named") == 2
 
 
 def test_auto_load_and_the_gate_are_promotion_not_data(fake_runner, signed_in, ada, adapter_name):
@@ -227,6 +231,24 @@ def test_auto_load_and_the_gate_are_promotion_not_data(fake_runner, signed_in, a
     alone = csrf_post(signed_in, "/jobs/new/sft/", {"output_name": adapter_name, "auto_load": "true"})
     assert alone.status_code == 400
     assert "Upload a JSONL file or give a dataset path" in " ".join(field_errors(alone.content.decode(), "data"))
+
+
+def test_a_refused_record_of_an_upload_is_shown_at_the_upload(signed_in, adapter_name):
+    bad = json.dumps({"prompt": "Say kiln.", "completions": ["KILN!", "no"], "rewards": [1.0, 0.0]}) + "\n"
+    response = csrf_post(signed_in, "/jobs/new/grpo/", {"output_name": adapter_name,
+                                                       "groups": SimpleUploadedFile("g.jsonl", bad.encode())})
+    assert response.status_code == 400
+    errors = field_errors(response.content.decode(), "groups")
+    assert errors == ["Record 1, completions[0]: must be an object with a text string"], errors
+    assert not TrainingJob.objects.exists()
+
+
+def test_a_refusal_at_a_fieldset_lands_on_the_field_it_names(signed_in, adapter_name):
+    response = submit_form(signed_in, adapter_name, lora__targets="q_proj, bogus")
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert "are not projections" in " ".join(field_errors(page, "lora__targets"))
+    assert not field_errors(page, "lora__rank")
 
 
 # -- job detail, Stop and save --
@@ -467,6 +489,8 @@ def test_teachers_page_registers_lists_and_deletes(signed_in, bob):
     assert refused.status_code == 400 and field_errors(refused.content.decode(), "name")
     created = csrf_post(signed_in, "/teachers/", {"name": "tutor@native", "base": "kiln-tiny"})
     assert created.status_code == 302
+    again = csrf_post(signed_in, "/teachers/", {"name": "tutor@native", "base": "kiln-tiny"})
+    assert again.status_code == 400 and "already exists" in " ".join(field_errors(again.content.decode(), "name"))
     page = signed_in.get("/teachers/").content.decode()
     assert 'data-teacher="tutor@native"' in page and "Delete" in page
     assert "tutor@native" in signed_in.get("/jobs/new/opd/").content.decode()  # offered in the OPD form
