@@ -258,6 +258,14 @@ class JobForm(forms.Form):
         self.payload: dict | None = None
         self.refusal: dict | None = None
 
+    def uploads_to_choose_again(self) -> None:
+        """A form shown again after a refusal comes back without its files (a browser never refills a file
+        input): each upload field that had one says so, naming the file."""
+        for name in self.source_names:
+            upload = self.files.get(name) if self.leaves[name].shape == "records" else None
+            if upload is not None:
+                self.fields[name].choose_again = upload.name
+
     def suggest(self) -> dict[str, list[str]]:
         """Known values for free-text fields; subclasses add theirs."""
         return {}
@@ -283,6 +291,9 @@ class JobForm(forms.Form):
             self.add_error(supplied[-1], "Give one data source, not both.")
             return cleaned
         if self.errors:
+            for name in supplied:  # what is wrong with the file too, now rather than after the next try
+                if self.leaves[name].shape == "records":
+                    self._records(name, cleaned[name], strings=self.leaves[name].strings)
             return cleaned
         body = self._body(cleaned)
         if body is None:

@@ -157,6 +157,8 @@ def _form_page(request, form, *, kind: str, source_job=None, status: int = 200) 
         status = form.refusal["status"]
     elif form.is_bound and form.errors:
         status = 400
+    if form.is_bound:
+        form.uploads_to_choose_again()
     return render(request, "dashboard/job_form.html", {
         "form": form, "kind": kind, "kinds": [(name, cls.title) for name, cls in JOB_FORMS.items()],
         "source_job": source_job, "nav": "jobs" if source_job else "new"}, status=status)

@@ -251,6 +251,18 @@ def test_a_refusal_at_a_fieldset_lands_on_the_field_it_names(signed_in, adapter_
     assert not field_errors(page, "lora__rank")
 
 
+def test_a_form_shown_again_asks_for_its_file_again(fake_runner, signed_in, adapter_name):
+    """A browser never refills a file input: after any refusal the upload field names the file to choose again,
+    and a broken file is reported together with the other fields' errors, not on the next try."""
+    broken = SimpleUploadedFile("broken.jsonl", b'{"prompt": "q", "completion": "a"}\n{oops\n')
+    page = csrf_post(signed_in, "/jobs/new/sft/", {"output_name": adapter_name, "epochs": "0", "data": broken})
+    assert page.status_code == 400
+    page = page.content.decode()
+    assert field_errors(page, "epochs") and "Line 2 is not JSON" in " ".join(field_errors(page, "data"))
+    assert re.search(r"data-choose-again>Choose <span[^>]*>broken.jsonl</span> again", page)
+    assert "data-choose-again" not in signed_in.get("/jobs/new/sft/").content.decode()
+
+
 # -- job detail, Stop and save --
 
 
