@@ -9,6 +9,7 @@
 
   function indicator(state, text) {
     document.querySelectorAll("[data-live-indicator]").forEach(function (el) {
+      el.hidden = false;  // hidden until this script runs: without it the page is not live (its <noscript> says so)
       el.dataset.state = state;
       el.textContent = text;
     });
