@@ -84,6 +84,20 @@ def test_someone_elses_job_is_404_and_staff_see_it(fake_runner, signed_in, bob, 
     assert adapter_name in staff.get("/").content.decode()
 
 
+def test_a_404_keeps_the_dashboard_around_it(fake_runner, signed_in, bob, adapter_name):
+    """Not Django's bare "Not Found" page: the navigation, what was not found, and the way back."""
+    other = Client()
+    other.force_login(bob)
+    job = submitted(submit_form(other, adapter_name))
+    for path, words in ((f"/jobs/{job.pk}/", "No such job (or it belongs to someone else)."),
+                        (f"/adapters/{adapter_name}/", "No such adapter (or it belongs to someone else)."),
+                        ("/no/such/page/", "There is nothing at")):
+        response = signed_in.get(path)
+        page = response.content.decode()
+        assert response.status_code == 404 and "data-not-found" in page, page[:500]
+        assert words in page and 'aria-label="Main"' in page and 'href="/"' in page
+
+
 # -- jobs list --
 
 
