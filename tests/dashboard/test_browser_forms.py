@@ -5,7 +5,8 @@ the real trainer on kiln-tiny), as a newcomer uses them:
   as "Give one data source, not both"), trains and is promoted, the page following without a reload;
 - a refused form names the file to choose again (a browser empties a file input) and fits a phone;
 - with JavaScript off, the pages say they are not live instead of "connecting" forever, and the charts say
-  how many steps they hold instead of "Waiting for the first committed step".
+  how many steps they hold instead of "Waiting for the first committed step";
+- the job and adapter pages fit 320 px (a small phone, or 1280 px at 400 % zoom) without sideways scrolling.
 """
 
 import json
@@ -18,6 +19,7 @@ from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, ser
 pytestmark = pytest.mark.slow
 
 RECORDS = [{"prompt": f"Say {word}.", "completion": f" {word.upper()}!"} for word in ("kiln", "clay", "glaze")]
+NARROW = {"width": 320, "height": 640}
 TIMEOUT_MS = 120_000  # a wait for the worker (training, the serving canary) on a 2-core CI machine
 
 
@@ -82,4 +84,13 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
         assert "not live (JavaScript is off)" in static.inner_text("[data-no-script]"), path
     assert static.inner_text("[data-chart=loss] [data-plot]") == "6 committed steps; the chart is drawn by JavaScript."
     still.close()
+
+    # 320 px: the effective configuration's long names and the snapshot's badge wrap instead of widening the page
+    narrow = chromium.new_context(viewport=NARROW, storage_state=context.storage_state())
+    small = narrow.new_page()
+    for path in (job_path, "/adapters/auto-bot/"):
+        small.goto(stack.url + path)
+        small.wait_for_selector("h1")
+        no_horizontal_scroll(small)
+    narrow.close()
     context.close()
