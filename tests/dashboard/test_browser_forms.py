@@ -3,7 +3,8 @@ the real trainer on kiln-tiny), as a newcomer uses them:
 
 - an upload with "Auto load: yes" is submitted (auto_load was once taken for a second data source and refused
   as "Give one data source, not both"), trains and is promoted, the page following without a reload;
-- a refused form names the file to choose again (a browser empties a file input) and fits a phone;
+- a refused form opens on a summary that links each field, names the file to choose again (a browser empties
+  a file input) and fits a phone;
 - with JavaScript off, the pages say they are not live instead of "connecting" forever, and the charts say
   how many steps they hold instead of "Waiting for the first committed step";
 - the job and adapter pages fit 320 px (a small phone, or 1280 px at 400 % zoom) without sideways scrolling.
@@ -52,6 +53,10 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
     page.click("button:has-text('Submit job')")
     page.wait_for_selector("[data-field=output_name] .field-error")
     assert "no spaces" in page.inner_text("[data-field=output_name] .field-error")
+    # said at the top, where the page opens (focused), with a link to the field
+    assert page.evaluate("'errorSummary' in document.activeElement.dataset")
+    page.click("[data-error-summary] a[href='#id_output_name']")
+    assert page.evaluate("document.activeElement.name") == "output_name"
     assert "Choose greetings.jsonl again" in page.inner_text("[data-field=data] [data-choose-again]")
     assert page.input_value("input[name=data]") == ""
     page.set_viewport_size(PHONE)

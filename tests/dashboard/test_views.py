@@ -265,6 +265,22 @@ def test_a_refusal_at_a_fieldset_lands_on_the_field_it_names(signed_in, adapter_
     assert not field_errors(page, "lora__rank")
 
 
+def test_a_refused_form_says_so_at_the_top_and_links_each_field(signed_in, adapter_name):
+    """The form is long: an error at its end (Checkpoint interval) was below the fold, and the page came back
+    looking unchanged. A summary above the form links each field; each field's aria-describedby resolves."""
+    response = submit_form(signed_in, adapter_name, epochs="0", checkpoint_interval="0")
+    assert response.status_code == 400
+    page = response.content.decode()
+    summary = re.search(r"<section[^>]*data-error-summary>(.*?)</section>", page, re.S)
+    assert summary, page[:3000]
+    links = re.findall(r'<a href="#(id_[a-z_]+)">([^<]+)</a>', summary.group(1))
+    assert links == [("id_epochs", "Epochs"), ("id_checkpoint_interval", "Checkpoint interval")], links
+    ids = set(re.findall(r'\bid="([^"]+)"', page))
+    described = {name for value in re.findall(r'aria-describedby="([^"]+)"', page) for name in value.split()}
+    assert described and described <= ids, sorted(described - ids)
+    assert "data-error-summary" not in signed_in.get("/jobs/new/sft/").content.decode()
+
+
 def test_a_form_shown_again_asks_for_its_file_again(fake_runner, signed_in, adapter_name):
     """A browser never refills a file input: after any refusal the upload field names the file to choose again,
     and a broken file is reported together with the other fields' errors, not on the next try."""
