@@ -7,6 +7,7 @@ the real trainer on kiln-tiny), as a newcomer uses them:
   a file input) and fits a phone;
 - with JavaScript off, the pages say they are not live instead of "connecting" forever, and the charts say
   how many steps they hold instead of "Waiting for the first committed step";
+- with JavaScript off, deleting an adapter's files still asks first;
 - the job and adapter pages fit 320 px (a small phone, or 1280 px at 400 % zoom) without sideways scrolling.
 """
 
@@ -80,16 +81,6 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
     assert page.inner_text("[data-live-indicator]") == "live"
     assert not errors, errors
 
-    # JavaScript off: no "connecting" that never connects, no "waiting" for steps that were committed
-    still = chromium.new_context(viewport=DESKTOP, java_script_enabled=False, storage_state=context.storage_state())
-    static = still.new_page()
-    for path in ("/", job_path):
-        static.goto(stack.url + path)
-        assert not static.is_visible("[data-live-indicator]"), path
-        assert "not live (JavaScript is off)" in static.inner_text("[data-no-script]"), path
-    assert static.inner_text("[data-chart=loss] [data-plot]") == "6 committed steps; the chart is drawn by JavaScript."
-    still.close()
-
     # 320 px: the effective configuration's long names and the snapshot's badge wrap instead of widening the page
     narrow = chromium.new_context(viewport=NARROW, storage_state=context.storage_state())
     small = narrow.new_page()
@@ -98,4 +89,25 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
         small.wait_for_selector("h1")
         no_horizontal_scroll(small)
     narrow.close()
+
+    # JavaScript off: no "connecting" that never connects, no "waiting" for steps that were committed
+    still = chromium.new_context(viewport=DESKTOP, java_script_enabled=False, storage_state=context.storage_state())
+    static = still.new_page()
+    for path in ("/", job_path):
+        static.goto(stack.url + path)
+        assert not static.is_visible("[data-live-indicator]"), path
+        assert "not live (JavaScript is off)" in static.inner_text("[data-no-script]"), path
+    assert static.inner_text("[data-chart=loss] [data-plot]") == "6 committed steps; the chart is drawn by JavaScript."
+
+    # ... and deleting an adapter's files asks first (a confirm() dialog did, which needs JavaScript)
+    static.goto(stack.url + "/adapters/auto-bot/")
+    static.click("button:has-text('Unload')")
+    static.wait_for_selector("text=Unloaded auto-bot.")
+    snapshot = stack.home / "adapters" / "auto-bot"
+    static.click("[data-delete]")  # opens the confirmation only
+    assert static.is_visible("[data-delete-confirm]") and snapshot.is_dir()
+    static.click("[data-delete-confirm]")
+    static.wait_for_selector("text=Deleted the checkpoints and PEFT snapshot of auto-bot.")
+    assert not snapshot.exists()
+    still.close()
     context.close()
