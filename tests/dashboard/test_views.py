@@ -280,6 +280,17 @@ def test_a_refused_form_says_so_at_the_top_and_links_each_field(signed_in, adapt
     assert described and described <= ids, sorted(described - ids)
     assert "data-error-summary" not in signed_in.get("/jobs/new/sft/").content.decode()
 
+    # an error of the whole form (no field to mark) is said once, without an empty summary
+    from django.template.loader import render_to_string
+
+    from kiln_web.dashboard.forms import TeacherForm
+
+    form = TeacherForm({"name": "tutor@native"})
+    assert form.is_valid()
+    form.add_error(None, "the whole form")
+    shown = render_to_string("dashboard/_form_errors.html", {"form": form})
+    assert "the whole form" in shown and "data-error-summary" not in shown
+
 
 def test_a_form_shown_again_asks_for_its_file_again(fake_runner, signed_in, adapter_name):
     """A browser never refills a file input: after any refusal the upload field names the file to choose again,

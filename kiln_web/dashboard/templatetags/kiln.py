@@ -40,3 +40,9 @@ def percent(value) -> str:
         return f"{100 * float(value):.1f}%"
     except (TypeError, ValueError):
         return "–"
+
+
+@register.filter
+def fields_with_errors(form) -> list:
+    """The form's visible bound fields that have errors, in form order (the error summary above a form)."""
+    return [field for field in form.visible_fields() if field.errors]
