@@ -46,6 +46,11 @@ _MODEL = re.compile(r"[A-Za-z0-9._:@+=/-]{1,256}\Z")  # a served model id: it be
 logger = logging.getLogger("kiln.teachers")
 
 
+def _a(route: str) -> str:
+    """'an openai', 'a vllm': the article a route's name takes."""
+    return f"{'an' if route[:1] in 'aeiou' else 'a'} {route}"
+
+
 def _endpoint_ok(endpoint: str) -> bool:
     """Whether ENDPOINT is an http(s) URL of a server's root: a host, perhaps a path, nothing else."""
     try:
@@ -146,16 +151,16 @@ def parse_teacher(value) -> TeacherSpec:
     else:
         endpoint = value.get("endpoint")
         if not endpoint or not _endpoint_ok(endpoint):
-            raise SpecError(f"a {route} teacher needs endpoint, an http(s) URL of the server's root (a port "
+            raise SpecError(f"{_a(route)} teacher needs endpoint, an http(s) URL of the server's root (a port "
                             "up to 65535; no query, fragment or spaces)", "endpoint")
         model = value.get("model")
         if not model:
-            raise SpecError(f"a {route} teacher needs model (the served model id)", "model")
+            raise SpecError(f"{_a(route)} teacher needs model (the served model id)", "model")
         if not _MODEL.match(model) or any(part in ("", ".", "..") for part in model.split("/")):
             raise SpecError(f"model {model!r} must be a served model id: letters, digits and . _ - : @ + = /, "
                             "with no empty, '.' or '..' path segment", "model")
         if value.get("base") or value.get("adapter"):
-            raise SpecError(f"a {route} teacher has no base or adapter", "base" if value.get("base") else "adapter")
+            raise SpecError(f"{_a(route)} teacher has no base or adapter", "base" if value.get("base") else "adapter")
     spec = TeacherSpec(alias=alias, route=route, base=value.get("base"), adapter=value.get("adapter"),
                        endpoint=value.get("endpoint"), model=value.get("model"))
     given = value.get("identity_revision")

@@ -59,8 +59,8 @@ def validate_teacher(name: str, fields: dict, user=None) -> tuple[str, dict, str
     the admin, staff) must be able to see an adapter of the registry that the alias names."""
     match = ALIAS_RE.match(name or "")
     if match is None:
-        raise ActionRefused(400, "invalid_request", f"teacher alias {name!r} must be NAME@native or NAME@openai "
-                                                    "(NAME: letters, digits, '.', '_', '-')", field="name")
+        raise ActionRefused(400, "invalid_request", f"teacher alias {name!r} must be NAME@native, NAME@openai or "
+                                                    "NAME@vllm (NAME: letters, digits, '.', '_', '-')", field="name")
     values = {key: fields.get(key) or None for key in SPEC_FIELDS}
     if values["adapter"] is not None:
         values["adapter"] = _adapter_directory(values["adapter"], user)

@@ -49,6 +49,7 @@ def test_create_list_show_with_the_trainers_identity_revision(api, teacher_adapt
 @pytest.mark.parametrize("name, config, code, words, field", [
     ("tutor", {"base": "kiln-tiny"}, "invalid_request", "pattern", "name"),
     ("tutor@remote", {"base": "kiln-tiny"}, "invalid_request", "pattern", "name"),
+    ("tutor@openai", {"endpoint": "http://x:1"}, "invalid_request", "an openai teacher needs model", "model"),
     ("tutor@vllm", {"endpoint": "http://x:1"}, "invalid_request", "needs model", "model"),
     ("tutor@native", {}, "invalid_request", "needs base", "base"),
     ("tutor@native", {"base": "no-such-base"}, "base_not_found", "kiln base import", "base"),
