@@ -211,9 +211,41 @@ def enqueue_evaluation(run_id) -> None:
 
 
 def do_claim_evaluation(run_id, worker_id: str) -> bool:
+    now = timezone.now()
     changed = EvalRun.objects.filter(pk=run_id, status=EvalStatus.QUEUED).update(
-        status=EvalStatus.RUNNING, worker_id=worker_id, started_at=timezone.now())
+        status=EvalStatus.RUNNING, worker_id=worker_id, started_at=now, heartbeat_at=now)
     return changed == 1
+
+
+def do_evaluation_heartbeat(run_id, worker_id: str) -> bool:
+    """Record that WORKER_ID still runs the evaluation; False when it is no longer this worker's running run."""
+    return EvalRun.objects.filter(pk=run_id, worker_id=worker_id, status=EvalStatus.RUNNING).update(
+        heartbeat_at=timezone.now()) == 1
+
+
+def do_mark_lost_evaluations(cutoff, now) -> list:
+    """running -> failed (`worker_lost`) for each evaluation whose worker sent no heartbeat since CUTOFF (it was
+    killed, or its machine lost): nothing else would ever finish it, and a promotion gate waiting on it then
+    decides (unavailable). An evaluation is not resumable; it is run again. Returns their ids. The caller
+    (kiln_web.jobs.actions.do_mark_lost) has checked that the database did not restart since CUTOFF."""
+    stale = list(EvalRun.objects.filter(status=EvalStatus.RUNNING, heartbeat_at__lt=cutoff)
+                 .values_list("pk", flat=True))
+    lost = []
+    for run_id in stale:
+        with transaction.atomic():
+            run = EvalRun.objects.select_for_update().get(pk=run_id)
+            if run.status != EvalStatus.RUNNING or run.heartbeat_at is None or run.heartbeat_at >= cutoff:
+                continue  # it ended, or beat, since the first look
+            last_beat = run.heartbeat_at.isoformat(timespec="seconds")
+            run.status, run.finished_at, run.error_code = EvalStatus.FAILED, now, "worker_lost"
+            run.error_message = (f"worker {run.worker_id or '?'} sent no heartbeat since {last_beat}; the "
+                                 "evaluation did not finish: run the evaluation again")
+            run.save(update_fields=["status", "finished_at", "error_code", "error_message"])
+            _finished(run.pk)
+            lost.append(run_id)
+    if lost:
+        logger.warning("marked %d evaluation(s) failed (worker lost): %s", len(lost), ", ".join(map(str, lost)))
+    return lost
 
 
 def _finished(run_id) -> None:

@@ -16,6 +16,7 @@ from django.db import transaction
 
 from kiln_web.evals import actions, runtime
 from kiln_web.evals.models import EvalRun, EvalStatus
+from kiln_web.jobs.execution import Heartbeat
 
 logger = logging.getLogger("kiln.evals")
 
@@ -69,6 +70,15 @@ def execute_evaluation(run_id, worker_id: str) -> str:
         return "not_claimed"
     logger.info("evaluation %s claimed by %s", run_id, worker_id)
     _job_event(run_id, "info", _started)
+    with Heartbeat(run_id, worker_id, beat=lambda run, worker: actions.do_evaluation_heartbeat(run, worker)):
+        _run_claimed(run_id, worker_id)
+    final = EvalRun.objects.filter(pk=run_id).values_list("status", flat=True).first()
+    logger.info("evaluation %s ended %s", run_id, final)
+    return final
+
+
+def _run_claimed(run_id, worker_id: str) -> None:
+    """Compare the claimed run's candidate with its baseline and finish it (succeeded, or failed with a code)."""
     try:
         run = EvalRun.objects.select_related("suite", "candidate").get(pk=run_id)
         need = runtime.planned_bytes(run.candidate.name, run.candidate_base, run.max_new_tokens) \
@@ -91,9 +101,6 @@ def execute_evaluation(run_id, worker_id: str) -> str:
                 error_message=str(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"))
     else:
         _finish(run_id, worker_id, comparison)
-    final = EvalRun.objects.filter(pk=run_id).values_list("status", flat=True).first()
-    logger.info("evaluation %s ended %s", run_id, final)
-    return final
 
 
 def run_next_queued(worker_id: str) -> bool:

@@ -96,6 +96,7 @@ class EvalRun(Owned, models.Model):
     worker_id = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True, help_text="the running worker's last sign of life")
     finished_at = models.DateTimeField(null=True, blank=True)
 
     objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff

@@ -420,6 +420,7 @@ def database_started_at():
 
 def do_mark_lost(now=None) -> list:
     """Mark running jobs whose worker sent no heartbeat for KILN_LOST_AFTER_SECONDS as lost; returns their ids.
+    Running evaluations so silent are failed `worker_lost` (kiln_web.evals.actions.do_mark_lost_evaluations).
 
     No heartbeat can be written while the database is down, so silence is counted from the database server's
     last start too: for KILN_LOST_AFTER_SECONDS after a restart no job is lost for its silence before it, and a
@@ -429,6 +430,9 @@ def do_mark_lost(now=None) -> list:
     started = database_started_at()
     if started is not None and started >= cutoff:
         return []
+    from kiln_web.evals.actions import do_mark_lost_evaluations  # evals.actions imports nothing of jobs.actions
+
+    do_mark_lost_evaluations(cutoff, now)  # a running evaluation beats too; the gate waiting on it then decides
     stale = list(TrainingJob.objects.filter(status__in=RUNNING_STATUSES, heartbeat_at__lt=cutoff)
                  .values_list("pk", flat=True))
     stale += list(TrainingJob.objects.filter(status__in=RUNNING_STATUSES, heartbeat_at__isnull=True)

@@ -120,11 +120,13 @@ class JobHooks:
 
 
 class Heartbeat:
-    """A thread that marks the job alive every KILN_HEARTBEAT_SECONDS while the run computes."""
+    """A thread that marks the job alive every KILN_HEARTBEAT_SECONDS while the run computes (BEAT(id, worker_id):
+    actions.do_heartbeat for a training job, the evaluation's own for an evaluation)."""
 
-    def __init__(self, job_id, worker_id: str, interval: float | None = None):
+    def __init__(self, job_id, worker_id: str, interval: float | None = None, beat=None):
         self.job_id, self.worker_id = job_id, worker_id
         self.interval = settings.KILN_HEARTBEAT_SECONDS if interval is None else interval
+        self._beat = actions.do_heartbeat if beat is None else beat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kiln-heartbeat-{job_id}", daemon=True)
 
@@ -140,9 +142,9 @@ class Heartbeat:
         try:
             while not self._stop.wait(self.interval):
                 try:
-                    actions.do_heartbeat(self.job_id, self.worker_id)
+                    self._beat(self.job_id, self.worker_id)
                 except Exception:
-                    logger.warning("heartbeat for job %s failed", self.job_id, exc_info=True)
+                    logger.warning("heartbeat for %s failed", self.job_id, exc_info=True)
                     _drop_connection()  # the next beat reconnects (the database may have restarted)
         finally:
             connection.close()  # this thread's own connection

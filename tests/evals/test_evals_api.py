@@ -90,3 +90,58 @@ def test_runs_are_refused_for_what_cannot_be_evaluated(api, bob, publish, adapte
     assert ApiClient(bob.token).get(f"/v1/evals/runs/{run['id']}").status_code == 404
     busy = api.client.delete(f"/v1/adapters/{adapter_name}")  # queued evaluation: not idle
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_busy"
+
+
+def test_a_running_evaluation_is_lost_only_after_its_heartbeats_stop(api, publish, adapter_name, settings):
+    """A running evaluation beats like a training job; one whose worker stopped beating fails `worker_lost`."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from kiln_web.evals import actions as evals_actions
+    from kiln_web.jobs import actions as jobs_actions
+
+    publish(adapter_name)
+    api.post("/v1/evals/suites", {"name": "one", "content": jsonl({"prompt": "a", "expected": ".*"}),
+                                  "default_metric": "regex"})
+    run_id = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "one"}).json()["id"]
+    assert evals_actions.do_claim_evaluation(run_id, "worker-a")
+    later = timezone.now() + timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS + 2)
+    EvalRun.objects.filter(pk=run_id).update(heartbeat_at=later - timedelta(seconds=1))
+    assert evals_actions.do_evaluation_heartbeat(run_id, "worker-b") is False  # not its run
+    jobs_actions.do_mark_lost(now=later)
+    assert EvalRun.objects.get(pk=run_id).status == "running"  # it beat a second before
+    assert evals_actions.do_evaluation_heartbeat(run_id, "worker-a") is True
+    jobs_actions.do_mark_lost(now=timezone.now() + timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS + 2))
+    run = api.get(f"/v1/evals/runs/{run_id}").json()
+    assert run["status"] == "failed" and run["error"]["code"] == "worker_lost"
+    assert "worker-a" in run["error"]["message"] and "run the evaluation again" in run["error"]["message"]
+
+
+def test_an_evaluation_beats_while_it_runs(api, publish, adapter_name, settings, monkeypatch):
+    """execute_evaluation keeps the run's heartbeat fresh while it compares (its thread, as a job's)."""
+    import threading
+
+    from kiln_web.evals import actions as evals_actions, execution, runtime as evals_runtime
+
+    publish(adapter_name)
+    api.post("/v1/evals/suites", {"name": "one", "content": jsonl({"prompt": "a", "expected": ".*"}),
+                                  "default_metric": "regex"})
+    run_id = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "one"}).json()["id"]
+    beats, real_compare = [], evals_runtime.compare
+    beat = threading.Event()
+
+    def counting(run, worker_id):
+        beats.append((str(run), worker_id))
+        beat.set()
+        return True
+
+    def slow_compare(*args, **kwargs):
+        assert beat.wait(60), "no heartbeat while the evaluation ran"
+        return real_compare(*args, **kwargs)
+
+    settings.KILN_HEARTBEAT_SECONDS = 0.01
+    monkeypatch.setattr(evals_actions, "do_evaluation_heartbeat", counting)
+    monkeypatch.setattr(evals_runtime, "compare", slow_compare)
+    assert execution.execute_evaluation(run_id, "worker-a") == "succeeded"
+    assert beats[0] == (run_id, "worker-a")

@@ -267,3 +267,37 @@ def test_a_suite_with_a_nul_character_is_refused(api):
     # refused with the body (kiln_web.core.http.json_body), before the suite's lines are parsed
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request"
     assert response.json()["error"]["field"] == "content" and "NUL" in response.json()["error"]["message"]
+
+
+def test_a_gate_evaluation_whose_worker_died_is_failed_and_the_candidate_stays_unpromoted(
+        publishing_runner, api, settings, previous, adapter_name, django_capture_on_commit_callbacks):
+    """A worker killed mid-evaluation (SIGKILL, the machine lost) never finishes its run: the lost-job check fails
+    it `worker_lost` once it sent no heartbeat for KILN_LOST_AFTER_SECONDS, so the gate decides (unavailable) and
+    the run is never left `running` for ever."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from kiln_web.evals import actions as evals_actions
+    from kiln_web.jobs import actions as jobs_actions
+
+    suite(api, "any", [{"prompt": PROMPT, "expected": ".*"}], metric="regex")
+    job = train(api, django_capture_on_commit_callbacks,
+                body(adapter_name, auto_load=True, gate={"suite": "any", "min_accuracy": 0.5}))
+    run = EvalRun.objects.get(training_job_id=job["id"])
+    assert evals_actions.do_claim_evaluation(run.pk, "worker-dead")  # claimed, then the worker was killed
+    with django_capture_on_commit_callbacks(execute=True):
+        jobs_actions.do_mark_lost()
+    assert EvalRun.objects.get(pk=run.pk).status == "running"  # its silence is not yet long enough
+    later = timezone.now() + timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS + 2)
+    with django_capture_on_commit_callbacks(execute=True):
+        jobs_actions.do_mark_lost(now=later)
+    run = EvalRun.objects.get(pk=run.pk)
+    assert (run.status, run.error_code) == ("failed", "worker_lost") and "worker-dead" in run.error_message
+    assert run.finished_at is not None
+    job = api.get(f"/v1/train/jobs/{job['id']}").json()
+    assert job["status"] == "succeeded"
+    assert job["promotion"]["outcome"] == "unavailable" and "worker_lost" in job["promotion"]["reason"]
+    assert active_name() == previous
+    # the worker coming back cannot finish it
+    assert evals_actions.do_finish_evaluation(run.pk, "worker-dead", error_code="x", error_message="y") is False
