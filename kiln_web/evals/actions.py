@@ -13,6 +13,7 @@ import logging
 import re
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from kiln_web.core import dispatch
@@ -228,15 +229,17 @@ def do_mark_lost_evaluations(cutoff, now) -> list:
     killed, or its machine lost): nothing else would ever finish it, and a promotion gate waiting on it then
     decides (unavailable). An evaluation is not resumable; it is run again. Returns their ids. The caller
     (kiln_web.jobs.actions.do_mark_lost) has checked that the database did not restart since CUTOFF."""
-    stale = list(EvalRun.objects.filter(status=EvalStatus.RUNNING, heartbeat_at__lt=cutoff)
-                 .values_list("pk", flat=True))
+    # a run claimed before evaluations beat (no heartbeat_at) counts from its start
+    silent = Q(heartbeat_at__lt=cutoff) | Q(heartbeat_at__isnull=True, started_at__lt=cutoff)
+    stale = list(EvalRun.objects.filter(silent, status=EvalStatus.RUNNING).values_list("pk", flat=True))
     lost = []
     for run_id in stale:
         with transaction.atomic():
             run = EvalRun.objects.select_for_update().get(pk=run_id)
-            if run.status != EvalStatus.RUNNING or run.heartbeat_at is None or run.heartbeat_at >= cutoff:
+            last = run.heartbeat_at or run.started_at
+            if run.status != EvalStatus.RUNNING or last is None or last >= cutoff:
                 continue  # it ended, or beat, since the first look
-            last_beat = run.heartbeat_at.isoformat(timespec="seconds")
+            last_beat = last.isoformat(timespec="seconds")
             run.status, run.finished_at, run.error_code = EvalStatus.FAILED, now, "worker_lost"
             run.error_message = (f"worker {run.worker_id or '?'} sent no heartbeat since {last_beat}; the "
                                  "evaluation did not finish: run the evaluation again")

@@ -116,6 +116,14 @@ def test_a_running_evaluation_is_lost_only_after_its_heartbeats_stop(api, publis
     run = api.get(f"/v1/evals/runs/{run_id}").json()
     assert run["status"] == "failed" and run["error"]["code"] == "worker_lost"
     assert "worker-a" in run["error"]["message"] and "run the evaluation again" in run["error"]["message"]
+    # one claimed before evaluations beat (a row from before the upgrade) counts from its start
+    older = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "one"}).json()["id"]
+    assert evals_actions.do_claim_evaluation(older, "worker-old")
+    EvalRun.objects.filter(pk=older).update(heartbeat_at=None)
+    jobs_actions.do_mark_lost()
+    assert EvalRun.objects.get(pk=older).status == "running"
+    jobs_actions.do_mark_lost(now=timezone.now() + timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS + 2))
+    assert EvalRun.objects.get(pk=older).error_code == "worker_lost"
 
 
 def test_an_evaluation_beats_while_it_runs(api, publish, adapter_name, settings, monkeypatch):
