@@ -14,6 +14,7 @@ import re
 
 from django.db import transaction
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from kiln_web.core import dispatch
@@ -214,14 +215,14 @@ def enqueue_evaluation(run_id) -> None:
 def do_claim_evaluation(run_id, worker_id: str) -> bool:
     now = timezone.now()
     changed = EvalRun.objects.filter(pk=run_id, status=EvalStatus.QUEUED).update(
-        status=EvalStatus.RUNNING, worker_id=worker_id, started_at=now, heartbeat_at=now)
+        status=EvalStatus.RUNNING, worker_id=worker_id, started_at=now, heartbeat_at=Now())
     return changed == 1
 
 
 def do_evaluation_heartbeat(run_id, worker_id: str) -> bool:
     """Record that WORKER_ID still runs the evaluation; False when it is no longer this worker's running run."""
     return EvalRun.objects.filter(pk=run_id, worker_id=worker_id, status=EvalStatus.RUNNING).update(
-        heartbeat_at=timezone.now()) == 1
+        heartbeat_at=Now()) == 1  # the database's clock, as a job's (kiln_web.jobs.actions.database_now)
 
 
 def do_mark_lost_evaluations(cutoff, now) -> list:

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from kiln_web.adapters.models import Adapter, CheckpointRecord
@@ -183,7 +184,7 @@ def do_claim_job(job_id, worker_id: str, execution: dict | None = None) -> bool:
     now = timezone.now()
     with transaction.atomic():
         changed = TrainingJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
-            status=JobStatus.RUNNING, worker_id=worker_id, started_at=now, heartbeat_at=now)
+            status=JobStatus.RUNNING, worker_id=worker_id, started_at=now, heartbeat_at=Now())
         if changed != 1:
             return False
         job = TrainingJob.objects.select_related("owner").get(pk=job_id)
@@ -224,7 +225,7 @@ def do_register_worker(worker_id: str, identity: dict) -> WorkerRecord:
 
 def do_worker_heartbeat(worker_id: str) -> bool:
     """The worker is alive; False when it was never registered."""
-    return WorkerRecord.objects.filter(worker_id=worker_id).update(heartbeat_at=timezone.now(), stopped_at=None) == 1
+    return WorkerRecord.objects.filter(worker_id=worker_id).update(heartbeat_at=Now(), stopped_at=None) == 1
 
 
 def do_worker_stopped(worker_id: str) -> None:
@@ -233,15 +234,14 @@ def do_worker_stopped(worker_id: str) -> None:
 
 def live_workers(now=None):
     """Workers that beat within KILN_LOST_AFTER_SECONDS and have not stopped."""
-    cutoff = (now or timezone.now()) - timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS)
+    cutoff = (now or database_now()) - timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS)
     return WorkerRecord.objects.filter(stopped_at__isnull=True, heartbeat_at__gte=cutoff)
 
 
 def do_heartbeat(job_id, worker_id: str) -> str | None:
     """Record that WORKER_ID still runs the job; returns the job's status (None if it is not this worker's)."""
-    now = timezone.now()
-    TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(heartbeat_at=now)
-    WorkerRecord.objects.filter(worker_id=worker_id).update(heartbeat_at=now)
+    TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(heartbeat_at=Now())
+    WorkerRecord.objects.filter(worker_id=worker_id).update(heartbeat_at=Now())
     return TrainingJob.objects.filter(pk=job_id, worker_id=worker_id).values_list("status", flat=True).first()
 
 
@@ -252,7 +252,7 @@ def do_record_step(job_id, worker_id: str, metrics: dict) -> bool:
                for key, value in metrics.items()}  # JSON (and PostgreSQL jsonb) has no NaN or infinity
     with transaction.atomic():
         changed = TrainingJob.objects.filter(pk=job_id, worker_id=worker_id, status__in=RUNNING_STATUSES).update(
-            committed_step=step, heartbeat_at=timezone.now())
+            committed_step=step, heartbeat_at=Now())
         if changed != 1:
             return False
         JobMetric.objects.update_or_create(job_id=job_id, step=step, defaults={"metrics": metrics})
@@ -274,8 +274,8 @@ def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | N
             "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
             "summary": summary, "timing": dict(timing or {})})
         job.latest_checkpoint = summary
-        job.heartbeat_at = timezone.now()
-        job.save(update_fields=["latest_checkpoint", "heartbeat_at"])
+        job.save(update_fields=["latest_checkpoint"])
+        TrainingJob.objects.filter(pk=job_id).update(heartbeat_at=Now())
         if created:
             _lineage_warning(job, lineage.record_checkpoint(job, summary, manifest_digest))
         events.publish_after_commit(job.pk, job.owner_id, events.JOB_CHECKPOINT, {"checkpoint": summary})
@@ -408,6 +408,17 @@ def _adopt_unrecorded_checkpoint(job: TrainingJob, when: str) -> list:
     return ["latest_checkpoint"]
 
 
+def database_now():
+    """The database server's clock. Every liveness stamp (heartbeat_at) is written with it (Now()) and the lost-job
+    check compares with it, so a worker or web machine whose own clock is off by minutes (workers run on machines
+    of their own) never makes a live run look silent. SQLite runs inside the process: its clock is this one."""
+    if connection.vendor != "postgresql":
+        return timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
+
+
 def database_started_at():
     """When the database server last started (PostgreSQL's pg_postmaster_start_time), or None (SQLite, which
     runs inside the process and has no restarts a worker could outlive)."""
@@ -425,7 +436,7 @@ def do_mark_lost(now=None) -> list:
     No heartbeat can be written while the database is down, so silence is counted from the database server's
     last start too: for KILN_LOST_AFTER_SECONDS after a restart no job is lost for its silence before it, and a
     worker that rode the restart out beats again in that time."""
-    now = now or timezone.now()
+    now = now or database_now()
     cutoff = now - timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS)
     started = database_started_at()
     if started is not None and started >= cutoff:

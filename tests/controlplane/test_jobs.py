@@ -315,6 +315,26 @@ def test_silence_is_counted_from_the_database_servers_start(fake_runner, api, ad
         TrainingJob.objects.get(pk=job_id).pk]
 
 
+def test_a_worker_whose_clock_is_off_is_not_taken_for_a_dead_one(fake_runner, api, adapter_name, settings,
+                                                                   monkeypatch):
+    """Workers run on machines of their own (docker-compose.yml): one whose clock runs minutes behind the web
+    machine's still beats, so its job is never marked lost, and its run never told to stop, for that. Every
+    liveness stamp is the database's clock, which the lost-job check reads too."""
+    job_id = submit(api, sft_body(adapter_name))
+    real_now = timezone.now
+    skew = timedelta(seconds=5 * settings.KILN_LOST_AFTER_SECONDS)
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - skew)  # the worker's machine
+    assert actions.do_claim_job(job_id, "worker-behind")
+    assert actions.do_record_step(job_id, "worker-behind", {"step": 1, "loss": 1.0})
+    assert actions.do_heartbeat(job_id, "worker-behind") == JobStatus.RUNNING
+    monkeypatch.setattr(timezone, "now", real_now)  # the web machine's lost-job check
+    assert actions.do_mark_lost() == []
+    assert TrainingJob.objects.get(pk=job_id).status == JobStatus.RUNNING
+    # one that stopped beating is still lost, by the database's clock
+    later = actions.database_now() + timedelta(seconds=settings.KILN_LOST_AFTER_SECONDS + 2)
+    assert actions.do_mark_lost(now=later) == [TrainingJob.objects.get(pk=job_id).pk]
+
+
 def test_heartbeat_keeps_a_job_alive(fake_runner, api, adapter_name, settings):
     job_id = submit(api, sft_body(adapter_name))
     actions.do_claim_job(job_id, "worker-a")
