@@ -28,7 +28,11 @@ from kiln_web.teachers import actions as teachers
 logger = logging.getLogger("kiln.jobs")
 # errno of a write the registry's storage refused -> the job's error code
 STORAGE_ERRORS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "storage_error",
-                  errno.EIO: "storage_error"}
+                  errno.EIO: "storage_error", errno.EFBIG: "storage_error"}
+# what to do about it, where "free space" is not the answer
+STORAGE_ADVICE = {errno.EFBIG: "raise the file-size limit (ulimit -f) or move the registry to a filesystem that "
+                               "holds files this large", errno.EROFS: "make the registry writable",
+                  errno.EIO: "repair the storage"}
 
 
 def through_outage(call, *args, **kwargs):
@@ -263,7 +267,8 @@ def failure_fields(exc: BaseException, kind: str | None = None) -> dict:
         where = f" ({exc.filename})" if exc.filename else ""
         return {"error_code": STORAGE_ERRORS[exc.errno],
                 "error_message": f"{exc.strerror}{where} while the run wrote its files; the checkpoints it published "
-                                 "are intact: free space (or repair the storage) and resume from the latest"}
+                                 f"are intact: {STORAGE_ADVICE.get(exc.errno, 'free space')} and resume from the "
+                                 "latest"}
     if isinstance(exc, (OperationalError, InterfaceError)):
         return {"error_code": "database_unavailable",
                 "error_message": f"the database could not be reached during the run ({exc}); the worker waited up "
