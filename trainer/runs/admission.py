@@ -580,8 +580,9 @@ def refuse_later_checkpoints(loaded) -> None:
     if later:
         raise AdmissionError("later_checkpoints", f"{adapter} already has {len(later)} checkpoint(s) after step "
                              f"{step}, the newest {later[-1]}: a run resumed from {basename} would reach their "
-                             "names, which are immutable. Resume from the newest (the job that published it), or "
-                             "move the later ones out of the registry first")
+                             "names, which are immutable. Resume from the newest (the job that published it); if it "
+                             "is damaged (kiln checkpoint verify), move it and the others after step "
+                             f"{step} out of the registry first")
 
 
 def refuse_existing_checkpoints(registry, adapter: str) -> None:
