@@ -53,8 +53,8 @@ HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404
               405: "method_not_allowed", 409: "conflict", 413: "request_too_large", 500: "internal_error"}
 NOT_JSON = "the request body is not JSON"  # the same words from the training API and the serving endpoints
 NUL_TEXT = "holds a NUL character (U+0000), which no database text field keeps; remove it"
-# what may spell a value json_body refuses; a body without any of these is not walked
-_SUSPECT = re.compile(rb"NaN|Infinity|\\u0000|\\u[dD][89a-fA-F]")
+# what may spell a value json_body refuses, in the body's text; a body without any of these is not walked
+_SUSPECT = re.compile(r"NaN|Infinity|\\u0000|\\u[dD][89a-fA-F]|[\ud800-\udfff]")
 
 
 def json_body(raw: bytes, *, stored: bool = True):
@@ -62,6 +62,8 @@ def json_body(raw: bytes, *, stored: bool = True):
     ActionRefused (400 invalid_request, naming the field) for what Python's json reads but no JSON value is and
     nothing downstream can take: NaN and Infinity, an unpaired UTF-16 surrogate escape (not text: the tokenizer
     refuses it), and, in a body that is STORED, a NUL character (PostgreSQL text and jsonb refuse it)."""
+    if isinstance(raw, (bytes, bytearray)):  # as json.loads decodes bytes (UTF-8, -16 or -32; surrogates pass)
+        raw = bytes(raw).decode(json.detect_encoding(raw), "surrogatepass")
     try:
         value = json.loads(raw)
     except RecursionError:
@@ -83,28 +85,36 @@ def _text_problem(text: str, stored: bool) -> str | None:
 
 
 def _check_values(value, stored: bool) -> None:
-    """Refuse the first value json_body must not pass on, by its dotted location (walked without recursion)."""
-    pending = [((), value)]
-    while pending:
-        location, item = pending.pop()
-        problem = None
-        if isinstance(item, float) and not math.isfinite(item):
-            problem = "must be a finite number (JSON has no NaN or Infinity)"
-        elif isinstance(item, str):
-            problem = _text_problem(item, stored)
-        elif isinstance(item, dict):
-            for key in item:
-                key_problem = _text_problem(key, stored)
-                if key_problem is not None:
-                    problem, location = f"its name {key_problem}", location + (key,)
+    """Refuse the first value json_body must not pass on, by its dotted location: walked depth first without
+    recursion, holding only the path to the value at hand (a body is up to KILN_UPLOAD_MAX_BYTES of values)."""
+    path, stack = [], [iter(((None, value),))]
+    while stack:
+        for key, item in stack[-1]:
+            problem, name = None, None
+            if isinstance(item, float) and not math.isfinite(item):
+                problem = "must be a finite number (JSON has no NaN or Infinity)"
+            elif isinstance(item, str):
+                problem = _text_problem(item, stored)
+            elif isinstance(item, dict):
+                for name in item:
+                    name_problem = _text_problem(name, stored)
+                    if name_problem is not None:
+                        problem = f"its name {name_problem}"
+                        break
+                else:
+                    path.append(key)
+                    stack.append(iter(item.items()))
                     break
-            else:
-                pending.extend((location + (key,), item[key]) for key in reversed(list(item)))
-        elif isinstance(item, list):
-            pending.extend((location + (str(index),), element) for index, element in reversed(list(enumerate(item))))
-        if problem is not None:
-            field = ".".join(location) or None
-            raise ActionRefused(400, "invalid_request", f"{field or 'the request'}: {problem}", field=field)
+            elif isinstance(item, list):
+                path.append(key)
+                stack.append(iter(enumerate(item)))
+                break
+            if problem is not None:
+                field = ".".join(str(part) for part in (*path, key, name) if part is not None) or None
+                raise ActionRefused(400, "invalid_request", f"{field or 'the request'}: {problem}", field=field)
+        else:
+            stack.pop()
+            del path[len(stack) - 1:]
 
 
 def refusal_for(exc: BaseException) -> ActionRefused | None:

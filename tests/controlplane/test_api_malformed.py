@@ -109,6 +109,45 @@ def test_an_unpaired_surrogate_escape_is_refused_naming_its_field(client, method
     assert not TrainingJob.objects.exists()
 
 
+@pytest.mark.parametrize("raw, field", [
+    (json.dumps({"data": [{"prompt": "q", "completion": "a", "score": float("nan")}],
+                 "config": {"output_name": "x"}}).encode("utf-16"), "data.0.score"),
+    (json.dumps({"data": [{"prompt": "q\x00", "completion": "a"}], "config": {"output_name": "x"}}).encode("utf-32-le"),
+     "data.0.prompt"),
+    ('{"data": [{"prompt": "q\ud800", "completion": "a"}], "config": {"output_name": "x"}}'.encode(
+        "utf-8", "surrogatepass"), "data.0.prompt"),
+], ids=["nan-in-utf-16", "nul-in-utf-32", "raw-surrogate-bytes"])
+def test_what_is_refused_is_refused_however_the_body_is_encoded(client, raw, field):
+    """Python's json reads a UTF-16 or UTF-32 body, and UTF-8 bytes of a lone surrogate, as it reads the UTF-8 text
+    of a body: the refusals hold for them too (the suspect spellings were searched for in the raw UTF-8 bytes only,
+    so these went through, and a NUL reached the database)."""
+    response = client.generic("POST", "/v1/train/sft", data=raw, content_type="application/json")
+    error = coded(response, 400)
+    assert error["field"] == field, error
+    assert not TrainingJob.objects.exists()
+
+
+def test_a_wide_body_is_checked_in_memory_bounded_by_its_depth():
+    """A big inline upload with one suspect spelling is walked holding only the path to the value at hand: the walk
+    queued every sibling with its own location tuple and index string, 2 GB and 20 s for a 19 MB list of zeros."""
+    import tracemalloc
+
+    from kiln_web.core.http import ActionRefused, json_body
+
+    raw = b'{"data": [' + b",".join([b"0"] * 200_000) + b', [{"x": NaN}]]}'
+    tracemalloc.start()
+    try:
+        value_bytes = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(ActionRefused) as info:
+            json_body(raw)
+        peak = tracemalloc.get_traced_memory()[1] - value_bytes
+    finally:
+        tracemalloc.stop()
+    assert info.value.extra["field"] == "data.200000.0.x"
+    parsed = 200_000 * 8 + len(raw) * 2  # the list's slots and the decoded text; the walk adds next to nothing
+    assert peak < parsed + (1 << 20), peak
+
+
 def test_text_that_only_looks_suspect_is_accepted(client, fake_runner):
     """A paired surrogate escape (an emoji), and NaN, Infinity and an escaped backslash before u0000 as text."""
     text = json.dumps(sft_body("looks-suspect")).replace('"q0"', '"\\ud83d\\ude00 NaN Infinity \\\\u0000"')
