@@ -104,3 +104,26 @@ def test_a_grpo_run_starts_from_a_snapshot(tmp_path):
     fresh, _ = test_grpo.run(settings, test_grpo.inline_request(output_name="fresh-bot", epochs=1))
     assert result.status == fresh.status == "succeeded"
     assert result.loss_history != fresh.loss_history  # the same data and seed; only the starting weights differ
+
+
+def test_a_peft_adapter_whose_rank_exceeds_a_narrow_projection_warm_starts(tmp_path):
+    """PEFT does not bound r by a projection's sides, and Kiln admitted rank 40 over kiln-tiny (k_proj [32, 64])
+    before config.lora.rank was bounded: such a snapshot is a PEFT-compatible base_adapter, whose own files give
+    the rank (the run imports every tensor with its shape). It was refused config.lora.rank ('ask for at most
+    32'), a rank the request never asked for; a request's own rank is still bounded."""
+    from trainer.bases import load_base
+    from trainer.lora import LoraConfig
+    from trainer.peft import export_adapter
+
+    settings = make_settings(tmp_path)
+    warm = settings.registry / "wide"
+    model, _ = load_base("kiln-tiny", settings.bases_root)
+    with model:
+        model.attach_lora(LoraConfig(rank=40, alpha=8, initializer_seed=3))
+        export_adapter(model, warm)
+    admission = admit_sft(request(write_dataset(tmp_path), output_name="warmed", epochs=1, base_adapter=str(warm),
+                                  lora=None), settings)
+    assert admission.effective_config["lora"]["rank"] == 40
+    with pytest.raises(RequestError) as info:
+        admit_sft(request(write_dataset(tmp_path), output_name="asked", lora={"rank": 40, "alpha": 8}), settings)
+    assert info.value.field == "config.lora.rank"

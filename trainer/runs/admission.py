@@ -283,13 +283,15 @@ def refuse_record(place: tuple[str, str], message: str) -> RequestError:
 
 def find_base(config: dict, settings: RunSettings):
     """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found; the adapter's
-    rank is checked against it (check_rank_fits)."""
+    rank is checked against it (check_rank_fits), unless a base_adapter's own files give the rank (PEFT bounds
+    none, and the run imports each of their tensors with its shape)."""
     from trainer.bases import show_base
     try:
         base = show_base(config["base_model"], settings.bases_root)
     except (LookupError, ValueError) as error:
         raise AdmissionError("base_not_found", str(error)) from None
-    check_rank_fits(config.get("lora"), base)
+    if config.get("base_adapter") is None:
+        check_rank_fits(config.get("lora"), base)
     return base
 
 
