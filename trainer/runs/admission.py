@@ -597,8 +597,10 @@ def refuse_existing_checkpoints(registry, adapter: str) -> None:
         raise AdmissionError("checkpoints_exist", f"{adapter} already has {len(existing)} checkpoint(s) from an "
                              f"earlier run, the newest {existing[-1].name}: a new run's checkpoints would take "
                              "their names, which are immutable. Continue that run instead (resume_checkpoint, or "
-                             "POST /v1/train/jobs/{id}/resume), train under another output_name, or delete the "
-                             f"adapter's files first (DELETE /v1/adapters/{adapter}, kiln adapter delete)")
+                             "POST /v1/train/jobs/{id}/resume); train the next version under another output_name "
+                             f"(warm-started from this one's snapshot with base_adapter: {Path(registry) / adapter}); "
+                             f"or delete the adapter's files first (DELETE /v1/adapters/{adapter}, kiln adapter "
+                             "delete)")
 
 
 def check_planning_schema(manifest: dict, expected: str = PLANNING_SCHEMA_V3,
