@@ -233,6 +233,23 @@ def read_adapter_config(directory, family=None) -> LoraConfig:
         raise ValueError(f"{path}: lacks {exc.args[0]}") from None
 
 
+def check_rank_in_weights(directory, lora: LoraConfig) -> None:
+    """ValueError unless the adapter's weights (their header alone) hold lora_A tensors of LORA's rank: r rows, or a
+    multiple of r for a fused Phi-3 module. adapter_config.json's `r` sizes what a run allocates before it reads a
+    weight, so a config whose r its tensors do not bear out (a hand-edited r of 2**40) is refused here, before
+    the run, not by a MemoryError in it."""
+    path = Path(directory) / WEIGHTS_FILE
+    weights = SafetensorsFile(path)
+    rows = [weights.info(name)[1][0] for name in weights.names if name.endswith(".lora_A.weight")]
+    if not rows:
+        raise ValueError(f"{path}: holds no lora_A tensor")
+    most = max(len(members) for _, members in FUSED.values())  # a fused module stacks its members' A
+    odd = sorted({count for count in rows if count % lora.rank or count // lora.rank > most})
+    if odd:
+        raise ValueError(f"{Path(directory) / CONFIG_FILE}: r={lora.rank}, but {path.name} has lora_A tensors of "
+                         f"{odd[0]} rows: the weights do not bear out the configuration's rank")
+
+
 def _expected_shapes(model, lora: LoraConfig) -> dict:
     c = model.config
     C, F, H, KV, D = (c.model_width, c.feed_forward_width, c.head_count, c.kv_heads,

@@ -127,3 +127,24 @@ def test_a_peft_adapter_whose_rank_exceeds_a_narrow_projection_warm_starts(tmp_p
     with pytest.raises(RequestError) as info:
         admit_sft(request(write_dataset(tmp_path), output_name="asked", lora={"rank": 40, "alpha": 8}), settings)
     assert info.value.field == "config.lora.rank"
+
+
+def test_a_base_adapter_whose_config_rank_its_weights_do_not_bear_out_is_refused(snapshot, tmp_path):
+    """adapter_config.json's r sizes what the run allocates; a hand-edited r of 2**40 beside rank-4 weights was
+    admitted (the rank bound leaves a base_adapter's rank to its files) and failed the run with a MemoryError."""
+    import json
+
+    path, _ = snapshot
+    settings = make_settings(tmp_path)
+    warm = copy_snapshot(path, settings)
+    config_file = tmp_path / "adapters" / "warm" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    for rank in (2**40, 8, 3):
+        config_file.write_text(json.dumps({**config, "r": rank}))
+        with pytest.raises(RequestError) as info:
+            admit_sft(request(write_dataset(tmp_path), base_adapter=warm, lora=None), settings)
+        assert info.value.field == "config.base_adapter"
+        assert f"r={rank}, but adapter_model.safetensors has lora_A tensors of 4 rows" in info.value.message
+    config_file.write_text(json.dumps(config))
+    assert admit_sft(request(write_dataset(tmp_path), base_adapter=warm, lora=None), settings).effective_config[
+        "lora"]["rank"] == 4

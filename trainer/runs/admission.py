@@ -751,9 +751,11 @@ def check_base_adapter(c: dict, settings: RunSettings, given_lora: bool) -> None
         raise RequestError("config.base_adapter", "must be the path of a PEFT adapter directory")
     roots = (settings.registry, settings.home / "adapters") + tuple(settings.data_roots)
     directory = _confined_directory(c["base_adapter"], roots)
-    from trainer.peft import read_adapter_config
+    from trainer.peft import check_rank_in_weights, read_adapter_config
     try:
-        shape = read_adapter_config(directory).shape_identity()
+        lora = read_adapter_config(directory)
+        check_rank_in_weights(directory, lora)
+        shape = lora.shape_identity()
     except (OSError, ValueError) as error:
         raise RequestError("config.base_adapter", str(error)) from None
     if given_lora and c["lora"] != shape:
