@@ -56,6 +56,17 @@ def chromium_browser():
             browser.close()
 
 
+def open_page(browser, viewport: dict, timeout_ms: int = 30_000, **context_options):
+    """A page in a context of its own at VIEWPORT, waiting at most TIMEOUT_MS for anything; the page's script
+    errors collect in page.errors (a test asserts there are none)."""
+    context = browser.new_context(viewport=viewport, **context_options)
+    context.set_default_timeout(timeout_ms)
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    return page
+
+
 def admin_password(stack: Stack) -> str:
     return re.search(r"Created the admin user 'admin' with password: (\S+)", stack.web.output).group(1)
 

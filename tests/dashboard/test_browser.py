@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from .browser import (DESKTOP, PHONE, SHOTS, admin_password, chromium_browser, no_horizontal_scroll, served,
-                      shot)
+from .browser import (DESKTOP, PHONE, SHOTS, admin_password, chromium_browser, no_horizontal_scroll, open_page,
+                      served, shot)
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +61,8 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     SHOTS.mkdir(parents=True, exist_ok=True)
     for old in SHOTS.glob("*.png"):
         old.unlink()
-    context = chromium.new_context(viewport=DESKTOP)
-    context.set_default_timeout(120_000)  # waits for the worker (dispatch, model load, steps) on a busy 2-core host
-    page = context.new_page()
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+    # waits for the worker (dispatch, model load, steps) on a busy 2-core host
+    page = open_page(chromium, DESKTOP, timeout_ms=120_000)
 
     # sign in
     page.goto(stack.url + "/")
@@ -145,7 +142,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     assert page.evaluate("window.__sameDocument") is True
 
     # ... and on the jobs list, in a second tab
-    listing = context.new_page()
+    listing = page.context.new_page()
     listing.goto(stack.url + "/")
     cell = f"tr[data-job='{job_id}'] [data-field=progress]"
     before = int(listing.inner_text(cell).split("/")[0])
@@ -204,14 +201,14 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     page.wait_for_selector("[data-chart=loss] path[data-series=run]")
     assert chart_paths(page) == live_paths
     shot(page, "10-after-reload")
-    assert not errors, errors
+    assert not page.errors, page.errors
 
     # every page fits both viewports
     pages = {"jobs": "/", "job": f"/jobs/{resumed_id}/", "stopped-job": f"/jobs/{job_id}/",
              "new-job": "/jobs/new/sft/", "prepare-resume": f"/jobs/{job_id}/resume/", "adapters": "/adapters/",
              "adapter": "/adapters/dash-bot/"}
     for label, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-        sized = chromium.new_context(viewport=viewport, storage_state=context.storage_state())
+        sized = chromium.new_context(viewport=viewport, storage_state=page.context.storage_state())
         view = sized.new_page()
         for name, path in pages.items():
             view.goto(stack.url + path)
@@ -228,7 +225,7 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     # a step pushed while the page's resync snapshot is on its way is kept: the committed step never
     # moves back to the snapshot's, so it matches the chart (held here; it raced under load before)
     held, racing = [], []
-    race = context.new_page()
+    race = page.context.new_page()
     race.route(re.compile(r"/jobs/[0-9a-f-]{36}/snapshot"), lambda route: held.append(route))
     race.route_web_socket(re.compile(r"/ws/jobs/"), lambda ws: (ws.connect_to_server(), racing.append(ws)))
     race.goto(f"{stack.url}/jobs/{resumed_id}/")
@@ -247,5 +244,5 @@ def test_train_watch_stop_resume_and_reload(stack, chromium, dataset):
     held[0].continue_()
     race.wait_for_function("document.querySelector('[data-job-page]').dataset.snapshots === '1'")  # applied, drawn
     assert race.evaluate(points) == [drawn_before + 1, final + 1]
-    assert not errors, errors
-    context.close()
+    assert not page.errors, page.errors
+    page.context.close()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, served, shot, sign_in
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, open_page, served, shot, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +52,7 @@ def test_evaluation_and_promotion_pages_fit_desktop_and_phone(stack):
              "the manual evaluation")
 
     with chromium_browser() as browser:
-        context = browser.new_context(viewport=DESKTOP)
-        context.set_default_timeout(30_000)
-        page = context.new_page()
-        errors = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
+        page = open_page(browser, DESKTOP)
         sign_in(page, stack, "/evals/")
         page.wait_for_selector("[data-eval-runs]")
         assert page.locator("[data-run]").count() == 2
@@ -75,4 +71,4 @@ def test_evaluation_and_promotion_pages_fit_desktop_and_phone(stack):
                     assert page.locator(f"[data-promotion] a[href='/evals/runs/{gate_run}/']").count() == 1
                 shot(page, f"evals-{name}-{size_name}")
                 no_horizontal_scroll(page)
-        assert errors == []
+        assert page.errors == []

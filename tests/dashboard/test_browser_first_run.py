@@ -9,7 +9,7 @@ import pytest
 
 from controlplane.services import ROOT
 
-from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, served, shot, sign_in
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, open_page, served, shot, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,7 @@ def stack(tmp_path_factory):
 
 def test_the_empty_jobs_page_shows_a_first_run_that_fits(stack):
     with chromium_browser() as browser:
-        context = browser.new_context(viewport=DESKTOP)
-        context.set_default_timeout(30_000)
-        page = context.new_page()
-        errors = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
+        page = open_page(browser, DESKTOP)
         sign_in(page, stack)
         card = page.wait_for_selector("[data-first-run]")
         text = card.inner_text()
@@ -48,7 +44,7 @@ def test_the_empty_jobs_page_shows_a_first_run_that_fits(stack):
         # the API reference on a phone (mobile layout: without a viewport line Chromium lays a page out 980 px
         # wide and shrinks it), signed in by the session's cookie
         phone = browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True,
-                                    storage_state=context.storage_state())
+                                    storage_state=page.context.storage_state())
         docs = phone.new_page()
         docs.goto(stack.url + "/v1/docs")
         docs.wait_for_selector(".swagger-ui .info")
@@ -62,4 +58,4 @@ def test_the_empty_jobs_page_shows_a_first_run_that_fits(stack):
         page.goto(stack.url + "/")
         page.wait_for_selector("[data-jobs-table] tr[data-job]")
         assert page.locator("[data-first-run]").count() == 0
-        assert errors == []
+        assert page.errors == []

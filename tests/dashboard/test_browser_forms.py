@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, served, sign_in
+from .browser import DESKTOP, PHONE, chromium_browser, no_horizontal_scroll, open_page, served, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +40,7 @@ def chromium(stack):
 def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stack, chromium, tmp_path):
     dataset = tmp_path / "greetings.jsonl"
     dataset.write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
-    context = chromium.new_context(viewport=DESKTOP)
-    context.set_default_timeout(30_000)
-    page = context.new_page()
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+    page = open_page(chromium, DESKTOP)
     sign_in(page, stack, "/jobs/new/sft/")
     page.wait_for_selector("[data-job-form]")
 
@@ -79,10 +75,10 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
     job = stack.client.job(job_path.strip("/").rsplit("/", 1)[1])
     assert job["status"] == "succeeded" and job["promotion"]["auto_load"] is True, job["promotion"]
     assert page.inner_text("[data-live-indicator]") == "live"
-    assert not errors, errors
+    assert not page.errors, page.errors
 
     # 320 px: the effective configuration's long names and the snapshot's badge wrap instead of widening the page
-    narrow = chromium.new_context(viewport=NARROW, storage_state=context.storage_state())
+    narrow = chromium.new_context(viewport=NARROW, storage_state=page.context.storage_state())
     small = narrow.new_page()
     for path in (job_path, "/adapters/auto-bot/"):
         small.goto(stack.url + path)
@@ -91,7 +87,8 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
     narrow.close()
 
     # JavaScript off: no "connecting" that never connects, no "waiting" for steps that were committed
-    still = chromium.new_context(viewport=DESKTOP, java_script_enabled=False, storage_state=context.storage_state())
+    still = chromium.new_context(viewport=DESKTOP, java_script_enabled=False,
+                                 storage_state=page.context.storage_state())
     static = still.new_page()
     for path in ("/", job_path):
         static.goto(stack.url + path)
@@ -110,4 +107,4 @@ def test_an_auto_load_upload_trains_and_pages_are_honest_without_javascript(stac
     static.wait_for_selector("text=Deleted the checkpoints and PEFT snapshot of auto-bot.")
     assert not snapshot.exists()
     still.close()
-    context.close()
+    page.context.close()
