@@ -244,9 +244,10 @@ class JobForm(forms.Form):
 
     # -- the form itself --
 
-    def __init__(self, *args, resume_from: str | None = None, **kwargs):
+    def __init__(self, *args, resume_from: str | None = None, user=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.resume_from = resume_from  # the checkpoint a prepared resume continues (changes the messages)
+        self.user = user  # whose values suggest() may offer
         for name, factory in self._field_factories.items():
             self.fields[name] = factory()
         self.suggestions = {}  # field name -> values the browser offers as it is typed (a datalist)
@@ -500,6 +501,13 @@ class SFTJobForm(JobForm):
     kind = JobKind.SFT
     title = "SFT"
     summary = "Supervised fine-tuning on chat ({messages}) or {prompt, completion} records."
+
+    def suggest(self) -> dict[str, list[str]]:
+        from kiln_web.evals.actions import visible_suites
+
+        if self.user is None:
+            return {}
+        return {"gate__suite": list(visible_suites(self.user).order_by("name").values_list("name", flat=True)[:200])}
 
 
 class GRPOJobForm(JobForm):

@@ -171,8 +171,8 @@ def new_job(request: HttpRequest, kind: str) -> HttpResponse:
     if form_class is None:
         raise Http404(f"no new-job form for training kind {kind!r}")
     if request.method == "GET":
-        return _form_page(request, form_class(), kind=kind)
-    form = form_class(request.POST, request.FILES)
+        return _form_page(request, form_class(user=request.user), kind=kind)
+    form = form_class(request.POST, request.FILES, user=request.user)
     if form.is_valid():
         job = _submit(request, form)
         if job is not None:
@@ -194,8 +194,9 @@ def resume_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
     basename = config["resume_checkpoint"]
     if request.method == "GET":
         initial = form_class.initial_from(config, job.request if isinstance(job.request, dict) else {}, basename)
-        return _form_page(request, form_class(initial=initial, resume_from=basename), kind=job.kind, source_job=job)
-    form = form_class(request.POST, request.FILES, resume_from=basename)
+        return _form_page(request, form_class(initial=initial, resume_from=basename, user=request.user), kind=job.kind,
+                          source_job=job)
+    form = form_class(request.POST, request.FILES, resume_from=basename, user=request.user)
     if form.is_valid():
         new = _submit(request, form)
         if new is not None:

@@ -129,6 +129,18 @@ def test_the_form_offers_every_field_of_the_api_schema(signed_in, kind, schema):
     assert all(f'href="/jobs/new/{other}/"' in page for other in ("sft", "grpo", "opd"))
 
 
+def test_the_gate_suite_field_offers_the_person_s_own_suites(signed_in, ada, bob):
+    from kiln_web.evals.actions import do_create_suite
+
+    content = '{"prompt": "1+1", "expected": "2"}\n'
+    do_create_suite(ada, "ada-held-out", content, "exact")
+    do_create_suite(bob, "bob-held-out", content, "exact")
+    page = signed_in.get("/jobs/new/sft/").content.decode()
+    assert 'list="suggest-gate__suite"' in page
+    offered = re.search(r'<datalist id="suggest-gate__suite">(.*?)</datalist>', page, re.S).group(1)
+    assert '<option value="ada-held-out">' in offered and "bob-held-out" not in offered
+
+
 def test_opd_prompts_may_be_strings_and_a_json_list(signed_in):
     from kiln_web.dashboard.forms import OPDJobForm
 
