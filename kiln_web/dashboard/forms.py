@@ -60,7 +60,8 @@ DEFAULT_HINT = re.compile(r"absent: ([^;]+)")
 # What a schema pattern asks for, in words: pydantic's own message quotes the regular expression.
 NAME_RULE = "letters, digits, '.', '_' or '-' (at most 100), starting with a letter or digit"
 PATTERN_TEXT = {ADAPTER_NAME: f"Use {NAME_RULE}; no spaces or '/'.",
-                TEACHER_ALIAS: f"Give a teacher alias as NAME@native, NAME@openai or NAME@vllm, NAME being {NAME_RULE}."}
+                TEACHER_ALIAS: f"Give a teacher alias as NAME@native, NAME@openai or NAME@vllm, NAME being "
+                               f"{NAME_RULE}."}
 
 
 def _label(name: str) -> str:
