@@ -374,3 +374,20 @@ def test_an_unscorable_completion_is_left_out_of_its_group_baseline(tmp_path):
     advantage = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-4)  # the two scored ones: +-advantage, the third 0
     assert metrics["advantage_mean"] == pytest.approx(0.0, abs=1e-15)
     assert metrics["advantage_std"] == pytest.approx(np.std([advantage, -advantage, 0.0]), rel=1e-12)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["file", "streamed"])
+def test_a_file_group_s_refusal_names_dataset_path_and_its_line(tmp_path, streaming):
+    """Was field "dataset_path line 4" (no field of the request), and, for a file read whole, "groups[2]" when the
+    group failed to tokenize (the request has no groups). Now the field is dataset_path and the message starts
+    with the line (blank lines counted), then the completion where it is one."""
+    settings = make_settings(tmp_path)
+    empty_prompt = {"prompt": "", "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 0}]}
+    unrewarded = {"prompt": "x", "completions": [{"text": "a", "reward": 1}, {"text": "b"}]}
+    config = {**(STREAMED if streaming else INLINE), "streaming": streaming}
+    for bad, message in ((unrewarded, "line 4: completions[1]: needs exactly one of reward"),
+                         (empty_prompt, "line 4: the prompt has no tokens")):
+        path = write_jsonl(tmp_path, GROUPS[:2] + [bad], name=f"bad-{streaming}.jsonl")  # a blank third line
+        with pytest.raises(RequestError) as info:
+            grpo.admit_grpo({"dataset_path": path, "config": config}, settings)
+        assert info.value.field == "dataset_path" and info.value.message.startswith(message), info.value

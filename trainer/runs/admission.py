@@ -272,12 +272,25 @@ def record_place(records, index: int, inline_field: str) -> tuple[str, str]:
     """(the field a refusal of record INDEX of RECORDS names, the words its message starts with)."""
     if not isinstance(records, FileRecords):
         return f"{inline_field}[{index}]", ""
-    return "dataset_path", (f"line {records.lines[index]}: " if records.lines is not None else f"item {index}: ")
+    return line_place(records.lines[index]) if records.lines is not None else ("dataset_path", f"item {index}: ")
 
 
-def refuse_record(place: tuple[str, str], message: str) -> RequestError:
-    """The RequestError for a record at PLACE (record_place)."""
+def line_place(number: int) -> tuple[str, str]:
+    """record_place's answer for the record on line NUMBER (1-based) of the request's dataset_path file."""
+    return "dataset_path", f"line {number}: "
+
+
+def within(place, part: str):
+    """The place of PART (e.g. "completions[1]") inside the record at PLACE."""
+    if isinstance(place, str):
+        return f"{place}.{part}"
     field, prefix = place
+    return (field, f"{prefix}{part}: ") if prefix else (f"{field}.{part}", "")
+
+
+def refuse_record(place, message: str) -> RequestError:
+    """The RequestError for a record at PLACE (record_place's (field, prefix), or a field name)."""
+    field, prefix = (place, "") if isinstance(place, str) else place
     return RequestError(field, prefix + message)
 
 

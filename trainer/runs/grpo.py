@@ -31,7 +31,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     merge_config, number_field, planning_identity, reopen_resume, require_loss_route,
                                     revalidate, run_identities, select_loss_route, settle_seed, training_view,
                                     warm_start)
-from trainer.runs.admission import refuse_existing_checkpoints
+from trainer.runs.admission import refuse_existing_checkpoints, refuse_record
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.defaults import EMA_DEFAULTS, GRPO_DEFAULTS
@@ -102,14 +102,14 @@ def tokenize_group(record, tokenizer, config: dict, maximum_context: int, where:
         prompt = record["prompt"]
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
-        raise RequestError(where, "the prompt has no tokens")
+        raise refuse_record(where, "the prompt has no tokens")
     limit = min(config["max_completion_length"], maximum_context + 1 - len(prompt_ids))
     if limit < 1:
-        raise RequestError(where, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's "
-                                  f"context of {maximum_context}")
+        raise refuse_record(where, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's "
+                                   f"context of {maximum_context}")
     completions = [tokenizer.encode(c["text"])[:limit] for c in record["completions"]]
     if not any(completions):
-        raise RequestError(where, "no completion of the group has a token")
+        raise refuse_record(where, "no completion of the group has a token")
     return prompt_ids, completions
 
 

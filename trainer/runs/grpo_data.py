@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass, field
 
 from trainer.jsonio import data_loads
-from trainer.runs.admission import (AdmissionError, RequestError, RunFailed, RunSettings, canonical, dataset_file,
-                                    difference, sha256_hex)
+from trainer.runs.admission import (AdmissionError, FileRecords, RequestError, RunFailed, RunSettings, canonical,
+                                    dataset_file, difference, line_place, record_place, refuse_record, sha256_hex,
+                                    within)
 
 CHAIN_START = hashlib.sha256(b"kiln.grpo.consumed-lines.v1").hexdigest()
 
@@ -23,46 +24,47 @@ def _finite(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def parse_group(record, where: str) -> dict:
-    """The group unchanged after checking its shape; RequestError naming `where` otherwise."""
+def parse_group(record, where) -> dict:
+    """The group unchanged after checking its shape; RequestError naming `where` (admission.record_place's place)
+    otherwise."""
     if not isinstance(record, dict):
-        raise RequestError(where, "must be an object with prompt or messages, and completions")
+        raise refuse_record(where, "must be an object with prompt or messages, and completions")
     if ("prompt" in record) == ("messages" in record):
-        raise RequestError(where, "needs exactly one of prompt (text) or messages (chat)")
+        raise refuse_record(where, "needs exactly one of prompt (text) or messages (chat)")
     if "prompt" in record and not isinstance(record["prompt"], str):
-        raise RequestError(where, "prompt must be a string")
+        raise refuse_record(where, "prompt must be a string")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise RequestError(where, "messages must be a non-empty list of {role, content}")
+            raise refuse_record(where, "messages must be a non-empty list of {role, content}")
     completions = record.get("completions")
     if not isinstance(completions, list) or len(completions) < 2:
-        raise RequestError(where, "completions must be a list of at least two scored completions")
+        raise refuse_record(where, "completions must be a list of at least two scored completions")
     for index, completion in enumerate(completions):
-        here = f"{where}.completions[{index}]"
+        here = within(where, f"completions[{index}]")
         if not isinstance(completion, dict) or not isinstance(completion.get("text"), str):
-            raise RequestError(here, "must be an object with a text string")
+            raise refuse_record(here, "must be an object with a text string")
         if ("reward" in completion) == ("rewards" in completion):
-            raise RequestError(here, "needs exactly one of reward (a number) or rewards ({name: number})")
+            raise refuse_record(here, "needs exactly one of reward (a number) or rewards ({name: number})")
         if "reward" in completion and not _finite(completion["reward"]):
-            raise RequestError(here, f"reward must be a finite number, got {completion['reward']!r}")
+            raise refuse_record(here, f"reward must be a finite number, got {completion['reward']!r}")
         if "rewards" in completion:
             rewards = completion["rewards"]
             if not isinstance(rewards, dict) or not rewards or not all(
                     v is None or _finite(v) for v in rewards.values()):
-                raise RequestError(here, "rewards must map names to finite numbers (or null)")
+                raise refuse_record(here, "rewards must map names to finite numbers (or null)")
     weights = record.get("reward_weights", {})
     if not isinstance(weights, dict) or not all(_finite(v) for v in weights.values()):
-        raise RequestError(where, "reward_weights must map reward names to finite numbers")
+        raise refuse_record(where, "reward_weights must map reward names to finite numbers")
     if all("rewards" in c and all(v is None for v in c["rewards"].values()) for c in completions):
-        raise RequestError(where, "no completion is scored (every reward component is null); a group needs at "
+        raise refuse_record(where, "no completion is scored (every reward component is null); a group needs at "
                                   "least one reward to compare against")
     try:
         canonical(record)
     except ValueError:
-        raise RequestError(where, "holds a non-finite number") from None
+        raise refuse_record(where, "holds a non-finite number") from None
     return record
 
 
@@ -99,9 +101,9 @@ def scan_stream(path, on_group=None) -> dict:
             size += len(raw)
             chain = _chain(chain, sha256_hex(raw))
             if not _blank(raw):
-                record = parse_group(_parse_line(raw, lines, "dataset_path"), f"dataset_path line {lines + 1}")
+                record = parse_group(_parse_line(raw, lines, "dataset_path"), line_place(lines + 1))
                 if on_group is not None:
-                    on_group(record, f"dataset_path line {lines + 1}")
+                    on_group(record, line_place(lines + 1))
                 groups += 1
             lines += 1
     return {"route": "streamed_jsonl", "sha256": digest.hexdigest(), "bytes": size, "lines": lines,
@@ -193,7 +195,7 @@ class StreamSource:
 
     def _record(self, raw, number):
         try:
-            return parse_group(_parse_line(raw, number, "dataset_path"), f"dataset_path line {number + 1}")
+            return parse_group(_parse_line(raw, number, "dataset_path"), line_place(number + 1))
         except RequestError as error:
             raise RunFailed("source_changed", f"{self.path} changed while streaming: {error}") from None
 
@@ -284,22 +286,23 @@ def read_groups(request: dict, config: dict, settings: RunSettings, check=None):
     if request.get("dataset_path") is not None:
         path = dataset_file(request, settings)
         raw = path.read_bytes()
-        records = []
+        records, lines = [], []
         for number, line in enumerate(raw.split(b"\n")):
             if not _blank(line):
-                records.append(parse_group(_parse_line(line, number, "dataset_path"),
-                                           f"dataset_path line {number + 1}"))
+                records.append(parse_group(_parse_line(line, number, "dataset_path"), line_place(number + 1)))
+                lines.append(number + 1)
+        records = FileRecords(records, lines)
         kind = "file"
     else:
         groups = request["groups"]
         if not isinstance(groups, list):
             raise RequestError("groups", "must be a list of groups")
-        records = [parse_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
+        records = [parse_group(g, record_place(groups, i, "groups")) for i, g in enumerate(groups)]
         raw = b"".join(canonical(r) + b"\n" for r in records)
         kind, path = "inline", None
     if check is not None:
         for index, record in enumerate(records):
-            check(record, f"groups[{index}]")
+            check(record, record_place(records, index, "groups"))
     identity = {"route": kind, "sha256": sha256_hex(raw), "bytes": len(raw), "groups": len(records),
                 "order": "source"}
     return kind, identity, records, path
