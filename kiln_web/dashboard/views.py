@@ -293,7 +293,7 @@ def qualification(request: HttpRequest) -> HttpResponse:
 @login_required
 def teachers(request: HttpRequest) -> HttpResponse:
     """Teacher aliases (global names an OPD run's config.teacher resolves) and registering one."""
-    from kiln_web.teachers.actions import do_create_teacher, shown_to
+    from kiln_web.teachers.actions import adapter_hidden, do_create_teacher
     from kiln_web.teachers.models import TeacherAlias
 
     form = TeacherForm(request.POST or None)
@@ -312,7 +312,7 @@ def teachers(request: HttpRequest) -> HttpResponse:
         status = 400
     aliases = list(TeacherAlias.objects.select_related("owner").order_by("name"))
     for alias in aliases:  # a registry adapter the person may not see is left out, as in the API
-        alias.adapter_hidden = shown_to(alias, request.user)["adapter_hidden"]
+        alias.adapter_hidden = adapter_hidden(alias, request.user)
     return render(request, "dashboard/teachers.html", {"aliases": aliases, "form": form, "nav": "teachers"},
                   status=status)
 

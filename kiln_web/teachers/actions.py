@@ -101,14 +101,19 @@ def check_unused(alias: TeacherAlias) -> None:
                                                    "it to end or cancel it first", job_id=str(job.pk))
 
 
+def adapter_hidden(alias: TeacherAlias, user) -> bool:
+    """Whether ALIAS names an adapter of the registry that USER may not see."""
+    from kiln_web.serving.actions import registry_adapter_hidden
+
+    return bool(alias.adapter) and registry_adapter_hidden(user, alias.adapter)
+
+
 def shown_to(alias: TeacherAlias, user) -> dict:
     """ALIAS as USER may see it: aliases are listed to everyone, but an adapter of the registry that USER may not
     see is left out (`adapter` null, `adapter_hidden` true), as the adapter's own routes answer USER as for a name
     that does not exist. The identity revision, which binds the path, is shown to all."""
-    from kiln_web.serving.actions import registry_adapter_hidden
-
     document = alias.to_dict()
-    hidden = bool(alias.adapter) and registry_adapter_hidden(user, alias.adapter)
+    hidden = adapter_hidden(alias, user)
     if hidden:
         document["adapter"] = None
     return {**document, "adapter_hidden": hidden}

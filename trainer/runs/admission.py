@@ -313,15 +313,12 @@ def check_rank_fits(lora: dict | None, base) -> None:
     update B @ A of an [out, in] projection has rank at most min(out, in), so a larger rank adds no capacity, only
     memory (a huge one would fail the run after admission). A base that does not describe its architecture is
     left to the run."""
-    from trainer.config import TransformerConfig
+    from trainer.runs.device_plan import architecture
 
-    described = getattr(base, "config", None)
-    if not lora or not isinstance(described, dict) or not described:
+    model = architecture(base, None) if lora else None
+    if model is None:
         return
-    try:
-        shapes = TransformerConfig.from_dict(described).projection_shapes()
-    except (TypeError, ValueError):
-        return
+    shapes = model.projection_shapes()
     name, (rows, cols) = min(((n, shapes[n]) for n in lora["targets"] if n in shapes), key=lambda item: min(item[1]),
                              default=(None, (0, 0)))
     if name is not None and lora["rank"] > min(rows, cols):
