@@ -25,7 +25,7 @@ from native_ext.validate import file_sha256
 
 LIBRARY_NAME = "libkiln_cuda.so"
 ENVIRONMENT_VARIABLE = "KILN_CUDA_LIBRARY"
-ABI_VERSION = 1  # kiln_cuda_abi_version() of the library this table describes
+ABI_VERSION = 2  # kiln_cuda_abi_version() of the library this table describes
 NORM_BLOCKS = 256  # doubles of the workspace kiln_cuda_sum_squares reduces through (KILN_CUDA_NORM_BLOCKS)
 ATTENTION_MAX_HEAD = 128  # the largest head size the attention kernels take (KILN_CUDA_ATTENTION_MAX_HEAD)
 DRIVER_LIBRARY = "libcuda.so.1"
@@ -101,12 +101,13 @@ SYMBOLS = {
     "kiln_cuda_swiglu_forward": (c_int, [P, P, I, I, P]),
     # dout [N,F], gate_up [N,2F], dgate_up [N,2F] (written), N, F, stream
     "kiln_cuda_swiglu_backward": (c_int, [P, P, P, I, I, P]),
-    # q [G,T*g,D], k [G,S,D], v, out [G,T*g,D], logsumexp [G,T*g], G, T, g, S, D, past, scale, stream
-    "kiln_cuda_attention_forward": (c_int, [P, P, P, P, P, I, I, I, I, I, I, I, F, P]),
+    # q [G,T*g,D], k [G,S,D], v, out [G,T*g,D], logsumexp [G,T*g], G, T, g, S, D, past, window, scale,
+    # tile (0: the device's choice, or 32 or 64 rows and keys), stream
+    "kiln_cuda_attention_forward": (c_int, [P, P, P, P, P, I, I, I, I, I, I, I, F, I, P]),
     # dout, q, k, v, out, logsumexp, dq, dk, dv (written), delta workspace [G,T*g],
-    # G, T, g, S, D, past, scale, stream
-    "kiln_cuda_attention_backward": (c_int, [P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, F, P]),
-    # head size D, then the dynamic shared memory per block out: forward (decoding too), backward
+    # G, T, g, S, D, past, window, scale, tile, stream
+    "kiln_cuda_attention_backward": (c_int, [P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, F, I, P]),
+    # head size D, then the least dynamic shared memory per block out (32-row tiles): forward (decoding too), backward
     "kiln_cuda_attention_shared_bytes": (c_int, [I, _SIZE_OUT, _SIZE_OUT]),
     "kiln_cuda_attention_probabilities": (c_int, [P, P, c_int, I, I, I, I, I, I, P]),
     "kiln_cuda_attention_dscores": (c_int, [P, P, P, P, P, I, I, I, I, I, F, P]),

@@ -137,7 +137,7 @@ class DeviceDecoding:
                     self._rope_forward(v_in + 4 * (b * strides[0] + head * D), strides, values.ptr + slot,
                                        1, T, 1, 1, identity=True)
             self._call("kiln_cuda_attention_forward", q.ptr, keys.ptr, values.ptr, att.ptr, lse.ptr, G, T, g, P, D,
-                       past, window, scale, None)
+                       past, window, scale, 0, None)
             self._rope_backward(att.ptr, attn.ptr, (T * H * D, H * D, D), B, T, KV, g, identity=True)
             self._base_forward(block, "o", attn.ptr, x.ptr, N, 1.0)  # x += attn @ o.T, in place
             self._lora_forward(block, i, "o", attn.ptr, x.ptr, N, keep=False)

@@ -202,7 +202,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         """att [G,T*g,D] and lse [G,T*g] of causal GQA attention over q [G,T*g,D], k/v [G,T,D] (device arrays)."""
         if self.attention == "tiled":
             self._call("kiln_cuda_attention_forward", q.ptr, k.ptr, v.ptr, att.ptr, lse.ptr, G, T, g, T, D, 0, window,
-                       scale, None)
+                       scale, 0, None)  # tile 0: the device's choice
             return
         R, code = T * g, self._base_code
         chunk = dense_chunk(G, R, T)
@@ -220,7 +220,7 @@ class CudaModel(DeviceDecoding, DeviceOptimizer, Closeable):
         """dq [G,T*g,D], dk, dv [G,T,D] from datt, what _attention_forward read and wrote, and a delta workspace."""
         if self.attention == "tiled":
             self._call("kiln_cuda_attention_backward", datt.ptr, q.ptr, k.ptr, v.ptr, att.ptr, lse.ptr, dq.ptr, dk.ptr,
-                       dv.ptr, delta.ptr, G, T, g, T, D, 0, window, scale, None)
+                       dv.ptr, delta.ptr, G, T, g, T, D, 0, window, scale, 0, None)
             return
         R, code = T * g, self._base_code
         chunk = dense_chunk(G, R, T)

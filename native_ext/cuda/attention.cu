@@ -5,17 +5,23 @@
 // dV of its keys and walks the row tiles that can see them; then one CTA per (row tile, group) owns dQ
 // and walks the key tiles. Every sum runs in a fixed order, so the result is the same every run.
 //
-// Register tiling on the CUDA cores: a CTA is 16 x 16 threads, (ty, tx). A tile of scores [64 rows, 64
-// keys] gives thread (ty, tx) rows ty + 16i and keys tx + 16j (i, j < 4): per two steps of the head
-// dimension it loads 4 + 4 pairs of floats from shared memory for 32 FMAs (the first kernels did one
-// FMA's work, unfused, per two single loads). An accumulator [rows or keys, D] gives it rows ty + 16i (a
-// dK/dV accumulator keys 4ty + i) and the column pairs 2tx + 32m, kept in registers across the whole walk;
-// it reads a pair of keys (or, for dK/dV, four keys) of probabilities and a pair of columns per load. The
+// Register tiling on the CUDA cores: a CTA is 16 x 16 threads, (ty, tx). A tile of scores [TILE rows, TILE
+// keys], TILE = 64 (or 32: below), gives thread (ty, tx) rows ty + 16i and keys tx + 16j (i, j < TILE / 16 = P):
+// per two steps of the head dimension it loads P + P pairs of floats from shared memory for 2 P^2 FMAs (the first
+// kernels did one FMA's work, unfused, per two single loads). An accumulator [rows or keys, D] gives it rows
+// ty + 16i (a dK/dV accumulator keys P ty + i) and the column pairs 2tx + 32m, kept in registers across the whole
+// walk; it reads a pair of keys (or, for dK/dV, P keys) of probabilities and a pair of columns per load. The
 // head size is rounded up to DMAX = 32, 64 or 128, whose columns from D on hold zeros. Tiles of q, k, v and
 // dout live in dynamic shared memory [rows, DMAX + 2]: a pitch of 2 (mod 32) floats, so the 16 threads of a
 // half-warp reading pairs from 16 different rows at one column hit 32 different banks, and pairs are
 // 8-byte aligned. The products use explicit fmaf (one rounding, as cuBLAS's GEMMs; the rest of the
 // library is built with --fmad=false), in a fixed order per output.
+//
+// Tiles of 64 rows and keys at head size 128 take 119 KiB (forward) and 163 KiB (backward) of shared memory per
+// block: an A100 (163 KiB) or H100 (227 KiB) holds them, a device of compute 8.6, 8.9 or 12.0 (99 KiB: RTX 30-,
+// 40- and 50-series, A10, L4, L40S) does not. There the kernels run with tiles of 32 (56 and 73 KiB), chosen per
+// launch from the device's opt-in limit (choose_tile), so one device always takes the same tiles and gives the same
+// bits; a different tile size sums the online softmax in other blocks, so its bits differ in the last places.
 #include <cmath>
 #include <cstdio>
 
@@ -23,17 +29,22 @@
 
 namespace {
 
-constexpr int kTile = 64;      // query rows and keys per tile
 constexpr int kSide = 16;      // threads per side of the CTA
 constexpr int kThreads = kSide * kSide;
-constexpr int kPerThread = kTile / kSide;  // rows (or keys) per thread in a tile: 4
-constexpr int kRowScorePitch = kTile + 2;  // score tiles read along a row (forward P, dQ's dS), a pair of keys a load
-constexpr int kColumnScorePitch = kTile;   // score tiles read down a column (dK/dV's P and dS), four keys a load
 constexpr int kReducePitch = kSide + 1;    // [rows, 16] partial maxima and sums
 
-// at most 128 registers a thread where two blocks fit an SM's shared memory (head sizes to 64; on an H100 for
-// the backward too): no spills there (ptxas -v); the 128 kernels keep the registers they take
-#define KILN_ATTENTION_BOUNDS __launch_bounds__(kThreads, DMAX <= 64 ? 2 : 1)
+// a tile of TILE query rows and TILE keys (64, or 32 for devices short of shared memory per block)
+template <int TILE>
+struct Tiles {
+    static_assert(TILE == 32 || TILE == 64, "the kernels tile 32 or 64 rows and keys");
+    static constexpr int per_thread = TILE / kSide;  // rows (or keys) per thread in a tile: 4 or 2
+    static constexpr int row_score_pitch = TILE + 2;  // score tiles read along a row (forward P, dQ's dS), a pair a load
+    static constexpr int column_score_pitch = TILE;   // score tiles read down a column (dK/dV's P and dS), P keys a load
+};
+
+// at most 128 registers a thread where two blocks fit an SM's shared memory (head sizes to 64, and 32-key tiles;
+// on an H100 for the backward too): no spills there (ptxas -v); the 64-key 128 kernels keep the registers they take
+#define KILN_ATTENTION_BOUNDS __launch_bounds__(kThreads, DMAX <= 64 || TILE == 32 ? 2 : 1)
 
 __device__ int thread_y() { return (int)threadIdx.x / kSide; }
 __device__ int thread_x() { return (int)threadIdx.x % kSide; }
@@ -66,31 +77,32 @@ __device__ void load_tile(float *tile, const float *source, int64_t first, int c
     }
 }
 
+template <int TILE>
 __device__ void load_rows(float *values, const float *source, int64_t first, int count) {
-    for (int i = threadIdx.x; i < kTile; i += kThreads) values[i] = i < count ? source[first + i] : 0.0f;
+    for (int i = threadIdx.x; i < TILE; i += kThreads) values[i] = i < count ? source[first + i] : 0.0f;
 }
 
 // scores[i][j] = a[rows ty + 16i] . b[rows tx + 16j] over the first D columns, d in order (an odd D's last
 // pair reads the zero column D)
-template <int DMAX>
-__device__ void micro_dots(const float *a, const float *b, int D, float (&scores)[kPerThread][kPerThread]) {
+template <int DMAX, int TILE, int P = Tiles<TILE>::per_thread>
+__device__ void micro_dots(const float *a, const float *b, int D, float (&scores)[P][P]) {
     constexpr int pitch = DMAX + 2;
     const int ty = thread_y(), tx = thread_x();
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++)
+    for (int i = 0; i < P; i++)
 KILN_UNROLL
-        for (int j = 0; j < kPerThread; j++) scores[i][j] = 0.0f;
+        for (int j = 0; j < P; j++) scores[i][j] = 0.0f;
     KILN_UNROLL_4
     for (int d = 0; d < D; d += 2) {
-        float2 x[kPerThread], y[kPerThread];
+        float2 x[P], y[P];
 KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++) x[i] = load2(a + (ty + kSide * i) * pitch + d);
+        for (int i = 0; i < P; i++) x[i] = load2(a + (ty + kSide * i) * pitch + d);
 KILN_UNROLL
-        for (int j = 0; j < kPerThread; j++) y[j] = load2(b + (tx + kSide * j) * pitch + d);
+        for (int j = 0; j < P; j++) y[j] = load2(b + (tx + kSide * j) * pitch + d);
 KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++)
+        for (int i = 0; i < P; i++)
 KILN_UNROLL
-            for (int j = 0; j < kPerThread; j++) {
+            for (int j = 0; j < P; j++) {
                 scores[i][j] = fmaf(x[i].x, y[j].x, scores[i][j]);
                 scores[i][j] = fmaf(x[i].y, y[j].y, scores[i][j]);
             }
@@ -114,56 +126,61 @@ KILN_UNROLL
 }
 
 // acc [rows ty + 16i] += weights [rows ty + 16i, n < count] @ values [n, this thread's columns], n in order;
-// weights [64, kRowScorePitch] read a pair of n at a time: an odd count's last pair reads weight column count
+// weights [TILE, TILE + 2] read a pair of n at a time: an odd count's last pair reads weight column count
 // (zero: no key there is visible) against values row count (zeros)
-template <int DMAX>
-__device__ void accumulate_rows(const float *weights, const float *values, int count,
-                                float (&acc)[kPerThread][DMAX / kSide]) {
+template <int DMAX, int TILE, int P = Tiles<TILE>::per_thread>
+__device__ void accumulate_rows(const float *weights, const float *values, int count, float (&acc)[P][DMAX / kSide]) {
     constexpr int pitch = DMAX + 2;
     const int ty = thread_y();
     KILN_UNROLL_4
     for (int n = 0; n < count; n += 2) {
-        float2 w[kPerThread], x0[DMAX / 32], x1[DMAX / 32];
+        float2 w[P], x0[DMAX / 32], x1[DMAX / 32];
 KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++) w[i] = load2(weights + (ty + kSide * i) * kRowScorePitch + n);
+        for (int i = 0; i < P; i++) w[i] = load2(weights + (ty + kSide * i) * (TILE + 2) + n);
         load_columns<DMAX>(x0, values + n * pitch);
         load_columns<DMAX>(x1, values + (n + 1) * pitch);
 KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++) {
+        for (int i = 0; i < P; i++) {
             add_row<DMAX>(acc[i], w[i].x, x0);
             add_row<DMAX>(acc[i], w[i].y, x1);
         }
     }
 }
 
-// acc [keys 4ty + i] += weights [n < count, keys 4ty + i]^T @ values [n, this thread's columns], n in order;
-// weights [64, kColumnScorePitch] read four keys at a time
-template <int DMAX>
-__device__ void accumulate_columns(const float *weights, const float *values, int count,
-                                   float (&acc)[kPerThread][DMAX / kSide]) {
+// acc [keys P ty + i] += weights [n < count, keys P ty + i]^T @ values [n, this thread's columns], n in order;
+// weights [TILE, TILE] read P keys (four, or two) at a time
+template <int DMAX, int TILE, int P = Tiles<TILE>::per_thread>
+__device__ void accumulate_columns(const float *weights, const float *values, int count, float (&acc)[P][DMAX / kSide]) {
     constexpr int pitch = DMAX + 2;
     const int ty = thread_y();
     KILN_UNROLL_4
     for (int n = 0; n < count; n++) {
-        const float4 w = load4(weights + n * kColumnScorePitch + kPerThread * ty);
+        const float *row = weights + n * Tiles<TILE>::column_score_pitch + P * ty;
         float2 x[DMAX / 32];
         load_columns<DMAX>(x, values + n * pitch);
-        add_row<DMAX>(acc[0], w.x, x);
-        add_row<DMAX>(acc[1], w.y, x);
-        add_row<DMAX>(acc[2], w.z, x);
-        add_row<DMAX>(acc[3], w.w, x);
+        if constexpr (P == 4) {
+            const float4 w = load4(row);
+            add_row<DMAX>(acc[0], w.x, x);
+            add_row<DMAX>(acc[1], w.y, x);
+            add_row<DMAX>(acc[2], w.z, x);
+            add_row<DMAX>(acc[3], w.w, x);
+        } else {
+            const float2 w = load2(row);
+            add_row<DMAX>(acc[0], w.x, x);
+            add_row<DMAX>(acc[1], w.y, x);
+        }
     }
 }
 
-// acc [.., D] to target rows [first, first + count), columns below D: this thread's rows ty + 16i, or 4ty + i
+// acc [.., D] to target rows [first, first + count), columns below D: this thread's rows ty + 16i, or P ty + i
 // when contiguous (accumulate_columns), each divided by divisors[row] where given
-template <int DMAX, bool contiguous>
-__device__ void store_rows(float *target, int64_t first, int count, int D, const float (&acc)[kPerThread][DMAX / kSide],
+template <int DMAX, int TILE, bool contiguous, int P = Tiles<TILE>::per_thread>
+__device__ void store_rows(float *target, int64_t first, int count, int D, const float (&acc)[P][DMAX / kSide],
                            const float *divisors) {
     const int ty = thread_y(), tx = thread_x();
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++) {
-        int row = contiguous ? kPerThread * ty + i : ty + kSide * i;
+    for (int i = 0; i < P; i++) {
+        int row = contiguous ? P * ty + i : ty + kSide * i;
         if (row >= count) continue;
 KILN_UNROLL
         for (int j = 0; j < DMAX / kSide; j++) {
@@ -173,52 +190,53 @@ KILN_UNROLL
     }
 }
 
-template <int DMAX>
+template <int DMAX, int TILE>
 __global__ void KILN_ATTENTION_BOUNDS attention_forward_kernel(const float *q, const float *k, const float *v, float *out,
                                          float *logsumexp, int64_t T, int64_t g, int64_t S, int D, int64_t past,
                                          int64_t window, float scale) {
-    constexpr int W = DMAX / kSide, pitch = DMAX + 2;
+    constexpr int W = DMAX / kSide, pitch = DMAX + 2, P = Tiles<TILE>::per_thread;
+    constexpr int score_pitch = Tiles<TILE>::row_score_pitch;
     KILN_DYNAMIC_SHARED(float, shared);
-    float *sq = shared, *sk = sq + kTile * pitch, *sv = sk + kTile * pitch, *sp = sv + kTile * pitch;
-    float *reduce = sp + kTile * kRowScorePitch, *running_max = reduce + kTile * kReducePitch;
-    float *safe_max = running_max + kTile, *running_sum = safe_max + kTile, *alpha = running_sum + kTile;
+    float *sq = shared, *sk = sq + TILE * pitch, *sv = sk + TILE * pitch, *sp = sv + TILE * pitch;
+    float *reduce = sp + TILE * score_pitch, *running_max = reduce + TILE * kReducePitch;
+    float *safe_max = running_max + TILE, *running_sum = safe_max + TILE, *alpha = running_sum + TILE;
     const int ty = thread_y(), tx = thread_x();
     // the last row tiles, which see the most keys, run first
-    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kTile;
-    const int64_t r1 = kiln_tile_end(r0, kTile, R);
+    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * TILE;
+    const int64_t r1 = kiln_tile_end(r0, TILE, R);
     const int rows = (int)(r1 - r0);
     q += group * R * D;
     k += group * S * D;
     v += group * S * D;
-    load_tile<DMAX>(sq, q, r0, rows, kTile, D);
-    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+    load_tile<DMAX>(sq, q, r0, rows, TILE, D);
+    for (int i = threadIdx.x; i < TILE; i += kThreads) {
         running_max[i] = -INFINITY;
         running_sum[i] = 0.0f;
     }
-    int64_t query[kPerThread];
+    int64_t query[P];
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++) query[i] = kiln_query_position(r0 + ty + kSide * i, g, past);
-    float acc[kPerThread][W];
+    for (int i = 0; i < P; i++) query[i] = kiln_query_position(r0 + ty + kSide * i, g, past);
+    float acc[P][W];
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++)
+    for (int i = 0; i < P; i++)
 KILN_UNROLL
         for (int j = 0; j < W; j++) acc[i][j] = 0.0f;
     // the key tiles some row of this tile can see: from the window's start (0 without one) to the causal end,
     // the last tile cut there, so no key past every row's reach enters a sum (not even as 0 * value)
     const int64_t last_key = kiln_last_key(S, r1, g, past);
-    for (int64_t ks = kiln_first_key(r0, g, past, window) / kTile * kTile; ks < last_key; ks += kTile) {
-        const int keys = (int)(kiln_tile_end(ks, kTile, last_key) - ks);
+    for (int64_t ks = kiln_first_key(r0, g, past, window) / TILE * TILE; ks < last_key; ks += TILE) {
+        const int keys = (int)(kiln_tile_end(ks, TILE, last_key) - ks);
         __syncthreads();  // the last tile's readers are done with sk, sv, sp and reduce
-        load_tile<DMAX>(sk, k, ks, keys, kTile, D);
-        load_tile<DMAX>(sv, v, ks, keys, kTile, D);
+        load_tile<DMAX>(sk, k, ks, keys, TILE, D);
+        load_tile<DMAX>(sv, v, ks, keys, TILE, D);
         __syncthreads();
-        float z[kPerThread][kPerThread];
-        micro_dots<DMAX>(sq, sk, D, z);
+        float z[P][P];
+        micro_dots<DMAX, TILE>(sq, sk, D, z);
 KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++) {
+        for (int i = 0; i < P; i++) {
             float top = -INFINITY;
 KILN_UNROLL
-            for (int j = 0; j < kPerThread; j++) {
+            for (int j = 0; j < P; j++) {
                 int row = ty + kSide * i, key = tx + kSide * j;
                 bool visible = row < rows && key < keys && kiln_attention_visible(ks + key, query[i], window);
                 z[i][j] = visible ? z[i][j] * scale : -INFINITY;
@@ -227,7 +245,7 @@ KILN_UNROLL
             reduce[(ty + kSide * i) * kReducePitch + tx] = top;
         }
         __syncthreads();
-        for (int row = threadIdx.x; row < kTile; row += kThreads) {  // the online softmax's new maximum
+        for (int row = threadIdx.x; row < TILE; row += kThreads) {  // the online softmax's new maximum
             float block_max = -INFINITY;
             for (int t = 0; t < kSide; t++) block_max = fmaxf(block_max, reduce[row * kReducePitch + t]);
             float old_max = running_max[row], new_max = fmaxf(old_max, block_max);
@@ -240,13 +258,13 @@ KILN_UNROLL
         }
         __syncthreads();
 KILN_UNROLL
-        for (int i = 0; i < kPerThread; i++) {
+        for (int i = 0; i < P; i++) {
             const int row = ty + kSide * i;
             float sum = 0.0f;
 KILN_UNROLL
-            for (int j = 0; j < kPerThread; j++) {
+            for (int j = 0; j < P; j++) {
                 float p = z[i][j] == -INFINITY ? 0.0f : expf(z[i][j] - safe_max[row]);
-                sp[row * kRowScorePitch + tx + kSide * j] = p;
+                sp[row * score_pitch + tx + kSide * j] = p;
                 sum = sum + p;
             }
             reduce[row * kReducePitch + tx] = sum;
@@ -254,15 +272,15 @@ KILN_UNROLL
             for (int j = 0; j < W; j++) acc[i][j] = acc[i][j] * alpha[row];
         }
         __syncthreads();
-        for (int row = threadIdx.x; row < kTile; row += kThreads) {
+        for (int row = threadIdx.x; row < TILE; row += kThreads) {
             float block_sum = 0.0f;
             for (int t = 0; t < kSide; t++) block_sum = block_sum + reduce[row * kReducePitch + t];
             running_sum[row] = running_sum[row] * alpha[row] + block_sum;
         }
-        accumulate_rows<DMAX>(sp, sv, keys, acc);
+        accumulate_rows<DMAX, TILE>(sp, sv, keys, acc);
     }
     __syncthreads();
-    store_rows<DMAX, false>(out + group * R * D, r0, rows, D, acc, running_sum);
+    store_rows<DMAX, TILE, false>(out + group * R * D, r0, rows, D, acc, running_sum);
     for (int row = threadIdx.x; row < rows; row += kThreads)
         logsumexp[group * R + r0 + row] = running_max[row] + logf(running_sum[row]);
 }
@@ -277,20 +295,21 @@ __global__ void attention_delta_kernel(const float *dout, const float *out, floa
 
 // for a tile pair, each thread's rows ty + 16i and keys tx + 16j: p = exp(scale * q.k - lse) where visible,
 // ds = p * (dout.v - delta) * scale (flash_block_backward), written to p (unless null) and ds [rows, keys]
-template <int DMAX, int score_pitch>
+template <int DMAX, int TILE, int score_pitch>
 __device__ void probabilities(const float *sq, const float *sdo, const float *sk, const float *sv,
                               const float *lse, const float *delta, float *p, float *ds, int rows, int keys,
                               int64_t r0, int64_t ks, int64_t g, int64_t past, int64_t window, int D, float scale) {
+    constexpr int P = Tiles<TILE>::per_thread;
     const int ty = thread_y(), tx = thread_x();
-    float z[kPerThread][kPerThread], dz[kPerThread][kPerThread];
-    micro_dots<DMAX>(sq, sk, D, z);
-    micro_dots<DMAX>(sdo, sv, D, dz);
+    float z[P][P], dz[P][P];
+    micro_dots<DMAX, TILE>(sq, sk, D, z);
+    micro_dots<DMAX, TILE>(sdo, sv, D, dz);
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++) {
+    for (int i = 0; i < P; i++) {
         const int row = ty + kSide * i;
         const int64_t query = kiln_query_position(r0 + row, g, past);
 KILN_UNROLL
-        for (int j = 0; j < kPerThread; j++) {
+        for (int j = 0; j < P; j++) {
             const int key = tx + kSide * j;
             bool visible = row < rows && key < keys && kiln_attention_visible(ks + key, query, window);
             float prob = visible ? expf(z[i][j] * scale - lse[row]) : 0.0f;
@@ -300,102 +319,106 @@ KILN_UNROLL
     }
 }
 
-template <int DMAX>
+template <int DMAX, int TILE>
 __global__ void KILN_ATTENTION_BOUNDS attention_dkdv_kernel(const float *dout, const float *q, const float *k, const float *v,
                                       const float *logsumexp, const float *delta, float *dk, float *dv, int64_t T,
                                       int64_t g, int64_t S, int D, int64_t past, int64_t window, float scale) {
-    constexpr int W = DMAX / kSide, pitch = DMAX + 2;
+    constexpr int W = DMAX / kSide, pitch = DMAX + 2, P = Tiles<TILE>::per_thread;
     KILN_DYNAMIC_SHARED(float, shared);
-    float *sk = shared, *sv = sk + kTile * pitch, *sq = sv + kTile * pitch, *sdo = sq + kTile * pitch;
-    float *p = sdo + kTile * pitch, *ds = p + kTile * kColumnScorePitch, *lse = ds + kTile * kColumnScorePitch;
-    float *sdelta = lse + kTile;
-    const int64_t R = T * g, group = blockIdx.y, ks = (int64_t)blockIdx.x * kTile;
-    const int keys = (int)(kiln_tile_end(ks, kTile, S) - ks);
+    float *sk = shared, *sv = sk + TILE * pitch, *sq = sv + TILE * pitch, *sdo = sq + TILE * pitch;
+    constexpr int score_pitch = Tiles<TILE>::column_score_pitch;
+    float *p = sdo + TILE * pitch, *ds = p + TILE * score_pitch, *lse = ds + TILE * score_pitch, *sdelta = lse + TILE;
+    const int64_t R = T * g, group = blockIdx.y, ks = (int64_t)blockIdx.x * TILE;
+    const int keys = (int)(kiln_tile_end(ks, TILE, S) - ks);
     q += group * R * D;
     dout += group * R * D;
     logsumexp += group * R;
     delta += group * R;
-    load_tile<DMAX>(sk, k + group * S * D, ks, keys, kTile, D);
-    load_tile<DMAX>(sv, v + group * S * D, ks, keys, kTile, D);
-    float dk_acc[kPerThread][W], dv_acc[kPerThread][W];
+    load_tile<DMAX>(sk, k + group * S * D, ks, keys, TILE, D);
+    load_tile<DMAX>(sv, v + group * S * D, ks, keys, TILE, D);
+    float dk_acc[P][W], dv_acc[P][W];
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++)
+    for (int i = 0; i < P; i++)
 KILN_UNROLL
         for (int j = 0; j < W; j++) dk_acc[i][j] = dv_acc[i][j] = 0.0f;
     // the row tiles that can see some key of this tile: from the causal start to the window's end (R without one)
-    const int64_t first = (kiln_first_row(ks, g, past) / kTile) * kTile;
+    const int64_t first = (kiln_first_row(ks, g, past) / TILE) * TILE;
     const int64_t row_end = kiln_row_end(ks + keys, R, g, past, window);
-    for (int64_t r0 = first; r0 < row_end; r0 += kTile) {
-        const int rows = (int)(kiln_tile_end(r0, kTile, R) - r0);
+    for (int64_t r0 = first; r0 < row_end; r0 += TILE) {
+        const int rows = (int)(kiln_tile_end(r0, TILE, R) - r0);
         __syncthreads();  // the last row tile's readers are done
-        load_tile<DMAX>(sq, q, r0, rows, kTile, D);
-        load_tile<DMAX>(sdo, dout, r0, rows, kTile, D);
-        load_rows(lse, logsumexp, r0, rows);
-        load_rows(sdelta, delta, r0, rows);
+        load_tile<DMAX>(sq, q, r0, rows, TILE, D);
+        load_tile<DMAX>(sdo, dout, r0, rows, TILE, D);
+        load_rows<TILE>(lse, logsumexp, r0, rows);
+        load_rows<TILE>(sdelta, delta, r0, rows);
         __syncthreads();
-        probabilities<DMAX, kColumnScorePitch>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past,
+        probabilities<DMAX, TILE, score_pitch>(sq, sdo, sk, sv, lse, sdelta, p, ds, rows, keys, r0, ks, g, past,
                                                window, D, scale);
         __syncthreads();
-        // this thread's keys 4ty + i: dV += P^T dout, dK += dS^T q, over the tile's rows in order
-        accumulate_columns<DMAX>(p, sdo, rows, dv_acc);
-        accumulate_columns<DMAX>(ds, sq, rows, dk_acc);
+        // this thread's keys P ty + i: dV += P^T dout, dK += dS^T q, over the tile's rows in order
+        accumulate_columns<DMAX, TILE>(p, sdo, rows, dv_acc);
+        accumulate_columns<DMAX, TILE>(ds, sq, rows, dk_acc);
     }
-    store_rows<DMAX, true>(dk + group * S * D, ks, keys, D, dk_acc, nullptr);
-    store_rows<DMAX, true>(dv + group * S * D, ks, keys, D, dv_acc, nullptr);
+    store_rows<DMAX, TILE, true>(dk + group * S * D, ks, keys, D, dk_acc, nullptr);
+    store_rows<DMAX, TILE, true>(dv + group * S * D, ks, keys, D, dv_acc, nullptr);
 }
 
-template <int DMAX>
+template <int DMAX, int TILE>
 __global__ void KILN_ATTENTION_BOUNDS attention_dq_kernel(const float *dout, const float *q, const float *k, const float *v,
                                     const float *logsumexp, const float *delta, float *dq, int64_t T, int64_t g,
                                     int64_t S, int D, int64_t past, int64_t window, float scale) {
-    constexpr int W = DMAX / kSide, pitch = DMAX + 2;
+    constexpr int W = DMAX / kSide, pitch = DMAX + 2, P = Tiles<TILE>::per_thread;
+    constexpr int score_pitch = Tiles<TILE>::row_score_pitch;
     KILN_DYNAMIC_SHARED(float, shared);
-    float *sq = shared, *sdo = sq + kTile * pitch, *sk = sdo + kTile * pitch, *sv = sk + kTile * pitch;
-    float *ds = sv + kTile * pitch, *lse = ds + kTile * kRowScorePitch, *sdelta = lse + kTile;
-    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kTile;
-    const int64_t r1 = kiln_tile_end(r0, kTile, R);
+    float *sq = shared, *sdo = sq + TILE * pitch, *sk = sdo + TILE * pitch, *sv = sk + TILE * pitch;
+    float *ds = sv + TILE * pitch, *lse = ds + TILE * score_pitch, *sdelta = lse + TILE;
+    const int64_t R = T * g, group = blockIdx.y, r0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * TILE;
+    const int64_t r1 = kiln_tile_end(r0, TILE, R);
     const int rows = (int)(r1 - r0);
     k += group * S * D;
     v += group * S * D;
-    load_tile<DMAX>(sq, q + group * R * D, r0, rows, kTile, D);
-    load_tile<DMAX>(sdo, dout + group * R * D, r0, rows, kTile, D);
-    load_rows(lse, logsumexp + group * R, r0, rows);
-    load_rows(sdelta, delta + group * R, r0, rows);
-    float dq_acc[kPerThread][W];
+    load_tile<DMAX>(sq, q + group * R * D, r0, rows, TILE, D);
+    load_tile<DMAX>(sdo, dout + group * R * D, r0, rows, TILE, D);
+    load_rows<TILE>(lse, logsumexp + group * R, r0, rows);
+    load_rows<TILE>(sdelta, delta + group * R, r0, rows);
+    float dq_acc[P][W];
 KILN_UNROLL
-    for (int i = 0; i < kPerThread; i++)
+    for (int i = 0; i < P; i++)
 KILN_UNROLL
         for (int j = 0; j < W; j++) dq_acc[i][j] = 0.0f;
     const int64_t last_key = kiln_last_key(S, r1, g, past);
-    for (int64_t ks = kiln_first_key(r0, g, past, window) / kTile * kTile; ks < last_key; ks += kTile) {
-        const int keys = (int)(kiln_tile_end(ks, kTile, last_key) - ks);
+    for (int64_t ks = kiln_first_key(r0, g, past, window) / TILE * TILE; ks < last_key; ks += TILE) {
+        const int keys = (int)(kiln_tile_end(ks, TILE, last_key) - ks);
         __syncthreads();
-        load_tile<DMAX>(sk, k, ks, keys, kTile, D);
-        load_tile<DMAX>(sv, v, ks, keys, kTile, D);
+        load_tile<DMAX>(sk, k, ks, keys, TILE, D);
+        load_tile<DMAX>(sv, v, ks, keys, TILE, D);
         __syncthreads();
-        probabilities<DMAX, kRowScorePitch>(sq, sdo, sk, sv, lse, sdelta, nullptr, ds, rows, keys, r0, ks, g, past,
-                                            window, D, scale);
+        probabilities<DMAX, TILE, score_pitch>(sq, sdo, sk, sv, lse, sdelta, nullptr, ds, rows, keys, r0, ks, g, past,
+                                               window, D, scale);
         __syncthreads();
-        accumulate_rows<DMAX>(ds, sk, keys, dq_acc);  // this thread's rows: dQ += dS k, over the keys in order
+        accumulate_rows<DMAX, TILE>(ds, sk, keys, dq_acc);  // this thread's rows: dQ += dS k, over the keys in order
     }
-    store_rows<DMAX, false>(dq + group * R * D, r0, rows, D, dq_acc, nullptr);
+    store_rows<DMAX, TILE, false>(dq + group * R * D, r0, rows, D, dq_acc, nullptr);
 }
 
-// dynamic shared memory, in floats: [64, DMAX + 2] tiles, [64, 66] or [64, 64] score tiles, [64, 17] and [64]
-// rows; every array starts 16-byte aligned (the tiles' sizes are multiples of four floats)
-constexpr size_t tile_floats(int dmax) { return (size_t)kTile * (dmax + 2); }
-constexpr size_t forward_shared(int dmax) {
-    return sizeof(float) * (3 * tile_floats(dmax) + kTile * kRowScorePitch + kTile * kReducePitch + 4 * kTile);
+// dynamic shared memory, in floats: [TILE, DMAX + 2] tiles, [TILE, TILE + 2] or [TILE, TILE] score tiles,
+// [TILE, 17] and [TILE] rows; every array starts 16-byte aligned (the tiles' sizes are multiples of four floats)
+constexpr size_t tile_floats(int tile, int dmax) { return (size_t)tile * (dmax + 2); }
+constexpr size_t forward_shared(int tile, int dmax) {
+    return sizeof(float) * (3 * tile_floats(tile, dmax) + tile * (tile + 2) + tile * kReducePitch + 4 * tile);
 }
-constexpr size_t dkdv_shared(int dmax) {
-    return sizeof(float) * (4 * tile_floats(dmax) + 2 * kTile * kColumnScorePitch + 2 * kTile);
+constexpr size_t dkdv_shared(int tile, int dmax) {
+    return sizeof(float) * (4 * tile_floats(tile, dmax) + 2 * tile * tile + 2 * tile);
 }
-constexpr size_t dq_shared(int dmax) {
-    return sizeof(float) * (4 * tile_floats(dmax) + kTile * kRowScorePitch + 2 * kTile);
+constexpr size_t dq_shared(int tile, int dmax) {
+    return sizeof(float) * (4 * tile_floats(tile, dmax) + tile * (tile + 2) + 2 * tile);
 }
-constexpr size_t backward_shared(int dmax) {  // the larger of the backward's two kernels
-    return dkdv_shared(dmax) > dq_shared(dmax) ? dkdv_shared(dmax) : dq_shared(dmax);
+constexpr size_t backward_shared(int tile, int dmax) {  // the larger of the backward's two kernels
+    return dkdv_shared(tile, dmax) > dq_shared(tile, dmax) ? dkdv_shared(tile, dmax) : dq_shared(tile, dmax);
 }
+static_assert(forward_shared(64, 128) == 122112 && backward_shared(64, 128) == 166400, "64-row tiles at head size 128");
+static_assert(forward_shared(32, 128) <= (99 << 10) && backward_shared(32, 128) <= (99 << 10),
+              "32-row tiles fit every device of compute capability 8.0 and later (99 KiB per block at least)");
 
 // the head size D's columns rounded up to the kernels' DMAX: the one place the launches and
 // kiln_cuda_attention_shared_bytes take it from
@@ -405,7 +428,7 @@ int check_shape(int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t p
     KILN_REQUIRE(G >= 0 && T >= 0 && g > 0 && S >= 0 && past >= 0, "G, T, S, past must be >= 0 and g positive");
     KILN_REQUIRE(D > 0 && D <= KILN_CUDA_ATTENTION_MAX_HEAD, "the head size must be in 1..128");
     KILN_REQUIRE(past + T <= S, "every query position needs its key: past + T must be <= S");
-    KILN_REQUIRE(G <= 65535 && kiln_ceil_div(T * g, kTile) <= 0x7fffffff && kiln_ceil_div(S, kTile) <= 0x7fffffff,
+    KILN_REQUIRE(G <= 65535 && kiln_ceil_div(T * g, 32) <= 0x7fffffff && kiln_ceil_div(S, 32) <= 0x7fffffff,
                  "too many head groups (G <= 65535) or rows");
     return 0;
 }
@@ -463,9 +486,8 @@ __global__ void attention_dscores_kernel(float *dp, const float *p, const float 
         dp[i] = p[i] * (dp[i] - delta[i / S]) * scale;
 }
 
-// a device short of shared memory per block (99 KiB opt-in on compute 8.6, 8.9 and 12.0) is told what the kernel
-// needs; backend selection refuses such a device first (kiln_cuda_attention_shared_bytes against
-// kiln_cuda_device_shared_memory, in native_ext/cuda.py's probe)
+// a kernel's dynamic shared memory raised to BYTES (past the default 48 KiB); a device whose opt-in limit is below
+// that refuses, and is told what the kernel needs (choose_tile keeps the automatic choice within the limit)
 template <typename Kernel>
 int allow_shared(Kernel kernel, size_t bytes, const char *name) {
     cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -475,32 +497,68 @@ int allow_shared(Kernel kernel, size_t bytes, const char *name) {
     return kiln_record_cuda(error, where);
 }
 
-template <int DMAX>
+// the tile a launch takes: TILE where the caller gives one (32 or 64), else 64 where the current device's opt-in
+// shared memory per block holds the 64-row kernels' BYTES64, 32 otherwise: a property of the device, so one device
+// always takes the same tiles
+int choose_tile(int64_t tile, size_t bytes64, int *chosen) {
+    KILN_REQUIRE(tile == 0 || tile == 32 || tile == 64, "tile must be 0 (the device's choice), 32 or 64");
+    if (tile) {
+        *chosen = (int)tile;
+        return 0;
+    }
+    int device = 0;
+    KILN_CUDA(cudaGetDevice(&device));
+    size_t optin = 0;
+    KILN_TRY(kiln_cuda_device_shared_memory(device, &optin));
+    *chosen = bytes64 <= optin ? 64 : 32;
+    return 0;
+}
+
+template <int DMAX, int TILE>
 int forward(const float *q, const float *k, const float *v, float *out, float *logsumexp, int64_t G, int64_t T,
             int64_t g, int64_t S, int64_t D, int64_t past, int64_t window, float scale, cudaStream_t stream) {
-    constexpr size_t bytes = forward_shared(DMAX);
-    KILN_TRY(allow_shared(attention_forward_kernel<DMAX>, bytes, "attention_forward_kernel"));
-    dim3 grid((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G);
-    KILN_LAUNCH(attention_forward_kernel<DMAX>, grid, kThreads, bytes, stream)(q, k, v, out, logsumexp, T, g, S,
-                                                                            (int)D, past, window, scale);
+    constexpr size_t bytes = forward_shared(TILE, DMAX);
+    const auto kernel = attention_forward_kernel<DMAX, TILE>;
+    KILN_TRY(allow_shared(kernel, bytes, "attention_forward_kernel"));
+    dim3 grid((unsigned)kiln_ceil_div(T * g, TILE), (unsigned)G);
+    KILN_LAUNCH(kernel, grid, kThreads, bytes, stream)(q, k, v, out, logsumexp, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_forward_kernel");
     return 0;
 }
 
-template <int DMAX>
+template <int DMAX, int TILE>
 int backward(const float *dout, const float *q, const float *k, const float *v, const float *logsumexp,
              const float *delta, float *dq, float *dk, float *dv, int64_t G, int64_t T, int64_t g, int64_t S,
              int64_t D, int64_t past, int64_t window, float scale, cudaStream_t stream) {
-    constexpr size_t dkdv_bytes = dkdv_shared(DMAX), dq_bytes = dq_shared(DMAX);
-    KILN_TRY(allow_shared(attention_dkdv_kernel<DMAX>, dkdv_bytes, "attention_dkdv_kernel"));
-    KILN_LAUNCH(attention_dkdv_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(S, kTile), (unsigned)G), kThreads,
-                dkdv_bytes, stream)(dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
+    constexpr size_t dkdv_bytes = dkdv_shared(TILE, DMAX), dq_bytes = dq_shared(TILE, DMAX);
+    const auto dkdv = attention_dkdv_kernel<DMAX, TILE>;
+    const auto dq_kernel = attention_dq_kernel<DMAX, TILE>;
+    KILN_TRY(allow_shared(dkdv, dkdv_bytes, "attention_dkdv_kernel"));
+    KILN_LAUNCH(dkdv, dim3((unsigned)kiln_ceil_div(S, TILE), (unsigned)G), kThreads, dkdv_bytes, stream)(
+        dout, q, k, v, logsumexp, delta, dk, dv, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_dkdv_kernel");
-    KILN_TRY(allow_shared(attention_dq_kernel<DMAX>, dq_bytes, "attention_dq_kernel"));
-    KILN_LAUNCH(attention_dq_kernel<DMAX>, dim3((unsigned)kiln_ceil_div(T * g, kTile), (unsigned)G), kThreads,
-                dq_bytes, stream)(dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
+    KILN_TRY(allow_shared(dq_kernel, dq_bytes, "attention_dq_kernel"));
+    KILN_LAUNCH(dq_kernel, dim3((unsigned)kiln_ceil_div(T * g, TILE), (unsigned)G), kThreads, dq_bytes, stream)(
+        dout, q, k, v, logsumexp, delta, dq, T, g, S, (int)D, past, window, scale);
     KILN_LAUNCHED("attention_dq_kernel");
     return 0;
+}
+
+template <int DMAX>
+int forward_tiles(int tile, const float *q, const float *k, const float *v, float *out, float *logsumexp, int64_t G,
+                  int64_t T, int64_t g, int64_t S, int64_t D, int64_t past, int64_t window, float scale,
+                  cudaStream_t s) {
+    if (tile == 64) return forward<DMAX, 64>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+    return forward<DMAX, 32>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+}
+
+template <int DMAX>
+int backward_tiles(int tile, const float *dout, const float *q, const float *k, const float *v,
+                   const float *logsumexp, const float *delta, float *dq, float *dk, float *dv, int64_t G, int64_t T,
+                   int64_t g, int64_t S, int64_t D, int64_t past, int64_t window, float scale, cudaStream_t s) {
+    if (tile == 64)
+        return backward<DMAX, 64>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+    return backward<DMAX, 32>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
 }
 
 }  // namespace
@@ -509,25 +567,31 @@ extern "C" {
 
 int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, float *out, float *logsumexp,
                                 int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
-                                int64_t window, float scale, void *stream) {
+                                int64_t window, float scale, int64_t tile, void *stream) {
     KILN_TRY(check_shape(G, T, g, S, D, past));
     KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
+    const int dmax = head_columns(D);
+    int chosen = 0;
+    KILN_TRY(choose_tile(tile, forward_shared(64, dmax), &chosen));
     if (G == 0 || T == 0) return 0;
     cudaStream_t s = kiln_stream(stream);
-    switch (head_columns(D)) {
-        case 32: return forward<32>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
-        case 64: return forward<64>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
-        default: return forward<128>(q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+    switch (dmax) {
+        case 32: return forward_tiles<32>(chosen, q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+        case 64: return forward_tiles<64>(chosen, q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
+        default: return forward_tiles<128>(chosen, q, k, v, out, logsumexp, G, T, g, S, D, past, window, scale, s);
     }
 }
 
 int kiln_cuda_attention_backward(const float *dout, const float *q, const float *k, const float *v,
                                  const float *out, const float *logsumexp, float *dq, float *dk, float *dv,
                                  float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
-                                 int64_t window, float scale, void *stream) {
+                                 int64_t window, float scale, int64_t tile, void *stream) {
     KILN_TRY(check_shape(G, T, g, S, D, past));
     KILN_REQUIRE(window >= 0, "window must be >= 0 (0: no sliding window)");
     KILN_REQUIRE(delta, "attention_backward needs a delta workspace of G*T*g floats");
+    const int dmax = head_columns(D);
+    int chosen = 0;
+    KILN_TRY(choose_tile(tile, backward_shared(64, dmax), &chosen));
     if (G == 0 || S == 0) return 0;
     cudaStream_t s = kiln_stream(stream);
     if (T == 0) {  // no query sees any key
@@ -538,18 +602,24 @@ int kiln_cuda_attention_backward(const float *dout, const float *q, const float 
     KILN_LAUNCH(attention_delta_kernel, kiln_grid(G * T * g, KILN_THREADS), KILN_THREADS, 0, s)(dout, out, delta, G * T * g,
                                                                                      (int)D);
     KILN_LAUNCHED("attention_delta_kernel");
-    switch (head_columns(D)) {
-        case 32: return backward<32>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
-        case 64: return backward<64>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
-        default: return backward<128>(dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window, scale, s);
+    switch (dmax) {
+        case 32:
+            return backward_tiles<32>(chosen, dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window,
+                                      scale, s);
+        case 64:
+            return backward_tiles<64>(chosen, dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past, window,
+                                      scale, s);
+        default:
+            return backward_tiles<128>(chosen, dout, q, k, v, logsumexp, delta, dq, dk, dv, G, T, g, S, D, past,
+                                       window, scale, s);
     }
 }
 
 int kiln_cuda_attention_shared_bytes(int64_t D, size_t *forward, size_t *backward) {
     KILN_REQUIRE(D > 0 && D <= KILN_CUDA_ATTENTION_MAX_HEAD, "the head size must be in 1..128");
     KILN_REQUIRE(forward && backward, "forward and backward must point to a size_t each");
-    *forward = forward_shared(head_columns(D));
-    *backward = backward_shared(head_columns(D));
+    *forward = forward_shared(32, head_columns(D));  // the least the kernels run with: their 32-row tiles
+    *backward = backward_shared(32, head_columns(D));
     return 0;
 }
 

@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KILN_CUDA_ABI_VERSION 1
+#define KILN_CUDA_ABI_VERSION 2
 #define KILN_CUDA_BLAS_STATUS_BASE 1000
 #define KILN_CUDA_BAD_ARGUMENT 2001
 #define KILN_CUDA_NORM_BLOCKS 256        /* doubles of kiln_cuda_sum_squares' workspace */
@@ -105,16 +105,19 @@ int kiln_cuda_swiglu_backward(const float *dout, const float *gate_up, float *dg
 
 /* causal GQA attention, tiled with an online softmax: q/out [G,T*g,D] (row r is query position
  * past + r / g), k/v [G,S,D], logsumexp [G,T*g]. window > 0: query p sees keys p-window+1..p only
- * (Mistral's and Phi-3's sliding window); 0: every earlier key. Backward writes dq, dk, dv without atomics. */
+ * (Mistral's and Phi-3's sliding window); 0: every earlier key. Backward writes dq, dk, dv without atomics.
+ * tile: 0 for the device's choice (64 rows and keys where its shared memory per block holds them, else 32; one
+ * device always takes the same), or 32 or 64 to ask for those tiles (a device short of the memory refuses). */
 int kiln_cuda_attention_forward(const float *q, const float *k, const float *v, float *out, float *logsumexp,
                                 int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past, int64_t window,
-                                float scale, void *stream);
+                                float scale, int64_t tile, void *stream);
 int kiln_cuda_attention_backward(const float *dout, const float *q, const float *k, const float *v,
                                  const float *out, const float *logsumexp, float *dq, float *dk, float *dv,
                                  float *delta, int64_t G, int64_t T, int64_t g, int64_t S, int64_t D, int64_t past,
-                                 int64_t window, float scale, void *stream);
-/* the dynamic shared memory per block those kernels launch with at head size D (1..128): forward (cached decoding
- * too), and backward (the larger of its two kernels); a device whose opt-in limit is below one cannot run it */
+                                 int64_t window, float scale, int64_t tile, void *stream);
+/* the least dynamic shared memory per block those kernels run with at head size D (1..128), with their 32-row
+ * tiles: forward (cached decoding too), and backward (the larger of its two kernels); a device whose opt-in limit
+ * is below one cannot run it */
 int kiln_cuda_attention_shared_bytes(int64_t D, size_t *forward, size_t *backward);
 /* the dense algorithm's row work, the products on cuBLAS (kiln_cuda_gemm_strided_batched): scores [G,T*g,S] hold
  * scale * q.k; they become the probabilities in place, 0 where masked, from the row's own logsumexp (written to

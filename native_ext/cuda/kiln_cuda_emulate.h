@@ -94,6 +94,10 @@ Launcher<Kernel> launcher(Kernel *kernel, dim3 grid, dim3 block, size_t shared_b
 #define KILN_DYNAMIC_SHARED(type, name) type *name = (type *)kiln_emu::dynamic_shared()
 
 static inline cudaError_t cudaGetLastError() { return kiln_emu::take_error(); }
+static inline cudaError_t cudaGetDevice(int *device) {
+    *device = 0;  // the emulation's one device
+    return cudaSuccess;
+}
 template <typename T>
 cudaError_t cudaFuncSetAttribute(T kernel, cudaFuncAttribute, int bytes) {
     return kiln_emu::set_max_dynamic_shared(reinterpret_cast<const void *>(kernel), bytes);

@@ -31,7 +31,7 @@ from .rl_data import PROMPTS, grpo_inline, opd_request
 
 NO_DRIVER = "libcuda.so.1 cannot be opened (no NVIDIA driver in this test)"
 DEVICE = {"index": 0, "name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
-          "free_memory": 79 << 30}
+          "free_memory": 79 << 30, "shared_memory_per_block": 227 << 10}
 AVAILABLE = {"library": "/opt/kiln/libkiln_cuda.so", "library_sha256": "ab" * 32,
              "symbols": {"declared": 12, "resolved": 12, "missing": []}, "available": True, "reason": None,
              "code": None, "devices": [DEVICE], "driver_version": "12040", "runtime_version": "12020",
@@ -42,8 +42,8 @@ UNAVAILABLE = {"library": None, "library_sha256": None, "symbols": {"declared": 
 # the cpu execution identity's fields, as every checkpoint written before backend selection records them
 CPU_FIELDS = {"backend", "device", "python", "numpy", "blas", "native_builds", "kiln", "code", "precision",
               "kernel_contract"}
-GPU_FIELDS = {"name", "compute_capability", "total_memory", "driver_version", "runtime_version", "cublas_version",
-              "library_sha256"}
+GPU_FIELDS = {"name", "compute_capability", "total_memory", "shared_memory_per_block", "driver_version",
+              "runtime_version", "cublas_version", "library_sha256"}
 
 
 @pytest.fixture
@@ -213,8 +213,8 @@ def test_the_cuda_identity_carries_the_gpu_fields(probe):
     assert set(identity) == CPU_FIELDS | {"gpu"}
     assert identity["backend"] == "cuda" and identity["kernel_contract"] == "kiln-cuda-kernels-v1"
     assert identity["gpu"] == {"name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
-                               "driver_version": "12040", "runtime_version": "12020", "cublas_version": "120201",
-                               "library_sha256": "ab" * 32}
+                               "shared_memory_per_block": 227 << 10, "driver_version": "12040",
+                               "runtime_version": "12020", "cublas_version": "120201", "library_sha256": "ab" * 32}
     assert execution.execution_identity("cuda") == identity  # kept once the device is found
     probe(UNAVAILABLE)
     assert execution.compute_execution_identity("cuda")["gpu"] == dict.fromkeys(GPU_FIELDS)
@@ -634,7 +634,8 @@ def test_a_resume_on_another_gpu_is_refused_naming_the_gpu_field_and_a_warm_star
         assert held["gpu"]["compute_capability"] == "8.0"
 
     resume = {**body, "config": {**body["config"], "resume_checkpoint": basename}}
-    for field, value in (("name", "Another Accelerator"), ("library_sha256", "cd" * 32)):
+    for field, value in (("name", "Another Accelerator"), ("library_sha256", "cd" * 32),
+                         ("shared_memory_per_block", 99 << 10)):  # the attention's tiles
         other = {**held, "gpu": {**held["gpu"], field: value}}  # the worker's GPU differs in FIELD alone
         admitted = api.post("/v1/train/sft", resume)
         assert admitted.status_code == 201, admitted.content  # same backend: admission leaves the GPU to the worker
@@ -767,11 +768,13 @@ def emulated_probe(library, monkeypatch, per_block: int) -> dict:
 
 def test_a_device_with_too_little_shared_memory_for_the_bases_head_size_is_refused_saying_so(
         probe, monkeypatch, tmp_path, emulated_library):
-    """A run over a base of head size 128 on a device that allows 99 KiB of shared memory per block (compute 8.6 and
-    8.9: RTX 30/40-series) is refused cuda: explicitly (backend_unavailable naming the head size, the KiB the
-    kernels need and the KiB the device allows) and under auto (cpu, with that reason), at admission and at a
-    worker's recheck of the recorded plan; a base of head size 16 runs there; a 163 KiB device (an A100's) takes
-    head size 128. An evaluation (cached decoding: the forward kernel alone) is held to the forward's figure."""
+    """A run over a base of head size 128 on a device that allows less shared memory per block than the kernels'
+    smallest tiles need (48 KiB: no device of compute 8.0 or later is that small, so the emulation stands in) is
+    refused cuda: explicitly (backend_unavailable naming the head size, the KiB the kernels need and the KiB the
+    device allows) and under auto (cpu, with that reason), at admission and at a worker's recheck of the recorded
+    plan; a base of head size 16 runs there. An evaluation (cached decoding: the forward kernel alone) is held to the
+    forward's figure. The 99 KiB of compute 8.6, 8.9 and 12.0 (RTX 30/40/50-series) and an A100's 163 KiB take head
+    size 128, to train and to decode."""
     from trainer.runs import device_plan
 
     settings = admission.RunSettings(home=tmp_path, registry=tmp_path / "adapters", bases_root=tmp_path,
@@ -783,10 +786,10 @@ def test_a_device_with_too_little_shared_memory_for_the_bases_head_size_is_refus
     assert need.head_size == 128 and need.attention == ((128, True),)
     assert device_plan.recorded({"device_plan": device_plan.record(need)}).attention == need.attention
 
-    probe(emulated_probe(emulated_library, monkeypatch, 99 << 10))
+    probe(emulated_probe(emulated_library, monkeypatch, 48 << 10))
     write_receipt(tmp_path)  # auto is qualified on this device: only the head size keeps it off cuda
-    why = ("head size 128: the CUDA attention kernels need 162.5 KiB of shared memory per block for training, and "
-           "device 0 allows 99 KiB per block (it takes head sizes up to 64 to train and up to 64 to decode)")
+    why = ("head size 128: the CUDA attention kernels need 73.25 KiB of shared memory per block for training, and "
+           "device 0 allows 48 KiB per block (it takes head sizes up to 64 to train and up to 64 to decode)")
     with pytest.raises(admission.AdmissionError) as refused:
         admission.admit_backend({**request, "backend": "cuda"}, settings, wide)
     assert refused.value.code == "backend_unavailable" and why in refused.value.message, refused.value.message
@@ -799,17 +802,21 @@ def test_a_device_with_too_little_shared_memory_for_the_bases_head_size_is_refus
     assert admission.admit_backend(dict(request), settings, narrow).resolved == "cuda"  # head size 16 runs here
     evaluation = device_plan.evaluation_bytes(wide, None, 16)
     assert evaluation.attention == ((128, False),)
-    assert "need 119.25 KiB of shared memory per block for decoding" in backend.cuda_unavailable(
+    assert "need 55.625 KiB of shared memory per block for decoding" in backend.cuda_unavailable(
         backend.probe_cuda(), evaluation)
 
-    probe(emulated_probe(emulated_library, monkeypatch, 120 << 10))  # the forward fits, the backward does not
+    probe(emulated_probe(emulated_library, monkeypatch, 64 << 10))  # the forward fits, the backward does not
     assert backend.cuda_unavailable(backend.probe_cuda(), evaluation) is None
-    assert "162.5 KiB" in backend.cuda_unavailable(backend.probe_cuda(), need)
+    assert "73.25 KiB" in backend.cuda_unavailable(backend.probe_cuda(), need)
 
-    probe(emulated_probe(emulated_library, monkeypatch, 163 << 10))
-    assert admission.admit_backend({**request, "backend": "cuda"}, settings, wide).resolved == "cuda"
-    assert admission.admit_backend(dict(request), settings, wide).resolved == "cuda"  # auto, qualified
-    backend.require_cuda(device_plan.recorded({"device_plan": device_plan.record(need)}))
+    for per_block in (99 << 10, 163 << 10):
+        probe(emulated_probe(emulated_library, monkeypatch, per_block))
+        assert admission.admit_backend(dict(request), settings, wide).resolved == "cpu"  # another device: unqualified
+        write_receipt(tmp_path)
+        assert admission.admit_backend({**request, "backend": "cuda"}, settings, wide).resolved == "cuda"
+        assert admission.admit_backend(dict(request), settings, wide).resolved == "cuda"  # auto, qualified
+        backend.require_cuda(device_plan.recorded({"device_plan": device_plan.record(need)}))
+        assert backend.cuda_unavailable(backend.probe_cuda(), evaluation) is None
 
 
 def test_opd_holds_a_native_teacher_to_the_decoding_figure_and_the_student_to_the_training_one():
@@ -852,23 +859,23 @@ def _register_wide_heads_base(home) -> str:
 @pytest.mark.django_db
 def test_the_api_refuses_cuda_for_a_head_size_the_device_cannot_run_and_auto_says_why(
         real_sft, api, adapter_name, probe, monkeypatch, emulated_library):
-    """Through the API: an SFT run over a base of head size 128 on a 99 KiB device is refused cuda
-    (backend_unavailable, 400, naming head size, needed and allowed KiB), goes to cpu under auto with the reason on
-    the job, and is admitted on cuda on a 163 KiB device; a serving pool on cuda refuses to load that base on the
-    99 KiB device, with the same reason, before it copies anything to the device."""
+    """Through the API: an SFT run over a base of head size 128 on a device short of shared memory per block (48 KiB,
+    emulated: smaller than any of compute 8.0 or later) is refused cuda (backend_unavailable, 400, naming head size,
+    needed and allowed KiB), goes to cpu under auto with the reason on the job, and is admitted on cuda on a 99 KiB
+    device (an RTX 4090's) and a 163 KiB one (an A100's); a serving pool on cuda refuses to load that base on the
+    48 KiB device, with the same reason, before it copies anything to the device."""
     from trainer.serving import ServingError, ServingPool
 
     base = _register_wide_heads_base(real_sft.KILN_HOME)
-    small = emulated_probe(emulated_library, monkeypatch, 99 << 10)
+    small = emulated_probe(emulated_library, monkeypatch, 48 << 10)
     probe(small)
     write_receipt(real_sft.KILN_HOME)
-    why = "head size 128: the CUDA attention kernels need 162.5 KiB of shared memory per block for training, and " \
-          "device 0 allows 99 KiB per block"
+    why = "head size 128: the CUDA attention kernels need 73.25 KiB of shared memory per block for training, and " \
+          "device 0 allows 48 KiB per block"
     response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, base_model=base, backend="cuda"))
     assert response.status_code == 400, response.content
     error = response.json()["error"]
     assert error["code"] == "backend_unavailable" and why in error["message"], error["message"]
-    assert "not yet written" in error["message"]
     assert not TrainingJob.objects.exists()
     auto = api.post("/v1/train/sft", sft_body(adapter_name, records=2, base_model=base, backend="auto"))
     assert auto.status_code == 201, auto.content
@@ -883,9 +890,11 @@ def test_the_api_refuses_cuda_for_a_head_size_the_device_cannot_run_and_auto_say
     finally:
         pool.close()
     assert refused.value.code == "backend_unavailable"
-    assert "need 119.25 KiB of shared memory per block for decoding" in refused.value.message, refused.value.message
+    assert "need 55.625 KiB of shared memory per block for decoding" in refused.value.message, refused.value.message
 
-    probe(emulated_probe(emulated_library, monkeypatch, 163 << 10))
-    admitted = api.post("/v1/train/sft", sft_body(f"{adapter_name}-a100", records=2, base_model=base, backend="cuda"))
-    assert admitted.status_code == 201, admitted.content
-    assert admitted.json()["effective_config"]["backend"] == "cuda"
+    for per_block, device in ((99 << 10, "rtx4090"), (163 << 10, "a100")):
+        probe(emulated_probe(emulated_library, monkeypatch, per_block))
+        admitted = api.post("/v1/train/sft", sft_body(f"{adapter_name}-{device}", records=2, base_model=base,
+                                                      backend="cuda"))
+        assert admitted.status_code == 201, admitted.content
+        assert admitted.json()["effective_config"]["backend"] == "cuda"

@@ -254,11 +254,14 @@ def test_swiglu_forward_and_backward(gpu):
                                                  (2, 45, 3, 32, 0, 7), (2, 20, 2, 32, 13, 9), (1, 150, 2, 40, 0, 70),
                                                  (2, 30, 3, 80, 100, 0), (1, 130, 1, 24, 0, 0), (1, 200, 1, 32, 0, 20),
                                                  (1, 100, 3, 40, 30, 25)])
-def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, past, window):
+@pytest.mark.parametrize("tile", [0, 32])
+def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, past, window, tile):
     """window > 0: the sliding window (Mistral, Phi-3), against the CPU engine's masked dense twin. The kernels
-    tile 64 rows by 64 keys and round the head size up to 32, 64 or 128: the cases cross several row and key
-    tiles, with a window across tile edges and head sizes that leave zero columns (24, 40, 80); the last two windows
-    are narrow enough that whole tiles are skipped (kiln_first_key, kiln_row_end)."""
+    tile 64 rows by 64 keys (tile 0, the device's choice on a device that holds them: the emulation's 163 KiB, an
+    A100's or H100's) or 32 by 32 (what a 99 KiB device takes), and round the head size up to 32, 64 or 128: the
+    cases cross several row and key tiles, with a window across tile edges and head sizes that leave zero columns
+    (24, 40, 80); the last two windows are narrow enough that whole tiles are skipped (kiln_first_key,
+    kiln_row_end)."""
     S = past + T
     R = T * g
     q, k, v, dout = normal(G, R, D), normal(G, S, D), normal(G, S, D), normal(G, R, D)
@@ -268,7 +271,7 @@ def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, pa
     dq_, dk_, dv_ = gpu.put(q), gpu.put(k), gpu.put(v)
     out, lse = gpu.zeros((G, R, D)), gpu.zeros((G, R))
     gpu.call("kiln_cuda_attention_forward", dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr, G, T, g, S, D, past, window,
-             scale, None)
+             scale, tile, None)
     close(out.to_host(), expected_out, 1e-5, "attention out")
     scores = np.matmul(q, k.transpose(0, 2, 1))
     attention.hide_outside_window(scores, g, past, 0, window or None)
@@ -280,7 +283,7 @@ def test_attention_forward_and_backward_match_the_dense_twin(gpu, G, T, g, D, pa
     for _ in range(2):
         dq, dk, dv, delta = (gpu.zeros(shape) for shape in ((G, R, D), (G, S, D), (G, S, D), (G, R)))
         gpu.call("kiln_cuda_attention_backward", gpu.put(dout).ptr, dq_.ptr, dk_.ptr, dv_.ptr, out.ptr, lse.ptr,
-                 dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, S, D, past, window, scale, None)
+                 dq.ptr, dk.ptr, dv.ptr, delta.ptr, G, T, g, S, D, past, window, scale, tile, None)
         grads.append([a.to_host() for a in (dq, dk, dv)])
     for name, got, expected in zip(("dq", "dk", "dv"), grads[0], (expected_dq, expected_dk, expected_dv)):
         close(got, expected, 1e-4, f"attention {name}")
@@ -495,21 +498,23 @@ def emulation(emulated_library):
 NOWHERE = 16  # a non-null device address for a dry run, which never reads or writes it
 
 
-def _attention_dry(library, D, backward):
+def _attention_dry(library, D, backward, tile=0):
     """The attention forward (or backward) at head size D over a small GQA shape, run dry: its status."""
     p, G, T, g = NOWHERE, 2, 9, 2
     if backward:
-        return library.kiln_cuda_attention_backward(p, p, p, p, p, p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, None)
-    return library.kiln_cuda_attention_forward(p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, None)
+        return library.kiln_cuda_attention_backward(p, p, p, p, p, p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, tile,
+                                                    None)
+    return library.kiln_cuda_attention_forward(p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, tile, None)
 
 
 def test_the_attention_shared_bytes_the_library_exports_are_what_its_launches_request(emulation):
-    """kiln_cuda_attention_shared_bytes is what the attention launches ask of a block's shared memory: on a device whose
-    opt-in limit (kiln_emu_set_shared_optin, which kiln_cuda_device_shared_memory reports) is exactly the exported
-    forward (backward) figure, the forward (both backward kernels) launch; a byte less and the launch is refused
-    (cudaErrorInvalidValue, naming the kernel and its bytes). So the probe's attention_head_size_limit, computed from
-    those figures, is the head size that runs: on an A100's 163 KiB every head size trains and decodes; on 99 KiB
-    (RTX 30/40-series) head sizes up to 64 do and 65..128 are refused both ways."""
+    """kiln_cuda_attention_shared_bytes is the least a block's shared memory must hold for the attention kernels (their
+    32-row tiles): on a device whose opt-in limit (kiln_emu_set_shared_optin, which kiln_cuda_device_shared_memory
+    reports) is exactly the exported forward (backward) figure, the forward (both backward kernels) launch; a byte
+    less and the launch is refused (cudaErrorInvalidValue, naming the kernel and its bytes). So the probe's
+    attention_head_size_limit, computed from those figures, is the head size that runs: on an A100's 163 KiB and on
+    the 99 KiB of compute 8.6, 8.9 and 12.0 (RTX 30/40/50-series, A10, L4) every head size trains and decodes (the
+    99 KiB device with tiles of 32 at head sizes past 64); a device of 48 KiB would take head sizes up to 64."""
     emulation.kiln_emu_set_dry_run(1)
     per_block = ctypes.c_size_t(0)
     assert emulation.kiln_cuda_device_shared_memory(0, byref(per_block)) == 0 and per_block.value == 163 << 10
@@ -524,21 +529,61 @@ def test_the_attention_shared_bytes_the_library_exports_are_what_its_launches_re
             emulation.kiln_emu_set_shared_optin(need - 1)
             assert _attention_dry(emulation, D, is_backward) == 1, (D, is_backward)
             assert f"needs {need} bytes of shared memory per block" in cuda.last_error(emulation)
-    for per_block_bytes in (163 << 10, 99 << 10, 120 << 10):
+    for per_block_bytes in (163 << 10, 99 << 10, 120 << 10, 48 << 10):
         emulation.kiln_emu_set_shared_optin(per_block_bytes)
         limits = cuda.attention_head_size_limit(tiers, per_block_bytes)
         for D in range(1, cuda.ATTENTION_MAX_HEAD + 1):
             assert (_attention_dry(emulation, D, False) == 0) == (D <= limits["decoding"]), (per_block_bytes, D)
             assert (_attention_dry(emulation, D, True) == 0) == (D <= limits["training"]), (per_block_bytes, D)
     assert cuda.attention_head_size_limit(tiers, 163 << 10) == {"training": 128, "decoding": 128}
-    assert cuda.attention_head_size_limit(tiers, 99 << 10) == {"training": 64, "decoding": 64}
+    assert cuda.attention_head_size_limit(tiers, 99 << 10) == {"training": 128, "decoding": 128}
+    assert cuda.attention_head_size_limit(tiers, 48 << 10) == {"training": 64, "decoding": 64}
+
+
+def test_a_device_short_of_shared_memory_takes_tiles_of_32_and_always_the_same(emulation):
+    """Tile 0 is the device's choice: 64 rows and keys where its opt-in shared memory per block holds those kernels
+    (an A100's 163 KiB at head size 128), 32 where it does not (99 KiB): the same bits as asking for that tile, every
+    run. A tile asked for that the device cannot hold is refused naming the kernel and its bytes (head size 128's
+    64-row forward needs 122112 bytes; 99 KiB is 101376); a tile other than 0, 32 or 64 is a bad argument."""
+    gpu = Gpu(emulation)
+    G, T, g, D = 2, 70, 2, 128
+    R = T * g
+    q, k, v, dout = normal(G, R, D), normal(G, T, D), normal(G, T, D), normal(G, R, D)
+
+    def run(tile):
+        out, lse = gpu.zeros((G, R, D)), gpu.zeros((G, R))
+        dq, dk, dv = gpu.zeros((G, R, D)), gpu.zeros((G, T, D)), gpu.zeros((G, T, D))
+        q_, k_, v_ = gpu.put(q), gpu.put(k), gpu.put(v)
+        gpu.call("kiln_cuda_attention_forward", q_.ptr, k_.ptr, v_.ptr, out.ptr, lse.ptr, G, T, g, T, D, 0, 0, 0.125,
+                 tile, None)
+        gpu.call("kiln_cuda_attention_backward", gpu.put(dout).ptr, q_.ptr, k_.ptr, v_.ptr, out.ptr, lse.ptr, dq.ptr,
+                 dk.ptr, dv.ptr, gpu.zeros((G, R)).ptr, G, T, g, T, D, 0, 0, 0.125, tile, None)
+        return [a.to_host() for a in (out, lse, dq, dk, dv)]
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+    try:
+        sixty_four, thirty_two = run(64), run(32)
+        assert not same(sixty_four, thirty_two)  # other sums, so the tile is seen in the bits
+        assert same(run(0), sixty_four)  # 163 KiB, as loaded
+        emulation.kiln_emu_set_shared_optin(99 << 10)
+        assert same(run(0), thirty_two) and same(run(0), thirty_two)
+        p = NOWHERE
+        assert emulation.kiln_cuda_attention_forward(p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, 64, None) == 1
+        assert "attention_forward_kernel needs 122112 bytes" in cuda.last_error(emulation)
+        assert emulation.kiln_cuda_attention_forward(p, p, p, p, p, G, T, g, T, D, 0, 0, 0.125, 48, None) == 2001
+        assert "tile must be 0" in cuda.last_error(emulation)
+    finally:
+        gpu.free()
+
 
 LAUNCHES = {  # entry point -> (its first kernel, its arguments with no memory behind them: run dry)
     "kiln_cuda_swiglu_forward": ("swiglu_forward_kernel", (None, None, 7, 24, None)),
     "kiln_cuda_rmsnorm_backward": ("rmsnorm_backward_dx_kernel",
                                    (None, None, None, None, None, None, NOWHERE, 7, 24, None)),
     "kiln_cuda_attention_forward": ("attention_forward_kernel",
-                                    (None, None, None, None, None, 2, 9, 2, 9, 64, 0, 0, 0.125, None)),
+                                    (None, None, None, None, None, 2, 9, 2, 9, 64, 0, 0, 0.125, 0, None)),
     "kiln_cuda_cross_entropy_rows": ("cross_entropy_rows_kernel", (None, None, None, 1, 1.0, None, -100, 7, 23, None)),
 }
 
@@ -575,9 +620,11 @@ def _model_step_calls(blas, C, F, V, H, KV, D, B, T, window, rank=64, block_size
         calls += [("kiln_cuda_rope_forward", (p, T * W3, W3, D, p, p, T, 0, p, B, T, KV, group, D, None)),
                   ("kiln_cuda_rope_backward", (p, p, p, T, 0, p, T * W3, W3, D, B, T, KV, group, D, None))]
     calls += [("kiln_cuda_swiglu_forward", (p, p, N, F, None)), ("kiln_cuda_swiglu_backward", (p, p, p, N, F, None)),
-              ("kiln_cuda_attention_forward", (p, p, p, p, p, G, T, g, T, D, 0, window, 0.125, None)),
-              ("kiln_cuda_attention_backward", (p, p, p, p, p, p, p, p, p, p, G, T, g, T, D, 0, window, 0.125, None)),
-              ("kiln_cuda_attention_forward", (p, p, p, p, p, G, 1, g, T, D, T - 1, window, 0.125, None)),  # decoding
+              ("kiln_cuda_attention_forward", (p, p, p, p, p, G, T, g, T, D, 0, window, 0.125, 0, None)),
+              ("kiln_cuda_attention_backward", (p, p, p, p, p, p, p, p, p, p, G, T, g, T, D, 0, window, 0.125, 0,
+                                                None)),
+              # decoding
+              ("kiln_cuda_attention_forward", (p, p, p, p, p, G, 1, g, T, D, T - 1, window, 0.125, 0, None)),
               ("kiln_cuda_attention_probabilities", (p, p, 0, 1, T, g, T, 0, window, None)),  # dense, one group
               ("kiln_cuda_attention_dscores", (p, p, p, p, p, 1, T, g, T, D, 0.125, None))]
     for chunk in (64, N):  # the fused route's chunks, and the full logits
@@ -604,13 +651,16 @@ def emulated_blas(emulation):
     emulation.kiln_cuda_blas_destroy(handle.value)
 
 
+@pytest.mark.parametrize("shared_kib", [163, 99])
 @pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
-def test_every_launch_of_a_real_models_step_is_one_the_device_takes(emulation, emulated_blas, model):
+def test_every_launch_of_a_real_models_step_is_one_the_device_takes(emulation, emulated_blas, model, shared_kib):
     """Batches of 8 x 4096 tokens (N = 32768 rows; the full logits [N,V] pass 2^32 elements), head sizes 64 and 128,
     a sliding window of 4096 and none, through every entry point a step calls, run dry: each launch's grid, threads
     and dynamic shared memory within the device's limits (and the kernel's shared-memory attribute), each GEMM's
-    dimensions within cuBLAS's int."""
+    dimensions within cuBLAS's int. On an A100's 163 KiB of shared memory per block, and on the 99 KiB of an RTX
+    30/40-series GPU (whose attention at head size 128 takes tiles of 32)."""
     emulation.kiln_emu_set_dry_run(1)
+    emulation.kiln_emu_set_shared_optin(shared_kib << 10)
     for window in (0, 1024):
         for entry, arguments in _model_step_calls(emulated_blas, *MODEL_SHAPES[model], B=8, T=4096, window=window):
             status = getattr(emulation, entry)(*arguments)
@@ -632,8 +682,8 @@ def test_no_kernel_result_depends_on_the_order_its_threads_run_between_barriers(
     """On a device a block's threads run between two barriers in no fixed order; the emulation runs them by index,
     reversed, or shuffled afresh each round. Every kernel that shares memory across threads (the block reductions
     of RMSNorm, cross-entropy, the gradient norm and the dense softmax; the attention tiles, windowed, with a past,
-    GQA, head sizes 40 and 128 over partial tiles) gives the same bits in all three orders: no thread reads what
-    another writes in the same interval."""
+    GQA, head sizes 40 and 128 over partial tiles of 64 rows and, at 128, of 32) gives the same bits in all three
+    orders: no thread reads what another writes in the same interval."""
     gpu = Gpu(emulation)
     G, T, g, past, window = 2, 70, 3, 20, 45
     S, R = past + T, T * g
@@ -641,7 +691,8 @@ def test_no_kernel_result_depends_on_the_order_its_threads_run_between_barriers(
     inputs = {"x": normal(N, C), "w": normal(C), "dout": normal(N, C), "logits": normal(N, V, scale=4.0),
               "targets": rng.integers(0, V, N).astype(I64), "scores": normal(G, R, S, scale=3.0)}
     inputs["targets"][[0, 9]] = -100
-    attention_inputs = {D: [normal(G, n, D) for n in (R, S, S, R)] for D in (40, 128)}  # q, k, v, dout
+    attention_inputs = {(D, tile): [normal(G, n, D) for n in (R, S, S, R)]  # q, k, v, dout
+                        for D, tile in ((40, 0), (128, 0), (128, 32))}
 
     def run():
         out = {}
@@ -663,16 +714,16 @@ def test_no_kernel_result_depends_on_the_order_its_threads_run_between_barriers(
         gpu.call("kiln_cuda_attention_probabilities", scores.ptr, lse.ptr, 0, G, T, g, S, past, window, None)
         out.update(normed=normed, rstd=rstd, dx=dx, dw=dw, dlogits=logits, per_row=per_row, sums=sums, p=scores,
                    p_lse=lse)
-        for D, (q, k, v, dout) in attention_inputs.items():
+        for (D, tile), (q, k, v, dout) in attention_inputs.items():
             q, k, v, dout = (gpu.put(a) for a in (q, k, v, dout))
             att, att_lse = gpu.zeros((G, R, D)), gpu.zeros((G, R))
             gpu.call("kiln_cuda_attention_forward", q.ptr, k.ptr, v.ptr, att.ptr, att_lse.ptr, G, T, g, S, D, past,
-                     window, 0.125, None)
+                     window, 0.125, tile, None)
             dq, dk, dv = gpu.zeros((G, R, D)), gpu.zeros((G, S, D)), gpu.zeros((G, S, D))
             gpu.call("kiln_cuda_attention_backward", dout.ptr, q.ptr, k.ptr, v.ptr, att.ptr, att_lse.ptr, dq.ptr,
-                     dk.ptr, dv.ptr, gpu.zeros((G, R)).ptr, G, T, g, S, D, past, window, 0.125, None)
-            out.update({f"{name}{D}": a for name, a in (("att", att), ("lse", att_lse), ("dq", dq), ("dk", dk),
-                                                          ("dv", dv))})
+                     dk.ptr, dv.ptr, gpu.zeros((G, R)).ptr, G, T, g, S, D, past, window, 0.125, tile, None)
+            out.update({f"{name}{D}-{tile}": a for name, a in (("att", att), ("lse", att_lse), ("dq", dq),
+                                                                 ("dk", dk), ("dv", dv))})
         return {name: a.to_host() for name, a in out.items()}
 
     try:

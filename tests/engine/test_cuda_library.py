@@ -198,11 +198,12 @@ def test_a_file_that_is_not_a_library_is_load_failed(monkeypatch, tmp_path):
 
 # -- the device query's coded reasons, through stub libraries whose device functions answer as told -------------
 
-# the attention kernels' dynamic shared memory per block (kiln_cuda_attention_shared_bytes): head sizes up to 32, 64
-# and 128 run the kernels for 32, 64 and 128 columns; the backward's figure is the larger of its two kernels'
-ATTENTION_TIERS = [{"head_size": 32, "forward": 48384, "backward": 68096},      # 47.25 and 66.5 KiB
-                   {"head_size": 64, "forward": 72960, "backward": 100864},     # 71.25 and 98.5 KiB
-                   {"head_size": 128, "forward": 122112, "backward": 166400}]   # 119.25 and 162.5 KiB
+# the least dynamic shared memory per block the attention kernels run with, their 32-row tiles
+# (kiln_cuda_attention_shared_bytes): head sizes up to 32, 64 and 128 run the kernels for 32, 64 and 128 columns; the
+# backward's figure is the larger of its two kernels'
+ATTENTION_TIERS = [{"head_size": 32, "forward": 20096, "backward": 25856},      # 19.6 and 25.25 KiB
+                   {"head_size": 64, "forward": 32384, "backward": 42240},      # 31.6 and 41.25 KiB
+                   {"head_size": 128, "forward": 56960, "backward": 75008}]     # 55.6 and 73.25 KiB
 
 _C_TYPES = {ctypes.c_int: "int", ctypes.c_int64: "int64_t", ctypes.c_float: "float", ctypes.c_double: "double",
             ctypes.c_size_t: "size_t", ctypes.c_void_p: "void *", ctypes.c_char_p: "char *"}
@@ -334,18 +335,20 @@ def test_the_attention_tiers_are_what_the_library_answers(no_override, emulated_
 
 
 # a device's opt-in shared memory per block -> the largest head size the attention kernels run there, to train and to
-# decode: 99 KiB (compute 8.6, 8.9, 12.0), 163 KiB (8.0, 8.7), 227 KiB (9.0), and one between the two 128 kernels
-SHARED_MEMORY_LIMITS = {99 << 10: {"training": 64, "decoding": 64}, 163 << 10: {"training": 128, "decoding": 128},
-                        227 << 10: {"training": 128, "decoding": 128}, 120 << 10: {"training": 64, "decoding": 128},
-                        48 << 10: {"training": 0, "decoding": 32}}
+# decode: 99 KiB (compute 8.6, 8.9, 12.0), 163 KiB (8.0, 8.7), 227 KiB (9.0), and smaller devices than any of those
+# (none of compute 8.0 or later) to show the limits: one between the 128 kernels, and two below
+SHARED_MEMORY_LIMITS = {99 << 10: {"training": 128, "decoding": 128}, 163 << 10: {"training": 128, "decoding": 128},
+                        227 << 10: {"training": 128, "decoding": 128}, 64 << 10: {"training": 64, "decoding": 128},
+                        48 << 10: {"training": 64, "decoding": 64}, 24 << 10: {"training": 0, "decoding": 32}}
 
 
 @pytest.mark.parametrize("per_block", sorted(SHARED_MEMORY_LIMITS))
 def test_the_probe_reports_each_devices_shared_memory_and_the_head_sizes_it_runs(capsys, monkeypatch, tmp_path,
                                                                                  per_block):
     """Each device's opt-in shared memory per block, as the library answers it, and the largest head size whose
-    attention kernels fit it (the library's own byte counts): a 99 KiB device stays available (SmolLM2's head size 64
-    runs) but takes head sizes up to 64 only; `kiln doctor --json` shows both, and its text says them."""
+    attention kernels fit it (the library's own byte counts): a 99 KiB device takes every head size (with tiles of 32
+    past 64), a smaller one stays available for the head sizes it runs; `kiln doctor --json` shows both, and its text
+    says them."""
     from kiln_web.cli import main
 
     monkeypatch.setenv(cuda.ENVIRONMENT_VARIABLE, str(_stub_library(tmp_path, STUB_SHARED=per_block)))

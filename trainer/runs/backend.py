@@ -138,7 +138,7 @@ def attention_unsupported(probe: dict, device: dict, attention) -> str | None:
         allowed = _kib(device.get("shared_memory_per_block") or 0)
         return (f"head size {head_size}: the CUDA attention kernels need {needed} of shared memory per block for "
                 f"{workload}, and device {device.get('index')} allows {allowed} per block (it takes head sizes "
-                f"{takes}); attention kernels with smaller tiles for such devices are not yet written")
+                f"{takes})")
     return None
 
 

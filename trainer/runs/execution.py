@@ -104,13 +104,16 @@ def compute_execution_identity(backend: str) -> dict:
 
 def gpu_identity() -> dict:
     """The CUDA device a run uses and the evidence of its stack (free memory is no part of it: it varies); every
-    field None when the loader finds no usable device (such a process cannot start a cuda run)."""
+    field None when the loader finds no usable device (such a process cannot start a cuda run). The opt-in shared
+    memory per block chooses the attention kernels' tiles (64 or 32 rows), so it is part of what gives the bits."""
     from trainer.runs.backend import cuda_device, cuda_unavailable, probe_cuda
 
     probe = probe_cuda()
     device = (cuda_device(probe) if cuda_unavailable(probe) is None else None) or {}
     return {"name": device.get("name"), "compute_capability": device.get("compute_capability"),
-            "total_memory": device.get("total_memory"), "driver_version": _text(probe.get("driver_version")),
+            "total_memory": device.get("total_memory"),
+            "shared_memory_per_block": device.get("shared_memory_per_block"),
+            "driver_version": _text(probe.get("driver_version")),
             "runtime_version": _text(probe.get("runtime_version")),
             "cublas_version": _text(probe.get("cublas_version")),
             "library_sha256": probe.get("library_sha256")}
