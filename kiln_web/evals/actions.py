@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -47,12 +47,16 @@ def do_create_suite(user, name: str, content: str, default_metric: str = Metric.
         suite = runtime.parse(name, content, default_metric)
     except runtime.SuiteError as error:
         raise ActionRefused(400, "invalid_suite", str(error), field="content") from None
-    with transaction.atomic():
-        if EvalSuite.objects.filter(name=name).exists():
-            raise ActionRefused(409, "suite_exists", f"a suite named {name!r} exists; suites do not change, so "
-                                                     "create one under a new name")
-        return EvalSuite.objects.create(name=name, owner=user, content=content, digest=suite.digest,
-                                        default_metric=default_metric, example_count=len(suite.examples))
+    exists = ActionRefused(409, "suite_exists", f"a suite named {name!r} exists; suites do not change, so create "
+                                                "one under a new name")
+    if EvalSuite.objects.filter(name=name).exists():
+        raise exists
+    try:  # a create beside this one may take the name after the look above: the unique name refuses the second
+        with transaction.atomic():
+            return EvalSuite.objects.create(name=name, owner=user, content=content, digest=suite.digest,
+                                            default_metric=default_metric, example_count=len(suite.examples))
+    except IntegrityError:
+        raise exists from None
 
 
 def visible_suites(user):
@@ -292,7 +296,8 @@ def do_finish_evaluation(run_id, worker_id: str, comparison=None, *, error_code:
             run.save(update_fields=["status", "candidate_summary", "baseline_summary", "candidate_sha256",
                                     "finished_at"])
             EvalExampleResult.objects.bulk_create(
-                EvalExampleResult(run=run, index=ours["index"], expected=storable(ours["expected"]), metric=ours["metric"],
+                EvalExampleResult(run=run, index=ours["index"], expected=storable(ours["expected"]),
+                                  metric=ours["metric"],
                                   candidate_output=storable(ours["output"]), candidate_correct=ours["correct"],
                                   baseline_output=storable(theirs["output"]), baseline_correct=theirs["correct"])
                 for ours, theirs in zip(comparison.candidate.examples, comparison.baseline.examples))

@@ -12,6 +12,7 @@ import logging
 import re
 from pathlib import Path
 
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
@@ -188,10 +189,20 @@ def active_in(scope) -> ServedAdapter | None:
     return ServedAdapter.objects.filter(active=True, active_for=scope).select_related("adapter").first()
 
 
+def _lock_scope(scope) -> None:
+    """Take SCOPE's activation lock (its user row) for the rest of the caller's transaction: activations in one
+    scope then run one after another, each seeing the one before as the active adapter it replaces. Without it two
+    activations both found no previous one and the second broke serving_one_active_adapter_per_owner (a 500).
+    Taken before any ServedAdapter row is locked, so activations and promotions lock in one order."""
+    # FOR NO KEY UPDATE: rows that merely refer to the user (a token, a job) are still written meanwhile
+    list(get_user_model().objects.select_for_update(no_key=True).filter(pk=scope.pk).values_list("pk", flat=True))
+
+
 def _activate(row: ServedAdapter, scope, *, decided_by: str, reason: str, user=None, job=None,
               evaluation=None) -> PromotionRecord:
     """Make ROW SCOPE's active adapter (the one before in that scope stops being active) and record the promotion
-    (inside the caller's transaction). Other people's active adapters are untouched."""
+    (inside the caller's transaction, which holds _lock_scope(SCOPE)). Other people's active adapters are
+    untouched."""
     previous = (ServedAdapter.objects.select_for_update().filter(active=True, active_for=scope)
                 .exclude(pk=row.pk).first())
     if previous is not None:
@@ -210,6 +221,7 @@ def do_activate_adapter(user, name: str) -> PromotionRecord:
     someone else's adapter make it their own default, not its owner's); a person's promotion, recorded."""
     adapter = adapter_for(user, name)
     with transaction.atomic():
+        _lock_scope(user)
         row = ServedAdapter.objects.select_for_update().select_related("adapter").filter(adapter=adapter).first()
         if row is None:
             raise ActionRefused(409, "adapter_not_loaded", f"load the adapter {name!r} before activating it "
@@ -232,11 +244,12 @@ def do_promote(adapter: Adapter, base: str, sha: str, *, decided_by: str, reason
     ran."""
     with transaction.atomic():
         adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+        scope = _scope(adapter, job)
+        _lock_scope(scope)
         if runtime.snapshot_sha256(adapter.name) != sha:
             raise ServingError("adapter_changed", f"the snapshot of {adapter.name!r} changed after its canary ran")
         row = _record_load(adapter, base, sha, decided_by)
-        record = _activate(row, _scope(adapter, job), decided_by=decided_by, reason=reason, job=job,
-                           evaluation=evaluation)
+        record = _activate(row, scope, decided_by=decided_by, reason=reason, job=job, evaluation=evaluation)
     return record
 
 
