@@ -155,14 +155,14 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
             raise ActionRefused(409, "adapter_busy",
                                 f"the adapter {adapter.name!r} already has a {active.status} job ({active.pk}); "
                                 "wait for it to finish or cancel it first", job_id=str(active.pk))
+        if kind == JobKind.OPD:  # the alias, locked: unchanged since admission resolved it, else teacher_changed
+            teachers.do_record_teacher_content(admission.identities["teacher"])
         job = TrainingJob.objects.create(
             owner=user, kind=kind, adapter=adapter, request=body, admission=admission.to_json(),
             effective_config=admission.effective_config, effective_seed=admission.effective_seed,
             data_source_kind=admission.data_source_kind, identities=admission.identities,
             resume_from=resume.get("checkpoint") or "", total_steps=admission.total_steps,
             committed_step=resume.get("step") or 0)
-        if kind == JobKind.OPD:
-            teachers.do_record_teacher_content(admission.identities["teacher"])
         lineage.record_admission(job)  # replay.jsonl and the adapter's lineage.json; refuses if unwritable
         resumed = f", resuming from {job.resume_from}" if job.resume_from else ""
         chosen = (job.identities or {}).get("backend") if isinstance(job.identities, dict) else None

@@ -160,10 +160,20 @@ def do_delete_teacher(user, name: str) -> None:
 
 
 def do_record_teacher_content(teacher: dict) -> None:
-    """Keep the content revision an OPD admission reconstructed (TEACHER: its teacher identity), when the
-    alias still has that identity revision."""
-    TeacherAlias.objects.filter(name=teacher["alias"], identity_revision=teacher["identity_revision"]).update(
-        content_revision=teacher["content_revision"], content_checked_at=timezone.now())
+    """Inside the transaction that queues an OPD job: lock the alias the admission resolved (TEACHER: its teacher
+    identity), refuse (409 teacher_changed) when it was deleted or changed since, and keep the content revision the
+    admission reconstructed. The lock orders the submission with do_update_teacher and do_delete_teacher: a change
+    before it is refused here, a change after it sees the queued job (teacher_in_use)."""
+    alias = TeacherAlias.objects.select_for_update().filter(name=teacher["alias"]).first()
+    current = alias.identity_revision if alias is not None else None
+    if current != teacher["identity_revision"]:
+        what = "was deleted" if alias is None else "changed"
+        raise ActionRefused(409, "teacher_changed", f"teacher alias {teacher['alias']} {what} while the job was "
+                                                    "admitted; submit the run again",
+                            differences=[{"field": "teacher.identity_revision",
+                                          "checkpoint": teacher["identity_revision"], "request": current}])
+    TeacherAlias.objects.filter(pk=alias.pk).update(content_revision=teacher["content_revision"],
+                                                    content_checked_at=timezone.now())  # not a change: updated_at stays
 
 
 # -- reads used by job submission and the worker --

@@ -167,3 +167,34 @@ def test_admin_creates_through_the_action_and_keeps_revisions_read_only(client, 
     assert changed.identity_revision != alias.identity_revision
     client.post(f"/admin/teachers/teacheralias/{alias.pk}/delete/", {"post": "yes"})
     assert not TeacherAlias.objects.exists()
+
+
+@pytest.mark.parametrize("change", ["delete", "update"])
+def test_an_alias_deleted_or_changed_during_admission_refuses_the_submission(api, adapter_name, monkeypatch,
+                                                                            teacher_adapter, change):
+    """A delete (or change) of the alias that lands between the submission's look at it and the job's creation
+    found no active job naming it, so it went through, and the job was queued over an alias that no longer
+    existed (failing only at dequeue). The submission now checks the alias again on its locked row, in the
+    transaction that creates the job: 409 teacher_changed, and nothing is queued."""
+    from kiln_web.teachers import actions as teacher_actions
+
+    create(api, base="kiln-tiny")
+    resolve = teacher_actions.resolve_teacher
+
+    def resolve_then_change(name):
+        spec = resolve(name)
+        if change == "delete":
+            assert api.client.delete(f"/v1/teachers/{name}").status_code == 204
+        else:
+            changed = api.client.put(f"/v1/teachers/{name}", {"base": "kiln-tiny", "adapter": str(teacher_adapter)},
+                                     content_type="application/json")
+            assert changed.status_code == 200, changed.content
+        return spec
+
+    monkeypatch.setattr(teacher_actions, "resolve_teacher", resolve_then_change)
+    response = api.post("/v1/train/opd", opd_request(adapter_name, "tutor@native", steps=2))
+    assert response.status_code == 409, response.content
+    error = response.json()["error"]
+    assert error["code"] == "teacher_changed" and "submit the run again" in error["message"]
+    assert error["differences"][0]["field"] == "teacher.identity_revision"
+    assert not TrainingJob.objects.exists()
