@@ -178,6 +178,7 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     else the embedded worker). A baseline over another base is refused (409 cross_base_comparison). BACKEND (auto,
     cpu, cuda; None: KILN_TRAINING_BACKEND) is resolved now; cuda without a device is refused (400
     backend_unavailable, with the loader's reason)."""
+    from kiln_web.adapters.models import Adapter
     from kiln_web.serving import actions as serving_actions
     from kiln_web.serving import runtime as serving_runtime
 
@@ -186,15 +187,21 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     except runtime.EvaluationError as error:
         raise ActionRefused(400, error.code, error.message, field="backend") from None
     adapter = serving_actions.adapter_for(user, candidate, manage=False, field="adapter")  # theirs, or shared
+    no_snapshot = ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
+                                                          "training run publishes one when it succeeds")
     if not serving_runtime.has_snapshot(candidate):
-        raise ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
-                                                      "training run publishes one when it succeeds")
+        raise no_snapshot
     suite_row = suite_for(user, suite)
     candidate_base = base or serving_actions.adapter_base(adapter)
     if candidate_base is None or not serving_runtime.is_base(candidate_base):
         raise ActionRefused(400, "base_not_found", f"cannot evaluate {candidate!r}: base {candidate_base!r} is not "
                                                    "registered; name one (base)")
     with transaction.atomic():
+        # the candidate's row, locked as do_delete_adapter locks it: a delete either ran before (its snapshot is
+        # gone: refused here) or waits for this run's row (and is refused adapter_busy)
+        adapter = Adapter.objects.select_for_update().get(pk=adapter.pk)
+        if not serving_runtime.has_snapshot(candidate):
+            raise no_snapshot
         chosen = (_baseline(user, candidate, candidate_base) if baseline is None else
                   _named_baseline(user, candidate, candidate_base, baseline))
         run = EvalRun.objects.create(owner=user, suite=suite_row, suite_digest=suite_row.digest, candidate=adapter,

@@ -49,6 +49,12 @@ class Rendezvous:
             with self._cond:
                 self._cond.wait(POLL)
 
+    def wait_arrived(self, name: str) -> None:
+        """For a side that must start its part only once side NAME is held at the racy point."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: name in self._arrived | self._finished, GIVE_UP):
+                raise AssertionError(f"{name} never reached the racy point")
+
     @staticmethod
     def _waiting_on_lock(pid: int) -> bool:
         with connection.cursor() as cursor:  # pg_locks is read live, never from a per-transaction snapshot

@@ -95,3 +95,35 @@ def test_two_suites_created_under_one_name_answer_201_and_409(ada, bob, monkeypa
     assert (error.status, error.code) == (409, "suite_exists")
     winner = EvalSuite.objects.get(name="race-suite")
     assert winner.owner.username != loser and winner.owner.username in rendezvous.results
+
+
+# -- deleting an adapter beside the evaluation of it --
+
+
+def test_an_adapter_deleted_while_its_evaluation_is_queued(ada, monkeypatch, rendezvous, settings):
+    """The delete refuses while an evaluation of the adapter is queued, and the evaluation needs its snapshot; the
+    two checks were not ordered, so a delete beside the evaluation's creation found no evaluation, removed the
+    snapshot and the checkpoints, and the evaluation was still queued (201), to fail on its worker. The evaluation
+    is now created on the candidate's locked row: here the delete waits for it, then answers 409 adapter_busy."""
+    from serving.helpers import publish_adapter
+
+    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, "race-eval", seed=4)
+    evals_actions.do_create_suite(ada, "race-eval-suite", SUITE)
+    hold_in = evals_actions._baseline
+
+    def held(*args, **kwargs):
+        rendezvous.hold()
+        return hold_in(*args, **kwargs)
+
+    monkeypatch.setattr(evals_actions, "_baseline", held)
+
+    def delete():
+        rendezvous.wait_arrived("evaluate")
+        return serving_actions.do_delete_adapter(ada, "race-eval")
+
+    rendezvous.run(evaluate=lambda: evals_actions.do_enqueue_evaluation(ada, "race-eval", "race-eval-suite"),
+                   delete=delete)
+    assert "evaluate" in rendezvous.results, rendezvous.errors
+    error = rendezvous.errors.get("delete")
+    assert isinstance(error, ActionRefused) and error.code == "adapter_busy", (error, rendezvous.results)
+    assert serving_runtime.has_snapshot("race-eval")
