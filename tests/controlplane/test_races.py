@@ -36,12 +36,14 @@ def rendezvous():
     return Rendezvous()
 
 
-def hold_before(monkeypatch, rendezvous, model, method="save"):
-    """Hold each side of the race in MODEL.METHOD, its first write after its checks."""
+def hold_before(monkeypatch, rendezvous, model, method="save", when=lambda kwargs: True):
+    """Hold each side of the race in MODEL.METHOD, its first write after its checks (the first one WHEN accepts,
+    given the call's keyword arguments)."""
     original = getattr(model, method)
 
     def held(self, *args, **kwargs):
-        rendezvous.hold()
+        if when(kwargs):
+            rendezvous.hold()
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(model, method, held)
@@ -55,6 +57,11 @@ def served(owner, name: str) -> ServedAdapter:
     return ServedAdapter.objects.create(adapter=adapter, base="kiln-tiny", adapter_sha256="0" * 64, loaded_by="test")
 
 
+def activating(kwargs) -> bool:
+    """The writes of serving.actions._activate (after its look for the scope's active adapter)."""
+    return "active" in (kwargs.get("update_fields") or ())
+
+
 @pytest.mark.parametrize("before", [None, "c"], ids=["none-active", "another-active"])
 def test_two_activations_in_one_scope_both_succeed_and_the_last_is_active(ada, monkeypatch, rendezvous, before):
     """Two activations in one person's scope (two browser tabs, or a promotion beside a person's activation) each
@@ -65,7 +72,7 @@ def test_two_activations_in_one_scope_both_succeed_and_the_last_is_active(ada, m
     served(ada, "race-a"), served(ada, "race-b")
     if before:
         serving_actions.do_activate_adapter(ada, served(ada, f"race-{before}").adapter.name)
-    hold_before(monkeypatch, rendezvous, ServedAdapter)
+    hold_before(monkeypatch, rendezvous, ServedAdapter, when=activating)
     rendezvous.run(a=lambda: serving_actions.do_activate_adapter(ada, "race-a"),
                    b=lambda: serving_actions.do_activate_adapter(ada, "race-b"))
     assert rendezvous.errors == {}
@@ -75,6 +82,26 @@ def test_two_activations_in_one_scope_both_succeed_and_the_last_is_active(ada, m
         adapter__name__in=["race-a", "race-b"]).select_related("adapter")}
     assert records[first].previous_active == (f"race-{before}" if before else "")
     assert records[last].previous_active == first  # the audit trail says what each replaced
+
+
+def test_a_promotion_beside_an_activation_in_its_scope(ada, monkeypatch, rendezvous, settings):
+    """A gate's (or auto_load's) promotion and the job owner's own activation at the same moment: the same race in
+    do_promote, which also locks the adapter (the lock order stays adapter, scope, rows: no deadlock)."""
+    from serving.helpers import publish_adapter
+
+    serving_runtime.close_serving()
+    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, "race-promoted", seed=3)
+    candidate = Adapter.objects.create(name="race-promoted", owner=ada)
+    sha = serving_runtime.snapshot_sha256("race-promoted")
+    served(ada, "race-chosen")
+    hold_before(monkeypatch, rendezvous, ServedAdapter, when=activating)
+    rendezvous.run(promote=lambda: serving_actions.do_promote(candidate, "kiln-tiny", sha, decided_by="gate",
+                                                              reason="the gate passed"),
+                   activate=lambda: serving_actions.do_activate_adapter(ada, "race-chosen"))
+    assert rendezvous.errors == {}
+    active = ServedAdapter.objects.filter(active=True, active_for=ada).select_related("adapter").get()
+    other = "race-chosen" if active.adapter.name == "race-promoted" else "race-promoted"
+    assert PromotionRecord.objects.get(adapter=active.adapter).previous_active == other
 
 
 # -- names: a second create of one name is 409, never a 500 --
