@@ -84,15 +84,15 @@ def test_two_activations_in_one_scope_both_succeed_and_the_last_is_active(ada, m
     assert records[last].previous_active == first  # the audit trail says what each replaced
 
 
-def test_a_promotion_beside_an_activation_in_its_scope(ada, monkeypatch, rendezvous, settings):
+def test_a_promotion_beside_an_activation_in_its_scope(ada, adapter_name, monkeypatch, rendezvous, settings):
     """A gate's (or auto_load's) promotion and the job owner's own activation at the same moment: the same race in
     do_promote, which also locks the adapter (the lock order stays adapter, scope, rows: no deadlock)."""
     from serving.helpers import publish_adapter
 
     serving_runtime.close_serving()
-    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, "race-promoted", seed=3)
-    candidate = Adapter.objects.create(name="race-promoted", owner=ada)
-    sha = serving_runtime.snapshot_sha256("race-promoted")
+    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, adapter_name, seed=3)  # a fresh name: one registry
+    candidate = Adapter.objects.create(name=adapter_name, owner=ada)
+    sha = serving_runtime.snapshot_sha256(adapter_name)
     served(ada, "race-chosen")
     hold_before(monkeypatch, rendezvous, ServedAdapter, when=activating)
     rendezvous.run(promote=lambda: serving_actions.do_promote(candidate, "kiln-tiny", sha, decided_by="gate",
@@ -100,7 +100,7 @@ def test_a_promotion_beside_an_activation_in_its_scope(ada, monkeypatch, rendezv
                    activate=lambda: serving_actions.do_activate_adapter(ada, "race-chosen"))
     assert rendezvous.errors == {}
     active = ServedAdapter.objects.filter(active=True, active_for=ada).select_related("adapter").get()
-    other = "race-chosen" if active.adapter.name == "race-promoted" else "race-promoted"
+    other = "race-chosen" if active.adapter.name == adapter_name else adapter_name
     assert PromotionRecord.objects.get(adapter=active.adapter).previous_active == other
 
 
@@ -127,14 +127,14 @@ def test_two_suites_created_under_one_name_answer_201_and_409(ada, bob, monkeypa
 # -- deleting an adapter beside the evaluation of it --
 
 
-def test_an_adapter_deleted_while_its_evaluation_is_queued(ada, monkeypatch, rendezvous, settings):
+def test_an_adapter_deleted_while_its_evaluation_is_queued(ada, adapter_name, monkeypatch, rendezvous, settings):
     """The delete refuses while an evaluation of the adapter is queued, and the evaluation needs its snapshot; the
     two checks were not ordered, so a delete beside the evaluation's creation found no evaluation, removed the
     snapshot and the checkpoints, and the evaluation was still queued (201), to fail on its worker. The evaluation
     is now created on the candidate's locked row: here the delete waits for it, then answers 409 adapter_busy."""
     from serving.helpers import publish_adapter
 
-    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, "race-eval", seed=4)
+    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, adapter_name, seed=4)
     evals_actions.do_create_suite(ada, "race-eval-suite", SUITE)
     hold_in = evals_actions._baseline
 
@@ -146,11 +146,11 @@ def test_an_adapter_deleted_while_its_evaluation_is_queued(ada, monkeypatch, ren
 
     def delete():
         rendezvous.wait_arrived("evaluate")
-        return serving_actions.do_delete_adapter(ada, "race-eval")
+        return serving_actions.do_delete_adapter(ada, adapter_name)
 
-    rendezvous.run(evaluate=lambda: evals_actions.do_enqueue_evaluation(ada, "race-eval", "race-eval-suite"),
+    rendezvous.run(evaluate=lambda: evals_actions.do_enqueue_evaluation(ada, adapter_name, "race-eval-suite"),
                    delete=delete)
     assert "evaluate" in rendezvous.results, rendezvous.errors
     error = rendezvous.errors.get("delete")
     assert isinstance(error, ActionRefused) and error.code == "adapter_busy", (error, rendezvous.results)
-    assert serving_runtime.has_snapshot("race-eval")
+    assert serving_runtime.has_snapshot(adapter_name)
