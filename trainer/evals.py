@@ -15,6 +15,8 @@ import logging
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal, DecimalException
+from fractions import Fraction
 
 import regex
 
@@ -117,11 +119,13 @@ def score(example: EvalExample, output: str) -> bool | None:
     match = NUMBER.search(output)
     if match is None:
         return False
-    try:
-        value = float(match.group())
-    except ValueError:
-        return False
-    return abs(value - float(example.expected)) <= example.tolerance
+    try:  # in decimal, as written: 1.1 lies within 0.1 of 1.0 (the floats' difference is 0.10000000000000009)
+        value, expected = Decimal(match.group()), Decimal(example.expected)
+        if expected.is_finite():
+            return abs(value - expected) <= Decimal(repr(example.tolerance))
+    except DecimalException:
+        pass
+    return abs(float(match.group()) - float(example.expected)) <= example.tolerance
 
 
 @dataclass
@@ -176,12 +180,27 @@ def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -
 GATE_OUTCOMES = ("promoted", "gate_failed", "inconclusive", "unavailable", "not_requested")
 
 
+def _exact_accuracy(summary: dict) -> Fraction:
+    """A summary's accuracy as the fraction correct/total it is (the float 0.6 - 0.4 is 0.19999999999999996)."""
+    correct, total = summary.get("correct"), summary.get("total")
+    if isinstance(correct, int) and isinstance(total, int) and total > 0:
+        return Fraction(correct, total)
+    return Fraction(summary["accuracy"]).limit_denominator(10**6)  # a count's float: its fraction again
+
+
+def _exact_threshold(value) -> Fraction:
+    """A threshold as the decimal it was written as (0.2, not the float nearest to it)."""
+    return Fraction(repr(float(value)))
+
+
 def gate_decision(candidate: dict | None, baseline: dict | None, min_accuracy=None,
                   min_improvement=None, min_examples: int = MINIMUM_EXAMPLES) -> tuple:
     """(outcome, reason) of a post-eval promotion gate from evaluation summaries.
 
     `candidate` None means the evaluation could not run (unavailable). Too few
-    examples, or a baseline that was needed but is missing, is inconclusive.
+    examples, or a baseline that was needed but is missing, is inconclusive. The
+    thresholds are inclusive and compared exactly: an accuracy of 12/20 meets
+    min_accuracy 0.6, and 12/20 against 8/20 meets min_improvement 0.2.
     """
     if min_accuracy is None and min_improvement is None:
         return "not_requested", "no gate was requested"
@@ -190,7 +209,7 @@ def gate_decision(candidate: dict | None, baseline: dict | None, min_accuracy=No
     if candidate["total"] < min_examples:
         return "inconclusive", (f"the suite has {candidate['total']} examples and a gate needs at least {min_examples} "
                                 "to decide (gate.min_examples, or the server's KILN_GATE_MIN_EXAMPLES)")
-    if min_accuracy is not None and candidate["accuracy"] < min_accuracy:
+    if min_accuracy is not None and _exact_accuracy(candidate) < _exact_threshold(min_accuracy):
         return "gate_failed", (f"accuracy {candidate['accuracy']:.4f} is below the minimum "
                                f"{min_accuracy:.4f}")
     if min_improvement is not None:
@@ -199,7 +218,7 @@ def gate_decision(candidate: dict | None, baseline: dict | None, min_accuracy=No
         if baseline["suite_digest"] != candidate["suite_digest"]:
             return "inconclusive", "the candidate and the baseline were evaluated on different suites"
         gain = candidate["accuracy"] - baseline["accuracy"]
-        if gain < min_improvement:
-            return "gate_failed", (f"improvement {gain:+.4f} over the active adapter is below "
+        if _exact_accuracy(candidate) - _exact_accuracy(baseline) < _exact_threshold(min_improvement):
+            return "gate_failed", (f"improvement {gain:+.4f} over the baseline is below "
                                    f"the minimum {min_improvement:+.4f}")
     return "promoted", "the gate passed"

@@ -111,3 +111,37 @@ def test_an_evaluation_says_which_example_s_search_was_stopped(tmp_path, monkeyp
     assert stopped["correct"] is False and "was stopped" in stopped["note"]
     assert matched["correct"] is True and "note" not in matched
     assert result.correct == 1
+
+
+@pytest.mark.parametrize("ours, theirs, min_improvement", [(12, 8, 0.2), (17, 16, 0.05), (3, 1, 0.1), (6, 4, 0.1)])
+def test_a_gain_exactly_at_min_improvement_passes(ours, theirs, min_improvement):
+    """"A gain below min_improvement is gate_failed": a gain equal to it passes. 12/20 - 8/20 is 0.2, though the
+    floats 0.6 - 0.4 give 0.19999999999999996."""
+    total = 20
+    candidate = {"correct": ours, "total": total, "accuracy": ours / total, "suite_digest": "d"}
+    baseline = {"correct": theirs, "total": total, "accuracy": theirs / total, "suite_digest": "d"}
+    assert gate_decision(candidate, baseline, min_improvement=min_improvement)[0] == "promoted"
+    assert gate_decision(candidate, baseline, min_improvement=min_improvement + 1e-9)[0] == "gate_failed"
+    # summaries without counts (as older callers pass) decide the same
+    without = ({k: v for k, v in candidate.items() if k != "correct"}, {k: v for k, v in baseline.items()
+                                                                         if k != "correct"})
+    assert gate_decision(*without, min_improvement=min_improvement)[0] == "promoted"
+
+
+@pytest.mark.parametrize("correct, total, min_accuracy", [(12, 20, 0.6), (7, 20, 0.35), (1, 3, 0.3333333333333333)])
+def test_an_accuracy_exactly_at_min_accuracy_passes(correct, total, min_accuracy):
+    summary = {"correct": correct, "total": total, "accuracy": correct / total, "suite_digest": "d"}
+    assert gate_decision(summary, None, min_accuracy=min_accuracy, min_examples=1)[0] == "promoted"
+    below = {**summary, "correct": correct - 1, "accuracy": (correct - 1) / total}
+    assert gate_decision(below, None, min_accuracy=min_accuracy, min_examples=1)[0] == "gate_failed"
+
+
+@pytest.mark.parametrize("expected, tolerance, output, matches", [
+    (1.0, 0.1, "1.1", True), (1.0, 0.1, "0.9", True), (0.3, 0.1, "0.4", True), (0.3, 0.1, "0.2", True),
+    (1.0, 0.1, "1.1000001", False), (2, 0, "2.0", True), (2, 0, "2.0000001", False), ("1e3", 0.5, "1000.5", True)])
+def test_numeric_tolerance_is_inclusive(expected, tolerance, output, matches):
+    """"The first number within tolerance": 1.1 lies within 0.1 of 1.0, though the floats 1.1 - 1.0 give
+    0.10000000000000009."""
+    (example,) = parse_suite("s", suite_text({"prompt": "p", "expected": expected, "metric": "numeric",
+                                              "tolerance": tolerance})).examples
+    assert score(example, f"it is {output}.") is matches
