@@ -3,8 +3,10 @@
 One model instance per served name (a base, or a base with one PEFT adapter loaded from
 the registry). Requests read under the shared side of a readers-writer lock; loading,
 unloading and activation take the exclusive side only for the moment they swap the
-pool's tables, so a slow load never blocks completions. Each request owns its KV cache,
-so concurrent requests on one model are independent; they take turns token by token (TurnLock).
+pool's tables and close what they replaced (so no request computes on a model being
+closed), so a slow load never blocks completions; a request pinned to a model that a
+reload replaced is served by the new load. Each request owns its KV cache, so concurrent
+requests on one model are independent; they take turns token by token (TurnLock).
 A pool computes on one backend: the CPU engine, or with backend "cuda" the CUDA library, each
 model loaded on the CPU and copied once to a trainer.cuda_model.CudaModel (the CPU copy is closed).
 """
@@ -207,11 +209,11 @@ class ServingPool:
             raise ServingError("adapter_incompatible", str(error)) from None
         model = self._place(model)
         served = Served(name=adapter, base=base, model=model, tokenizer=tokenizer, adapter_path=str(path))
-        with self.lock.write():
+        with self.lock.write():  # the replaced model is closed while no request can be computing on it
             previous = self._adapters.get(adapter)
             self._adapters[adapter] = served
-        if previous is not None:
-            previous.model.close()
+            if previous is not None:
+                previous.model.close()
         return served
 
     def unload(self, name: str):
@@ -222,9 +224,10 @@ class ServingPool:
                 served = self._bases.pop(name, None)
             if self._active == name:
                 self._active = None
+            if served is not None:
+                served.model.close()  # under the lock: no request is computing on it
         if served is None:
             raise ServingError("model_not_found", f"{name!r} is not loaded")
-        served.model.close()
 
     def activate(self, adapter: str):
         with self.lock.write():
@@ -273,8 +276,12 @@ class ServingPool:
         served = served or self.resolve(name)
         rng = None if sampling.temperature == 0 else SamplingRNG(seed if seed is not None else 0)
         with self.lock.read(), self.turns.turn() as pass_on:
-            if served.model.closed:
-                raise ServingError("model_not_found", f"{served.name!r} was unloaded")
+            if served.model.closed:  # unloaded, or reloaded since the caller resolved it: what serves that name now
+                table = self._adapters if served.adapter_path is not None else self._bases
+                current = table.get(served.name)
+                if current is None or current.model.closed:
+                    raise ServingError("model_not_found", f"{served.name!r} was unloaded")
+                served = current
 
             def step(token, logprob, top):
                 if on_token is not None:
@@ -305,5 +312,5 @@ class ServingPool:
         with self.lock.write():
             served = [*self._bases.values(), *self._adapters.values()]
             self._bases, self._adapters = {}, {}
-        for s in served:
-            s.model.close()
+            for s in served:
+                s.model.close()

@@ -82,3 +82,53 @@ def test_writer_waits_for_readers():
         order.append("read done")
     writer.join(120)
     assert not writer.is_alive() and order == ["read done", "write"]
+
+
+def test_a_request_pinned_to_a_reloaded_adapter_is_served_by_the_new_load(pool):
+    """A request resolves its model, then waits for the read lock; a reload that swaps the adapter meanwhile must
+    neither refuse it (404 "was unloaded" for an adapter that is loaded) nor let it compute on the replaced model."""
+    pool.load_adapter("greeter", "kiln-tiny")
+    prompt = prompt_of(pool, "hi")
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0)
+    pinned = pool.adapter("greeter")
+    reloaded = pool.load_adapter("greeter", "kiln-tiny")
+    served, generation = pool.complete(None, prompt, greedy, served=pinned)
+    assert served is reloaded and not served.model.closed
+    assert generation.tokens == pool.complete("greeter", prompt, greedy)[1].tokens
+
+
+def test_a_replaced_model_is_closed_before_any_request_can_use_it(pool):
+    """The model a reload replaces is closed while the pool is locked for writing: a request that takes the read
+    lock right after the swap gets the new model, never the old one while it is being closed (on cuda its device
+    buffers are freed under the request)."""
+    pool.load_adapter("greeter", "kiln-tiny")
+    prompt = prompt_of(pool, "hi")
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0)
+    old = pool.adapter("greeter")
+    closing, go_on = threading.Event(), threading.Event()
+    real_close = old.model.close
+
+    def slow_close():
+        closing.set()
+        assert go_on.wait(120)
+        real_close()
+
+    old.model.close = slow_close
+    reload = threading.Thread(target=pool.load_adapter, args=("greeter", "kiln-tiny"))
+    reload.start()
+    assert closing.wait(120)  # the reload has swapped its tables and is closing the old model
+    outcome = {}
+
+    def request():
+        try:
+            outcome["served"] = pool.complete(None, prompt, greedy, served=old)[0]
+        except Exception as error:  # noqa: BLE001 (recorded for the assertion)
+            outcome["error"] = error
+
+    late = threading.Thread(target=request)
+    late.start()
+    go_on.set()
+    for thread in (reload, late):
+        thread.join(120)
+    assert "error" not in outcome, outcome
+    assert outcome["served"] is pool.adapter("greeter") and outcome["served"] is not old
