@@ -46,7 +46,9 @@ class _Request(BaseModel):
                                                 "adapter, else the default base")
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1, description="nucleus sampling; 0 keeps only the most probable token")
+    top_k: int = Field(0, ge=-1, description="sample among the K most probable tokens (vLLM's extension); "
+                                             "0 or -1: no limit")
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="absent with temperature > 0: a random seed, "
                                                                    "reported back as kiln.seed")
@@ -215,10 +217,11 @@ class Plan:
     prompts: list
     max_new_tokens: int  # 0: score the prompt only (echo)
     temperature: float
-    top_p: float
+    top_p: float  # 0: the most probable token only
     stop_ids: tuple
     stop_strings: tuple
     seed: int | None
+    top_k: int = 0  # 0: no limit
     echo: bool = False
     logprobs: int | None = None  # completions: N alternatives; chat: top_logprobs (with logprobs on)
     include_usage: bool = False
@@ -243,7 +246,7 @@ def plan_request(request: _Request, tokenizer, maximum_context: int, vocabulary_
         seed = secrets.randbelow(2**31)
     logprobs = (request.top_logprobs or 0) if chat and request.logprobs else (None if chat else request.logprobs)
     return Plan(chat=chat, prompts=prompts, max_new_tokens=min(wanted, maximum_context - longest),
-                temperature=request.temperature, top_p=request.top_p,
+                temperature=request.temperature, top_p=request.top_p, top_k=max(request.top_k, 0),
                 stop_ids=stop_token_ids(tokenizer, chat), stop_strings=request.stop_strings, seed=seed,
                 echo=not chat and request.echo, logprobs=logprobs, include_usage=request.include_usage)
 
@@ -252,7 +255,9 @@ def sampling_arguments(plan: Plan) -> dict:
     """SamplingConfig's arguments; a prompt-only score generates one greedy token that is dropped."""
     if plan.max_new_tokens == 0:
         return {"max_new_tokens": 1, "temperature": 0}
-    return {"max_new_tokens": plan.max_new_tokens, "temperature": plan.temperature, "top_p": plan.top_p,
+    # top_p 0 (OpenAI's range includes it) is the limit of a shrinking nucleus: the most probable token alone
+    top_p, top_k = (1.0, 1) if plan.top_p == 0 else (plan.top_p, plan.top_k)
+    return {"max_new_tokens": plan.max_new_tokens, "temperature": plan.temperature, "top_p": top_p, "top_k": top_k,
             "stop_token_ids": plan.stop_ids, "stop_strings": plan.stop_strings}
 
 

@@ -163,3 +163,27 @@ def test_a_pool_follows_the_served_adapters_of_other_processes(ada, http, publis
     answer = post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 3, "temperature": 0})
     assert answer.status_code == 200 and answer.json()["model"] == adapter_name
+
+
+def test_top_k_and_top_p_at_their_edges(http):
+    """top_k (vLLM's extension; the trainer samples with it) is applied, not ignored: top_k 1 is the greedy answer
+    at any temperature; OpenAI's top_p 0 keeps only the most probable token, so it is greedy too; top_k 0 or -1
+    (no limit) and top_p 1 are plain sampling."""
+    body = {"model": "kiln-tiny", "prompt": "glaze", "max_tokens": 12}
+    greedy = post(http, "/v1/completions", {**body, "temperature": 0}).json()["choices"][0]["text"]
+    sampled = post(http, "/v1/completions", {**body, "temperature": 1, "seed": 1}).json()["choices"][0]["text"]
+    assert sampled != greedy
+    for edge in ({"top_k": 1}, {"top_p": 0}, {"top_k": 1, "top_p": 0.5}):
+        response = post(http, "/v1/completions", {**body, "temperature": 1, "seed": 1, **edge})
+        assert response.status_code == 200, (edge, response.content)
+        assert response.json()["choices"][0]["text"] == greedy, edge
+    for unlimited in ({"top_k": 0}, {"top_k": -1}, {"top_p": 1}):
+        response = post(http, "/v1/completions", {**body, "temperature": 1, "seed": 1, **unlimited})
+        assert response.json()["choices"][0]["text"] == sampled, unlimited
+    chat = {"model": "kiln-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    chat_greedy = post(http, "/v1/chat/completions", {**chat, "temperature": 0}).json()["choices"][0]["message"]
+    chat_top1 = post(http, "/v1/chat/completions", {**chat, "seed": 4, "top_k": 1}).json()["choices"][0]["message"]
+    assert chat_top1 == chat_greedy
+    for bad in ({"top_k": -2}, {"top_k": 1.5}, {"top_p": -0.1}, {"top_p": 1.1}):
+        error = post(http, "/v1/completions", {**body, **bad}).json()["error"]
+        assert error["param"] == next(iter(bad)), bad
