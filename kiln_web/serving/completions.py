@@ -2,7 +2,7 @@
 
 Plain functions over a tokenizer and a trainer Generation; the HTTP side (kiln_web.serving.views)
 runs them on the serving threads. Fields a client may send that would change the answer but
-that Kiln does not implement (n > 1, penalties, logit_bias, suffix, best_of) are refused
+that Kiln does not implement (n > 1, penalties, logit_bias, suffix, best_of, tools, JSON mode) are refused
 rather than ignored; any other unknown field is ignored, as OpenAI's own clients expect.
 """
 
@@ -58,6 +58,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self):
@@ -68,6 +69,9 @@ class _Request(BaseModel):
                                 "presence_penalty and frequency_penalty are not supported; leave them at 0")
         if self.logit_bias:
             raise field_refusal("logit_bias", "not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise field_refusal("response_format", "JSON mode and structured outputs are not supported; send "
+                                                   "{\"type\": \"text\"} (or leave it out)")
         stops = self.stop_strings
         if len(stops) > 4 or any(not s for s in stops):
             raise field_refusal("stop", "at most 4 non-empty strings")
@@ -134,11 +138,19 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None
+    functions: list | None = None
+    tool_choice: str | dict | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self):
         if self.max_tokens == 0:
             raise field_refusal("max_tokens", "must be at least 1")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise field_refusal(name, "tool and function calling are not supported; leave them out")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise field_refusal("tool_choice", "tool calling is not supported; leave it out (or send \"none\")")
         if self.top_logprobs and not self.logprobs:
             raise field_refusal("top_logprobs", "needs logprobs: true")
         for message in self.messages:

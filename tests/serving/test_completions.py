@@ -187,3 +187,25 @@ def test_top_k_and_top_p_at_their_edges(http):
     for bad in ({"top_k": -2}, {"top_k": 1.5}, {"top_p": -0.1}, {"top_p": 1.1}):
         error = post(http, "/v1/completions", {**body, **bad}).json()["error"]
         assert error["param"] == next(iter(bad)), bad
+
+
+def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(http):
+    """Tools and JSON mode are OpenAI fields that change the answer; Kiln implements neither, so a request with
+    them is refused (naming the field) instead of answered as if they were absent. Their neutral values pass."""
+    chat = {"model": "kiln-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    for extra, param in [({"tools": [tool]}, "tools"), ({"functions": [tool["function"]]}, "functions"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format"),
+                         ({"tool_choice": "required"}, "tool_choice")]:
+        response = post(http, "/v1/chat/completions", {**chat, **extra})
+        assert response.status_code == 400, (extra, response.content)
+        assert response.json()["error"]["param"] == param, extra
+    for neutral in ({"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto"},
+                    {"response_format": {"type": "text"}}, {"response_format": None}):
+        response = post(http, "/v1/chat/completions", {**chat, **neutral})
+        assert response.status_code == 200, (neutral, response.content)
+    refused = post(http, "/v1/completions", {"model": "kiln-tiny", "prompt": "a", "max_tokens": 2,
+                                             "response_format": {"type": "json_object"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
