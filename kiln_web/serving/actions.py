@@ -264,9 +264,9 @@ def do_record_promotion(adapter: Adapter, outcome: str, reason: str, *, decided_
 
 def do_delete_adapter(user, name: str) -> dict:
     """Delete an idle adapter's files: its checkpoint directories (its exact prefix only) and its PEFT
-    snapshot. Refused while it is loaded or active, trained, or evaluated. The Adapter row stays as the
-    history its jobs refer to."""
-    from kiln_web.evals.models import EvalRun, EvalStatus
+    snapshot. Refused while it is loaded or active, trained, or evaluated (as a candidate or a baseline). The
+    Adapter row stays as the history its jobs refer to."""
+    from kiln_web.evals.models import BaselineKind, EvalRun, EvalStatus
     from kiln_web.jobs.models import ACTIVE_STATUSES
 
     adapter = adapter_for(user, name)
@@ -286,9 +286,14 @@ def do_delete_adapter(user, name: str) -> dict:
         if job is not None:
             raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} has a {job.status} training job "
                                                      f"({job.pk}); wait for it or cancel it first", job_id=str(job.pk))
-        busy = EvalRun.objects.filter(candidate=adapter, status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING)).first()
+        evaluating = EvalRun.objects.filter(status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING))
+        busy = evaluating.filter(candidate=adapter).first()
         if busy is not None:
             raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is being evaluated ({busy.pk}); "
+                                                     "wait for the evaluation to end", evaluation_id=str(busy.pk))
+        busy = evaluating.filter(baseline_kind=BaselineKind.ADAPTER, baseline=name).first()
+        if busy is not None:  # the baseline is evaluated too: without its snapshot the run fails
+            raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is the baseline of evaluation {busy.pk}; "
                                                      "wait for the evaluation to end", evaluation_id=str(busy.pk))
         checkpoints = runtime.delete_checkpoints(name)
         snapshot = runtime.remove_snapshot(name)

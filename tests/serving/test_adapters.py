@@ -125,6 +125,30 @@ def test_delete_refuses_an_adapter_being_trained(api, publish, adapter_name, set
     assert runtime.has_snapshot(adapter_name)
 
 
+def test_delete_refuses_the_baseline_of_a_queued_evaluation(api, publish, adapter_name):
+    """An adapter named as an evaluation's baseline is evaluated too: deleting it while the run waits would fail
+    the run (and a gate waiting on it would decide unavailable)."""
+    from kiln_web.evals.models import EvalRun
+    from kiln_web.jobs.worker import EmbeddedWorker
+
+    baseline = f"{adapter_name}-base"
+    publish(adapter_name, seed=4)
+    publish(baseline, seed=5)
+    api.post("/v1/evals/suites", {"name": f"{adapter_name}-suite", "content": '{"prompt": "a", "expected": "x"}\n'})
+    run = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": f"{adapter_name}-suite",
+                                      "baseline": baseline})
+    assert run.status_code == 201, run.content
+    response = api.client.delete(f"/v1/adapters/{baseline}")
+    assert response.status_code == 409, response.content
+    error = response.json()["error"]
+    assert error["code"] == "adapter_busy" and error["evaluation_id"] == run.json()["id"] and "baseline" in \
+        error["message"]
+    assert runtime.has_snapshot(baseline)
+    assert EmbeddedWorker().run_once()
+    assert EvalRun.objects.get(pk=run.json()["id"]).status == "succeeded"
+    assert api.client.delete(f"/v1/adapters/{baseline}").status_code == 200  # idle again
+
+
 def test_reconcile_follows_the_database_and_refuses_a_changed_snapshot(api, publish, adapter_name):
     """Another process (a worker promoting, another web process) changes the rows; this one follows."""
     publish(adapter_name, seed=1)
