@@ -71,6 +71,8 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
                 raise SuiteError(f"line {number}: messages must be {{role, content}} objects")
             messages = tuple((m["role"], m["content"]) for m in messages)
         elif isinstance(record.get("prompt"), str):
+            if not record["prompt"]:
+                raise SuiteError(f"line {number}: the prompt is empty; a model needs at least one token to answer")
             messages, plain = (("user", record["prompt"]),), True
         else:
             raise SuiteError(f"line {number}: needs prompt (text) or messages")

@@ -35,6 +35,7 @@ def test_metrics():
     ('{"prompt": "a", "expected": "(", "metric": "regex"}', "regular expression"),
     ('{"prompt": "a", "expected": "ten", "metric": "numeric"}', "not a number"),
     ('not json', "not JSON"),
+    ('{"prompt": "", "expected": "x"}', "prompt is empty"),  # no tokens to answer: the run would crash
 ])
 def test_suite_errors_name_the_line(line, fragment):
     with pytest.raises(SuiteError, match=fragment) as info:
