@@ -158,19 +158,23 @@ def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -
             messages = [{"role": role, "content": content} for role, content in example.messages]
             prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         budget = min(max_new_tokens, model.config.maximum_context - len(prompt))
-        if budget < 1:
-            output = ""
+        if budget < 1:  # no room to answer: wrong whatever it expects, and the record says why
+            output, correct = "", False
         else:
             generation = generate(model, prompt, SamplingConfig(max_new_tokens=budget, temperature=0,
                                                                 stop_token_ids=stop), tokenizer=tokenizer)
             output = tokenizer.decode([t for t in generation.tokens if t not in stop],
                                       skip_special_tokens=True)
-        correct = score(example, output)
+            correct = score(example, output)
         record = {"index": index, "output": output, "expected": example.expected, "metric": example.metric,
                   "correct": bool(correct)}
-        if correct is None:
+        if budget < 1:
+            record["note"] = (f"the prompt has {len(prompt)} tokens, which leaves no room to answer in the "
+                              f"model's context of {model.config.maximum_context}: counted as not answered")
+        elif correct is None:
             record["note"] = (f"the pattern's search of this output ran past {REGEX_SECONDS:g} s (catastrophic "
                               "backtracking) and was stopped: counted as not matched")
+        if "note" in record:
             logger.warning("suite %s, example %d: %s", suite.name, index, record["note"])
         result.correct += int(record["correct"])
         result.examples.append(record)

@@ -146,3 +146,18 @@ def test_numeric_tolerance_is_inclusive(expected, tolerance, output, matches):
     (example,) = parse_suite("s", suite_text({"prompt": "p", "expected": expected, "metric": "numeric",
                                               "tolerance": tolerance})).examples
     assert score(example, f"it is {output}.") is matches
+
+
+def test_an_example_whose_prompt_fills_the_context_is_not_answered_and_says_so(tmp_path):
+    """No room to generate: the example is wrong whatever it expects (an empty expected answer included), and its
+    record says why, instead of scoring an output the model never gave."""
+    model, tokenizer = load_base("kiln-tiny", tmp_path)
+    long_prompt = "a" * model.config.maximum_context  # kiln-tiny's tokens are bytes
+    suite = parse_suite("s", suite_text({"prompt": long_prompt, "expected": ""},
+                                        {"prompt": long_prompt, "expected": "", "metric": "contains"},
+                                        {"prompt": "a", "expected": ".*", "metric": "regex"}))
+    result = evaluate(model, tokenizer, suite, max_new_tokens=2)
+    first, second, answered = result.examples
+    assert first["correct"] is False and second["correct"] is False and answered["correct"] is True
+    assert "context" in first["note"] and "note" not in answered
+    assert result.correct == 1
