@@ -199,6 +199,8 @@ def add_eval(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--adapter", required=True)
     run.add_argument("--suite", required=True)
     run.add_argument("--base", help="the adapter's base (default: the one it was trained over)")
+    run.add_argument("--baseline", help="compare with this adapter over the same base, or the base's name (default: "
+                     "your active adapter when it is over that base, else the base)")
     run.add_argument("--max-new-tokens", type=int)
     run.add_argument("--backend", choices=("auto", "cpu", "cuda"), help="auto: cuda when the server's CUDA device "
                      "is found and qualified, else cpu; cuda is refused without a device (default: the server's "
@@ -271,7 +273,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             body = {"adapter": args.adapter, "suite": args.suite}
             if args.base:
                 body["base"] = args.base
-            if args.max_new_tokens:
+            if args.baseline:
+                body["baseline"] = args.baseline
+            if args.max_new_tokens is not None:
                 body["max_new_tokens"] = args.max_new_tokens
             if args.backend:
                 body["backend"] = args.backend

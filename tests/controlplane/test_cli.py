@@ -350,6 +350,29 @@ def test_loading_an_adapter_without_a_snapshot_says_so(cli, tmp_path, adapter_na
     assert code == 1 and "no_snapshot" in err and "has no PEFT snapshot" in err and "base_required" not in err
 
 
+@pytest.mark.django_db(transaction=True)
+def test_eval_run_takes_the_baseline_its_api_takes(cli, settings, tmp_path, adapter_name):
+    """POST /v1/evals/runs takes `baseline`; `kiln eval run --baseline` sends it (without it the CLI could only
+    compare with the active adapter or the base)."""
+    from kiln_web.evals.models import EvalRun
+    from serving.helpers import publish_adapter
+
+    for name, seed in ((adapter_name, 4), (f"{adapter_name}-old", 5)):
+        publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, name, seed=seed)
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({"prompt": "a", "expected": "x"}) + "\n")
+    code, _, err = cli("eval", "suite", "create", "--name", f"{adapter_name}-s", "--file", str(suite))
+    assert code == 0, err
+    code, out, err = cli("eval", "run", "--adapter", adapter_name, "--suite", f"{adapter_name}-s",
+                         "--baseline", f"{adapter_name}-old")
+    assert code == 0, err
+    run = EvalRun.objects.get(pk=out.split()[1])
+    assert (run.baseline_kind, run.baseline, run.baseline_note) == ("adapter", f"{adapter_name}-old", "asked for")
+    code, _, err = cli("eval", "run", "--adapter", adapter_name, "--suite", f"{adapter_name}-s",
+                       "--baseline", adapter_name)
+    assert code == 1 and "cannot be its own baseline" in err and "field: baseline" in err
+
+
 def test_eval_status_marks_pass_and_fail_with_a_header(capsys):
     from kiln_web.cli_serving import _print_run
 
