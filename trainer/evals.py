@@ -20,7 +20,7 @@ from fractions import Fraction
 
 import regex
 
-from trainer.generation import SamplingConfig, generate
+from trainer.generation import SamplingConfig, generate, stop_token_ids
 from trainer.jsonio import data_loads
 
 METRICS = ("exact", "contains", "regex", "numeric")
@@ -150,8 +150,8 @@ class EvalResult:
 def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -> EvalResult:
     """Greedy completions of every example, scored by its metric."""
     result = EvalResult(suite=suite.name, suite_digest=suite.digest, correct=0, total=len(suite.examples))
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     for index, example in enumerate(suite.examples):
+        stop = stop_token_ids(tokenizer, chat=not example.plain)  # where /v1/completions or chat completions stop
         if example.plain:
             prompt = tokenizer.encode(example.messages[0][1], add_special_tokens=True)
         else:

@@ -75,6 +75,21 @@ class SamplingRNG:
         return rng
 
 
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")  # chat templates' end-of-turn markers
+
+
+def stop_token_ids(tokenizer, chat: bool) -> tuple:
+    """Where an answer ends: end of text, and for a chat prompt the template's end-of-turn marker when it is a
+    token of its own (serving and evaluation stop at the same place)."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if chat:
+        for marker in END_OF_TURN_TOKENS:
+            token = tokenizer.token_to_id(marker)
+            if token is not None and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = 64

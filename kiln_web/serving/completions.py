@@ -17,10 +17,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln_web.core.http import error_location, field_refusal
+from trainer.generation import stop_token_ids
 
 MAX_SEED = 2**63 - 1
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")  # chat templates' end-of-turn markers
 
 
 class RequestRefused(ValueError):
@@ -179,17 +179,6 @@ def parse_request(schema: type[_Request], body: Any) -> _Request:
 
 
 # -- prompts and sampling --
-
-
-def stop_token_ids(tokenizer, chat: bool) -> tuple:
-    """End of text, and for chat the template's end-of-turn marker when it is a token of its own."""
-    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    if chat:
-        for marker in END_OF_TURN_TOKENS:
-            token = tokenizer.token_to_id(marker)
-            if token is not None and token not in ids:
-                ids.append(token)
-    return tuple(ids)
 
 
 def completion_prompts(request: CompletionRequest, tokenizer, vocabulary_size: int) -> list[list[int]]:

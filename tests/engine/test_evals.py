@@ -161,3 +161,36 @@ def test_an_example_whose_prompt_fills_the_context_is_not_answered_and_says_so(t
     assert first["correct"] is False and second["correct"] is False and answered["correct"] is True
     assert "context" in first["note"] and "note" not in answered
     assert result.correct == 1
+
+
+def test_a_chat_example_ends_at_the_end_of_turn_as_chat_completions_do(tmp_path, monkeypatch):
+    """A base whose end of text is not its chat template's end-of-turn marker (older Llama 3 and Phi-3 GGUFs):
+    /v1/chat/completions stops at the marker, so an evaluation of a chat example must too, or the text the model
+    writes after its turn is scored as part of its answer. A plain prompt ends at the end of text, as
+    /v1/completions does."""
+    import trainer.evals as evals
+    from trainer.generation import Generation
+    from trainer.tokenizer import Tokenizer
+
+    model, tiny = load_base("kiln-tiny", tmp_path)
+    files = tiny.files()
+    config = {**json.loads(files["tokenizer_config.json"]), "eos_token": "<|endoftext|>"}
+    tokenizer = Tokenizer(files["tokenizer.json"], config)
+    end_of_turn = tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.eos_token_id != end_of_turn
+    said = tokenizer.encode("4") + [end_of_turn] + tokenizer.encode("\nuser: and 3+3?") + [tokenizer.eos_token_id]
+
+    def honouring_stops(model, prompt, sampling, tokenizer=None):
+        tokens = []
+        for token in said[:sampling.max_new_tokens]:
+            tokens.append(token)
+            if token in sampling.stop_token_ids:
+                break
+        return Generation(tokens=tokens, logprobs=[0.0] * len(tokens), finish_reason="stop")
+
+    monkeypatch.setattr(evals, "generate", honouring_stops)
+    suite = parse_suite("s", suite_text({"messages": [{"role": "user", "content": "2+2?"}], "expected": "4"},
+                                        {"prompt": "2+2?", "expected": "4\nuser: and 3+3?"}))
+    chat, plain = evaluate(model, tokenizer, suite, max_new_tokens=64).examples
+    assert chat["output"] == "4" and chat["correct"]
+    assert plain["output"] == "4\nuser: and 3+3?" and plain["correct"]
