@@ -14,7 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kiln_web.core.http import error_location, field_refusal
 from trainer.generation import stop_token_ids
@@ -89,12 +90,25 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # token ids are integers, never true/false
     echo: bool = Field(False, description="also return the prompt (and, with logprobs, its log-probabilities)")
     logprobs: int | None = Field(None, ge=0, le=5, description="log-probabilities of each token and of the "
                                                                "N most probable alternatives")
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One refusal for every wrong shape (the union's own errors name its members: "prompt.str")."""
+        def token_ids(items):
+            return isinstance(items, list) and all(type(item) is int for item in items)
+
+        if isinstance(value, str) or token_ids(value) or (isinstance(value, list) and (
+                all(isinstance(item, str) for item in value) or all(token_ids(item) for item in value))):
+            return value
+        raise PydanticCustomError("invalid_prompt", "must be a string, a list of strings, a list of token ids "
+                                                    "(integers) or a list of such lists")
 
     @model_validator(mode="after")
     def _completion_supported(self):
@@ -153,7 +167,9 @@ class ChatRequest(_Request):
             raise field_refusal("tool_choice", "tool calling is not supported; leave it out (or send \"none\")")
         if self.top_logprobs and not self.logprobs:
             raise field_refusal("top_logprobs", "needs logprobs: true")
-        for message in self.messages:
+        for index, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":  # OpenAI's: only an assistant's may be null
+                raise field_refusal("messages", f"messages[{index}]: a {message.role} message needs its content")
             try:
                 message.text()
             except ValueError as exc:

@@ -205,6 +205,11 @@ async def _events(serving, served, plan):
                 yield _sse(_error_body(400, getattr(error, "code", "invalid_request"),
                                        getattr(error, "message", str(error))))
                 return
+            except Exception:  # a bug: said to the client in the stream's own terms, not by a cut connection
+                logger.exception("generation for %s failed mid-stream", served.name)
+                yield _sse(_error_body(500, "internal_error", "the server failed while generating this answer; its "
+                                                              "log has the details"))
+                return
             generations.append(generation)
             if plan.max_new_tokens == 0:
                 pending = []  # scoring the prompt: the one token generated is not part of the answer

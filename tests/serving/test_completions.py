@@ -1,10 +1,12 @@
 """The OpenAI-compatible endpoints in-process: answers equal the trainer's own generation, log-probabilities
 and echo, stop strings, seeds, the active adapter as the default model, and refusals."""
 
+import json
 import math
 
 import numpy as np
 import pytest
+from asgiref.sync import async_to_sync
 from django.test import Client
 
 from kiln_web.serving import runtime
@@ -209,3 +211,57 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(http
     refused = post(http, "/v1/completions", {"model": "kiln-tiny", "prompt": "a", "max_tokens": 2,
                                              "response_format": {"type": "json_object"}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+
+
+def _events(response) -> list:
+    """The server-sent events of a streamed answer, each decoded (the [DONE] marker as the string)."""
+    async def collect():
+        return b"".join([chunk async for chunk in response.streaming_content])
+
+    text = async_to_sync(collect)().decode()
+    events = [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
+    return [event if event == "[DONE]" else json.loads(event) for event in events]
+
+
+def test_a_stream_that_fails_mid_answer_ends_with_an_error_event(http, monkeypatch, caplog):
+    """A bug in generation after the first token (anything but a refusal) ends the stream with an error event in the
+    API's shape, internal_error, and is logged with its traceback; the stream does not just stop (a client then
+    cannot tell a failure from a cut connection), and the next request is served."""
+    from kiln_web.serving import views
+
+    real = views._generate
+
+    def fails_after_a_token(serving, served, plan, prompt, on_token=None):
+        def first_then_fail(token, logprob, top):
+            on_token(token, logprob, top)
+            raise RuntimeError("a bug in generation")
+        return real(serving, served, plan, prompt, first_then_fail)
+
+    monkeypatch.setattr(views, "_generate", fails_after_a_token)
+    body = {"model": "kiln-tiny", "prompt": "glaze", "max_tokens": 8, "temperature": 0, "stream": True}
+    with caplog.at_level("ERROR", logger="kiln.serving"):
+        events = _events(post(http, "/v1/completions", body))
+    assert events[-1] == {"error": {"code": "internal_error", "type": "server_error", "param": None,
+                                    "message": "the server failed while generating this answer; its log has the "
+                                               "details"}}, events
+    assert "[DONE]" not in events and any("choices" in event for event in events[:-1])
+    assert any("a bug in generation" in (record.exc_text or "") or record.exc_info for record in caplog.records)
+    monkeypatch.setattr(views, "_generate", real)
+    assert _events(post(http, "/v1/completions", body))[-1] == "[DONE]"
+
+
+def test_token_prompts_and_chat_messages_are_parsed_strictly(http):
+    """A token list holds integers, not booleans (true is not token 1); a chat message of a system, user or tool role
+    carries its content (an assistant's may be null, as OpenAI's); each refusal names its field."""
+    for prompt in ([True], [[1, False]]):
+        response = post(http, "/v1/completions", {"model": "kiln-tiny", "prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 400, (prompt, response.content)
+        assert response.json()["error"]["param"] == "prompt", response.content
+    for role in ("system", "user"):
+        response = post(http, "/v1/chat/completions", {"model": "kiln-tiny", "max_tokens": 1,
+                                                       "messages": [{"role": role}]})
+        assert response.status_code == 400, (role, response.content)
+        assert response.json()["error"]["param"] == "messages", response.content
+    answer = post(http, "/v1/chat/completions", {"model": "kiln-tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "x"}]})
+    assert answer.status_code == 200, answer.content
