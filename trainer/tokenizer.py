@@ -7,7 +7,8 @@ chat_template). Chat templates render as transformers renders them: a sandboxed 
 environment with trim_blocks and lstrip_blocks, the loopcontrols extension, a tojson
 that does not escape HTML, and the globals raise_exception and strftime_now, given the
 messages, add_generation_prompt and the special token strings; `{% generation %}` blocks render their
-body as transformers renders them.
+body as transformers renders them. strftime_now reads the clock (`datetime.now()`), unless the Tokenizer's
+`template_clock` pins the instant it renders at (a training run does: trainer.runs.tokenizers).
 """
 
 import hashlib
@@ -96,8 +97,9 @@ def normalise_config(raw: dict, fallback_specials: dict | None = None) -> dict:
     return config
 
 
-def compile_chat_template(source: str):
-    """The jinja2 template object transformers would build for `source`."""
+def compile_chat_template(source: str, now=None):
+    """The jinja2 template object transformers would build for `source`; its strftime_now formats `now()`
+    (None: datetime.now)."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -123,7 +125,7 @@ def compile_chat_template(source: str):
                           sort_keys=sort_keys)
 
     def strftime_now(format):
-        return datetime.now().strftime(format)
+        return (now or datetime.now)().strftime(format)
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[Generation, loopcontrols])
@@ -151,6 +153,7 @@ class Tokenizer:
             raise ValueError(f"{TOKENIZER_FILE} does not load in `tokenizers`: {exc}") from None
         self.config = normalise_config(config)
         self._template = None  # compiled on first use
+        self.template_clock = None  # the datetime strftime_now renders; None: the clock at each rendering
         for name in SPECIAL_NAMES:
             token = self.config[name]
             if token is not None and self.backend.token_to_id(token) is None:
@@ -217,6 +220,18 @@ class Tokenizer:
     def chat_template(self):
         return self.config["chat_template"]
 
+    @property
+    def reads_clock(self) -> bool:
+        """Whether the chat template may render the date or time (it calls strftime_now, as Llama 3's does)."""
+        return self.chat_template is not None and "strftime_now" in self.chat_template
+
+    def pin_clock(self, instant: datetime | None = None) -> None:
+        """strftime_now renders INSTANT from here on (None: this moment, to the second)."""
+        self.template_clock = instant if instant is not None else datetime.now().replace(microsecond=0)
+
+    def _now(self):
+        return self.template_clock if self.template_clock is not None else datetime.now()
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             tokenize: bool = False, **kwargs):
         """The prompt the model's template renders for `messages` (token ids if tokenize)."""
@@ -230,7 +245,7 @@ class Tokenizer:
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         if self._template is None:
-            self._template = compile_chat_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template, self._now)
         text = self._template.render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
             **variables)

@@ -26,6 +26,7 @@ from trainer.runs.backend import BACKENDS, BackendChoice, BackendUnavailable, cu
 from trainer.runs.checkpoint_dir import CheckpointError
 from trainer.runs.defaults import LORA_DEFAULT, OPTIMIZER_DEFAULT, SCHEDULE_DEFAULT  # noqa: F401  (re-exported)
 from trainer.runs.execution import KERNEL_CONTRACT, execution_identity  # noqa: F401  (re-exported)
+from trainer.runs.tokenizers import TEMPLATE_CLOCK, load_tokenizer, pin_template_clock, run_tokenizer_identity
 
 PLANNING_SCHEMA_V3 = "kiln.training-checkpoint-planning.v3"
 NULLABLE = ("seed", "checkpoint_interval", "resume_checkpoint", "max_grad_norm")
@@ -519,7 +520,7 @@ def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSe
     run's backend was chosen ({requested, resolved, reason}; shown on the job, bound into no checkpoint)."""
     identities = {
         "base": {"name": config["base_model"], "identity": base.identity, "config": base.config},
-        "tokenizer": tokenizer.identity(),
+        "tokenizer": run_tokenizer_identity(tokenizer),
         "dataset": dataset,
         # this process's identity; a worker replaces it with its own at claim (revalidate compares that one)
         "execution": execution_identity(config.get("backend") or settings.backend, config.get("precision")),
@@ -528,6 +529,41 @@ def run_identities(config: dict, base, tokenizer, dataset: dict, settings: RunSe
     if backend is not None:
         identities["backend"] = backend.to_dict()
     return identities
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+
+
+def admission_tokenizer(config: dict, settings: RunSettings):
+    """The tokenizer of the configuration's base, to admit it with: a chat template that reads the clock renders at
+    the instant the resume checkpoint's tokenizer identity records (read from its manifest, unhashed: the full
+    load that follows proves the checkpoint), else at this moment (trainer.runs.tokenizers)."""
+    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
+    held = None
+    if tokenizer.reads_clock and config.get("resume_checkpoint") is not None:
+        try:
+            path = checkpoint_dir.resolve_checkpoint(settings.registry, config["resume_checkpoint"])
+            loaded = checkpoint_dir.load_checkpoint(path, full=False, allowed_manifest_fields=MANIFEST_FIELDS)
+            held = (loaded.manifest.get("tokenizer") or {}).get(TEMPLATE_CLOCK)
+            pin_template_clock(tokenizer, held)
+        except (CheckpointError, ValueError):
+            held = None  # the full load refuses such a checkpoint; one without a clock is refused as drift
+    if held is None:
+        pin_template_clock(tokenizer)
+    return tokenizer
+
+
+def check_run_tokenizer(tokenizer, admission) -> None:
+    """Pin the admitted template clock on the tokenizer a run loaded; AdmissionError("tokenizer_changed") unless
+    it is the tokenizer admission tokenized with (its files changed since: the run would train other tokens)."""
+    admitted = admission.identities["tokenizer"]
+    pin_template_clock(tokenizer, admitted.get(TEMPLATE_CLOCK))
+    differences = []
+    compare("tokenizer", admitted, run_tokenizer_identity(tokenizer), differences)
+    if differences:
+        raise AdmissionError("tokenizer_changed", f"the tokenizer of base {admission.effective_config['base_model']} "
+                             "changed after admission (tokenizer.json or tokenizer_config.json); restore its files "
+                             "or submit the run again", differences)
 
 
 # -- drift -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, device_plan, objectives
+from trainer.runs.admission import admission_tokenizer, check_run_tokenizer
 from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, check_base_adapter,
@@ -41,7 +42,6 @@ from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publ
                                 restore_optimizer, snapshot, tensors_from)
 from trainer.runs.device import computing_model, publishable, step_on
 from trainer.runs.step import NullHooks, adapter_values, should_publish
-from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "grpo"
 
@@ -153,7 +153,7 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_grpo(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, base = _prepare(request, settings)
-    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
+    tokenizer = admission_tokenizer(config, settings)
     context = base.config["maximum_context"]
     largest = [0, 0]  # (rows, positions) of the largest micro-batch, one group's, for the device plan
 
@@ -281,6 +281,7 @@ def run_grpo(admission: Admission, settings: RunSettings, hooks=None) -> RunResu
                                  activation_checkpointing=config["activation_checkpointing"],
                                  **precision_options(config))
     try:
+        check_run_tokenizer(tokenizer, admission)
         model.attach_lora(lora_config(config, admission.effective_seed))
         warm_start(model, admission)
         with model.adapter_parameters() as adapters, \

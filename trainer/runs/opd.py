@@ -25,6 +25,7 @@ from trainer import teachers
 from trainer.jsonio import data_loads
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, device_plan, objectives
+from trainer.runs.admission import admission_tokenizer, check_run_tokenizer
 from trainer.runs.admission import admit_backend, device_precision, loss_options, precision_options, run_backend
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunFailed, RunSettings,
                                     adam_options, admit_resume, base_adapter_identity, canonical, check_base_adapter,
@@ -41,7 +42,6 @@ from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publ
                                 restore_optimizer, snapshot)
 from trainer.runs.device import computing_model, publishable, step_on
 from trainer.runs.step import NullHooks, should_publish
-from trainer.runs.tokenizers import load_tokenizer
 
 KIND = "opd"
 
@@ -207,7 +207,7 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_opd(request: dict, settings: RunSettings) -> Admission:
     """Validate the request and resolve what the run will be; refuse teacher or config drift on resume."""
     config, records, raw, kind, base = _prepare(request, settings)
-    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
+    tokenizer = admission_tokenizer(config, settings)
     context = base.config["maximum_context"]
     longest = max(len(prompt_ids(record, tokenizer, context, record_place(records, index, "prompts")))
                   for index, record in enumerate(records))
@@ -333,6 +333,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                                  **precision_options(config))
     teacher = None
     try:
+        check_run_tokenizer(tokenizer, admission)
         try:
             teacher = teachers.open_teacher(teachers.parse_teacher(config["teacher"]), settings.bases_root,
                                             backend=run_backend(admission))

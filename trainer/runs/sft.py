@@ -27,6 +27,7 @@ from trainer.jsonio import data_loads
 from trainer.model import IGNORE_INDEX
 from trainer.quantization import BLOCK_SIZES
 from trainer.runs import checkpoint_dir, device_plan
+from trainer.runs.admission import admission_tokenizer, check_run_tokenizer
 from trainer.runs.admission import (admit_backend, attention_options, device_precision, loss_options,
                                     precision_options, run_backend)
 from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, RequestError, RunSettings,
@@ -44,7 +45,6 @@ from trainer.runs.state import (STATE_FILE, RunResult, check_restored_step, publ
                                 restore_optimizer, snapshot)
 from trainer.runs.device import computing_model, publishable, step_on
 from trainer.runs.step import NullHooks, should_publish
-from trainer.runs.tokenizers import load_tokenizer
 
 
 
@@ -227,7 +227,7 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     need = device_plan.sft_bytes(config, base)
     backend = admit_backend(config, settings, base, need_bytes=need)
     loss_route = select_loss_route(backend.resolved)
-    tokenizer = load_tokenizer(config["base_model"], settings.bases_root)
+    tokenizer = admission_tokenizer(config, settings)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
     steps_per_epoch = _steps_per_epoch(len(examples), config)
     dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
@@ -350,6 +350,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                                  activation_checkpointing=config["activation_checkpointing"],
                                  **precision_options(config))
     try:
+        check_run_tokenizer(tokenizer, admission)
         examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
         if config["quantization"]:
             model.quantize(block_size=config["quantization"]["block_size"],
