@@ -159,17 +159,37 @@ def compute_threads() -> int:
 
 
 def identity() -> dict:
-    """What a bfloat16 result depends on beyond the CPU: the library's version, file and thread count."""
+    """What a result oneDNN computes depends on beyond the CPU: the library's version and file, the instruction set
+    its kernels use (cpu_isa: the CPU's best unless ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps it, and a capped
+    product has other bytes) and the thread count."""
     if _load()[0] is None:
-        return {"version": None, "library_sha256": None, "threads": None}
+        return {"version": None, "library_sha256": None, "cpu_isa": None, "threads": None}
     return {**_library_identity(), "threads": threads()}
 
 
 @functools.cache
 def _library_identity() -> dict:
-    """The loaded library's version and SHA-256, read once (admission and every dequeue ask)."""
-    v = _load()[0].dnnl_version().contents
-    return {"version": f"{v.major}.{v.minor}.{v.patch}", "library_sha256": file_sha256(library_path())}
+    """The loaded library's version, SHA-256 and effective ISA, read once (admission and every dequeue ask; the
+    ISA is fixed once the library has started)."""
+    library = _load()[0]
+    v = library.dnnl_version().contents
+    return {"version": f"{v.major}.{v.minor}.{v.patch}", "library_sha256": file_sha256(library_path()),
+            "cpu_isa": _effective_isa(library)}
+
+
+def _effective_isa(library) -> str | None:
+    """The instruction set oneDNN's CPU kernels use ("avx512_core_bf16", "avx2", ...; None where the library
+    cannot say)."""
+    get, name = getattr(library, "dnnl_get_effective_cpu_isa", None), getattr(library, "dnnl_cpu_isa2str", None)
+    if get is None:
+        return None
+    get.argtypes, get.restype = [], ctypes.c_int
+    isa = get()
+    if name is None:
+        return str(isa)
+    name.argtypes, name.restype = [ctypes.c_int], ctypes.c_char_p
+    text = (name(isa) or b"").decode("ascii", "replace")
+    return text.removeprefix("cpu_isa_") or str(isa)
 
 
 def gemm(c, a, b, trans_b=False, beta=0.0):

@@ -277,3 +277,31 @@ def test_bf16_computing_is_a_kernels_on_openmp_scope():
     with bf16.computing():
         assert here() == pool.HERE_OPENMP
     assert here() == before
+
+
+@pytest.mark.skipif(blas.FLOAT32_GEMM != "onednn",
+                    reason=f"oneDNN does not compute the products here: {blas.GEMM_NOTE}")
+def test_the_identity_records_the_isa_onednn_computes_with():
+    """ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) caps the instructions oneDNN's kernels use, and the same product then
+    has other bytes: a worker started with it must not resume a checkpoint written without it, so the execution
+    identity records the ISA oneDNN computes with."""
+    body = """
+        from trainer.runs.execution import compute_execution_identity
+        a = np.random.default_rng(1).standard_normal((256, 576), dtype=np.float32)
+        w = np.random.default_rng(2).standard_normal((576, 1536), dtype=np.float32)
+        c = np.empty((256, 1536), np.float32)
+        blas.gemm(c, a, w)
+        print(json.dumps([hashlib.sha256(c.tobytes()).hexdigest(), compute_execution_identity("cpu")]))
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    results = []
+    for extra in ({}, {"ONEDNN_MAX_CPU_ISA": "SSE41"}):
+        result = subprocess.run([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(body)], capture_output=True,
+                                text=True, timeout=120, env={**env, **extra})
+        assert result.returncode == 0, result.stderr
+        results.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    (full, full_identity), (capped, capped_identity) = results
+    assert full != capped  # the cap changes the bytes of a product
+    assert full_identity != capped_identity
+    assert full_identity["blas"]["onednn"]["cpu_isa"] != capped_identity["blas"]["onednn"]["cpu_isa"]
+    assert capped_identity["blas"]["onednn"]["cpu_isa"] == "sse41"

@@ -31,7 +31,8 @@ def test_bf16_run_cancel_then_resume_is_byte_identical_and_binds_its_precision(t
     assert admitted.effective_config["precision"] == "bfloat16"
     execution = admitted.identities["execution"]
     assert execution["precision"] == "bfloat16"
-    assert set(execution["onednn"]) == {"version", "library_sha256", "threads"} and execution["onednn"]["threads"]
+    assert set(execution["onednn"]) == {"version", "library_sha256", "cpu_isa", "threads"}
+    assert execution["onednn"]["threads"] and execution["onednn"]["cpu_isa"]
     first = run_sft(admitted, settings, StopAt(3))
     assert first.status == "cancelled" and first.steps_completed == 3
     basename = first.latest_checkpoint["resume_checkpoint"]
