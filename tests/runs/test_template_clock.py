@@ -145,3 +145,22 @@ def test_a_tokenizer_changed_after_admission_is_refused_by_the_run(tmp_path):
     assert info.value.code == "tokenizer_changed"
     assert "tokenizer.chat_template_sha256" in {d["field"] for d in info.value.differences}
     assert not list(settings.registry.iterdir())  # nothing trained, nothing published
+
+
+def test_a_checkpoint_that_does_not_record_its_clock_is_refused_as_drift(bases_root, tmp_path, clock):
+    """A clock-reading template's checkpoint without template_clock (written before runs pinned it) cannot prove
+    the date its data was rendered with: its resume is refused, naming the field, not continued on today's date."""
+    from state_runs import rewrite
+
+    settings = settings_in(tmp_path, bases_root)
+    first = run_sft(admit_sft(sft_request(settings.home), settings), settings, StopAt(1))
+    path = settings.registry / first.latest_checkpoint["resume_checkpoint"]
+    manifest = json.loads((path / "checkpoint_manifest.json").read_text())
+    del manifest["tokenizer"]["template_clock"]
+    rewrite(path, manifest=manifest)
+    with pytest.raises(AdmissionError) as info:
+        admit_sft(sft_request(settings.home, resume_checkpoint=path.name), settings)
+    assert info.value.code == "resume_drift"
+    drift = {d["field"]: d for d in info.value.differences}
+    assert drift["tokenizer.template_clock"]["checkpoint"] is None
+    assert drift["tokenizer.template_clock"]["request"] == DAY_ONE.isoformat()
