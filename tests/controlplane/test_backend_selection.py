@@ -40,10 +40,10 @@ UNAVAILABLE = {"library": None, "library_sha256": None, "symbols": {"declared": 
                "available": False, "reason": NO_DRIVER, "code": "driver_missing", "devices": [],
                "driver_version": None, "runtime_version": None, "cublas_version": None}
 # the cpu execution identity's fields, as every checkpoint written before backend selection records them
-CPU_FIELDS = {"backend", "device", "python", "numpy", "blas", "native_builds", "kiln", "code", "precision",
-              "kernel_contract"}
-GPU_FIELDS = {"name", "compute_capability", "total_memory", "shared_memory_per_block", "driver_version",
-              "runtime_version", "cublas_version", "library_sha256"}
+CPU_FIELDS = {"backend", "device", "python", "numpy", "libraries", "blas", "native_builds", "kiln", "code",
+              "precision", "kernel_contract"}
+GPU_FIELDS = {"name", "compute_capability", "total_memory", "shared_memory_per_block", "tf32_override",
+              "driver_version", "runtime_version", "cublas_version", "library_sha256"}
 
 
 @pytest.fixture
@@ -207,15 +207,18 @@ def test_backend_is_a_request_field_of_every_kind_bound_by_the_execution_identit
 # -- the execution identity --
 
 
-def test_the_cuda_identity_carries_the_gpu_fields(probe):
+def test_the_cuda_identity_carries_the_gpu_fields(probe, monkeypatch):
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
     probe(AVAILABLE)
     identity = execution.compute_execution_identity("cuda")
     assert set(identity) == CPU_FIELDS | {"gpu"}
     assert identity["backend"] == "cuda" and identity["kernel_contract"] == "kiln-cuda-kernels-v1"
     assert identity["gpu"] == {"name": "Test Accelerator", "compute_capability": "9.0", "total_memory": 80 << 30,
-                               "shared_memory_per_block": 227 << 10, "driver_version": "12040",
+                               "shared_memory_per_block": 227 << 10, "tf32_override": None, "driver_version": "12040",
                                "runtime_version": "12020", "cublas_version": "120201", "library_sha256": "ab" * 32}
     assert execution.execution_identity("cuda") == identity  # kept once the device is found
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # cuBLAS then computes a tfloat32 run's products in FP32
+    assert execution.compute_execution_identity("cuda")["gpu"] == {**identity["gpu"], "tf32_override": "0"}
     probe(UNAVAILABLE)
     assert execution.compute_execution_identity("cuda")["gpu"] == dict.fromkeys(GPU_FIELDS)
 

@@ -21,8 +21,10 @@ from .conftest import sft_body
 
 def test_the_identity_names_every_field_with_the_installed_kiln_version():
     identity = execution.compute_execution_identity("cpu")
-    assert set(identity) == {"backend", "device", "python", "numpy", "blas", "native_builds", "kiln", "code",
-                             "precision", "kernel_contract"}
+    assert set(identity) == {"backend", "device", "python", "numpy", "libraries", "blas", "native_builds", "kiln",
+                             "code", "precision", "kernel_contract"}
+    # tokenisation, chat templates and the adapter files: an upgrade of one alone can change a run's bytes
+    assert identity["libraries"] == {name: metadata.version(name) for name in ("tokenizers", "jinja2", "safetensors")}
     assert identity["backend"] == "cpu"
     assert identity["kiln"] == metadata.version("kiln") and identity["kiln"] != "0"
     assert set(identity["device"]) == {"machine", "cpu_model", "cpu_flags", "cpu_flags_sha256"}
@@ -188,3 +190,17 @@ def test_a_checkpoint_resumes_only_under_the_identity_that_wrote_it(real_runner,
     resumed = api.get(f"/v1/train/jobs/{admitted.json()['id']}").json()
     assert resumed["status"] == "succeeded", resumed["error"]
     assert resumed["progress"]["committed_step"] == 4
+
+
+def test_a_checkpoint_from_another_tokenizers_release_is_execution_drift():
+    """Upgrading tokenizers (or jinja2, safetensors) alone can change the token ids a run trains on: a checkpoint
+    whose identity names another release is refused, the field named, as any other drift."""
+    from trainer.runs import admission
+
+    identity = execution.compute_execution_identity("cpu")
+    older = {**identity, "libraries": {**identity["libraries"], "tokenizers": "0.0.1"}}
+    with pytest.raises(admission.AdmissionError) as refused:
+        admission.refuse_execution_drift(older, identity)
+    assert refused.value.code == "execution_drift"
+    assert refused.value.differences == [{"field": "execution.libraries.tokenizers", "checkpoint": "0.0.1",
+                                          "request": identity["libraries"]["tokenizers"]}]

@@ -90,6 +90,7 @@ def compute_execution_identity(backend: str) -> dict:
         "device": device_identity(),
         "python": platform.python_version(),
         "numpy": np.__version__,
+        "libraries": library_versions(),
         "blas": blas_identity(),
         "native_builds": {p.name: file_sha256(p) for p in sorted(native.glob("_*.so"))},
         "kiln": kiln_version(),
@@ -113,10 +114,28 @@ def gpu_identity() -> dict:
     return {"name": device.get("name"), "compute_capability": device.get("compute_capability"),
             "total_memory": device.get("total_memory"),
             "shared_memory_per_block": device.get("shared_memory_per_block"),
+            # cuBLAS reads it: 0 turns TF32 off even where a tfloat32 run asks for it
+            "tf32_override": os.environ.get("NVIDIA_TF32_OVERRIDE") if device else None,
             "driver_version": _text(probe.get("driver_version")),
             "runtime_version": _text(probe.get("runtime_version")),
             "cublas_version": _text(probe.get("cublas_version")),
             "library_sha256": probe.get("library_sha256")}
+
+
+# the libraries besides numpy whose version can change a run's bytes: tokenisation and chat templates (the token ids
+# trained on), and the adapter files written (safetensors)
+BIT_LIBRARIES = ("tokenizers", "jinja2", "safetensors")
+
+
+def library_versions() -> dict:
+    """{name: installed version (None where absent)} of BIT_LIBRARIES."""
+    versions = {}
+    for name in BIT_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def kiln_version() -> str:
