@@ -480,3 +480,25 @@ def test_a_prompts_file_s_bad_record_is_named_by_its_line_or_item(tmp_path):
     jsonl.write_text('"first"\n\n"second"\n')
     records, _, kind = opd.read_prompts({"dataset_path": str(jsonl)}, settings)
     assert kind == "file" and [r["prompt"] for r in records] == ["first", "second"] and records.lines == [1, 3]
+
+
+def test_a_chat_prompt_s_rollout_ends_at_the_end_of_turn(tmp_path):
+    """The student's rollouts stop where its answers end, as /v1/chat/completions and evaluations stop them: a chat
+    prompt at the template's end-of-turn marker as well as end of text (for a base whose end of text is not that
+    marker, as older Llama 3 and Phi-3 conversions, a rollout ran past its turn and the student was trained to write
+    the next one), a plain prompt at end of text; TRL samples with the model's generation config, whose eos ids hold
+    both for such bases."""
+    from trainer.tokenizer import Tokenizer
+
+    _, tiny = load_base("kiln-tiny", tmp_path)
+    files = tiny.files()
+    config = {**json.loads(files["tokenizer_config.json"]), "eos_token": "<|endoftext|>"}
+    tokenizer = Tokenizer(files["tokenizer.json"], config)
+    end_of_turn = tokenizer.token_to_id("<|im_end|>")
+    assert end_of_turn is not None and tokenizer.eos_token_id != end_of_turn
+    run = {**opd.OPD_DEFAULTS, "max_new_tokens": 8, "stop_strings": []}
+    samplings = opd.rollout_sampling(run, tokenizer, PROMPTS)
+    assert [s.stop_token_ids for s in samplings] == [(tokenizer.eos_token_id,), (tokenizer.eos_token_id,),
+                                                      (tokenizer.eos_token_id, end_of_turn)]
+    assert {(s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.stop_strings) for s in samplings} == {
+        (8, run["temperature"], run["top_p"], run["top_k"], ())}

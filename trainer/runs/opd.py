@@ -315,7 +315,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
     """Train (or continue) the admitted OPD run; publish checkpoints; stop cooperatively or on a guardrail."""
     from trainer import Adam
     from trainer.bases import load_base
-    from trainer.generation import SamplingConfig, SamplingRNG
+    from trainer.generation import SamplingRNG
     hooks = hooks or NullHooks()
     config = admission.effective_config
     route = admission.identities["planning"]["loss_route"]
@@ -346,10 +346,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
                    for i, r in enumerate(records)]
         model.attach_lora(lora_config(config, admission.effective_seed))
         warm_start(model, admission)
-        stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-        sampling = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
-                                  top_p=config["top_p"], top_k=config["top_k"], stop_token_ids=stop_ids,
-                                  stop_strings=tuple(config["stop_strings"]))
+        samplings = rollout_sampling(config, tokenizer, records)
         with model.adapter_parameters() as adapters, \
                 Adam(adapters, learning_rate=config["learning_rate"], **adam_options(config)) as optimizer:
             loop = OPDLoop()
@@ -371,7 +368,7 @@ def run_opd(admission: Admission, settings: RunSettings, hooks=None) -> RunResul
             with computing_model(model, optimizer, run_backend(admission),
                                  device_precision(admission.effective_config)) as computing:
                 result = _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records,
-                                prompts, sampling, rng, loop, latest, hooks, computing)
+                                prompts, samplings, rng, loop, latest, hooks, computing)
             return publish_final(result, model, settings, admission.adapter, config["base_model"], hooks)
     finally:
         if teacher is not None:
@@ -403,10 +400,25 @@ def _sample(model, tokenizer, teacher, prompt, sampling, rng):
     return tokens, teacher_logp, stats
 
 
-def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts, sampling, rng,
+def rollout_sampling(config: dict, tokenizer, records) -> list:
+    """The SamplingConfig of each record's rollouts: the run's sampling, stopped where an answer ends, as
+    /v1/chat/completions and /v1/completions stop it (trainer.generation.stop_token_ids): a chat prompt at the
+    template's end-of-turn marker too, a plain prompt at end of text."""
+    from dataclasses import replace
+
+    from trainer.generation import SamplingConfig, stop_token_ids
+    plain = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
+                           top_p=config["top_p"], top_k=config["top_k"],
+                           stop_token_ids=stop_token_ids(tokenizer, chat=False),
+                           stop_strings=tuple(config["stop_strings"]))
+    chat = replace(plain, stop_token_ids=stop_token_ids(tokenizer, chat=True))
+    return [chat if isinstance(record, dict) and "messages" in record else plain for record in records]
+
+
+def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, records, prompts, samplings, rng,
            loop, latest, hooks, computing):
     """The loop; COMPUTING (MODEL, or its device model on the cuda backend) samples and takes every forward and
-    backward."""
+    backward; SAMPLINGS are the prompts' (rollout_sampling)."""
     config = admission.effective_config
     interval = config["checkpoint_interval"]
     guardrails = Guardrails(config["guardrails"])
@@ -416,7 +428,8 @@ def _train(admission, settings, model, tokenizer, teacher, optimizer, adapters, 
         while len(chosen) < config["candidates_per_step"]:
             index = loop.candidate
             prompt = prompts[index % len(prompts)]
-            tokens, teacher_logp, stats = _sample(computing, tokenizer, teacher, prompt, sampling, rng)
+            tokens, teacher_logp, stats = _sample(computing, tokenizer, teacher, prompt,
+                                                  samplings[index % len(prompts)], rng)
             loop.candidate += 1
             loop.candidates.append({"candidate": index, "prompt": index % len(prompts), "tokens": len(tokens),
                                     "empty": stats["empty"], "update_step": None if stats["empty"] else loop.step + 1})
