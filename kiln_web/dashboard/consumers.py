@@ -3,12 +3,19 @@
 Messages come from kiln_web.jobs.events after the database commit; the four job event types
 (RELAYED) are sent on unchanged by `dispatch` itself. Group names come from
 events.group_name. An anonymous socket, or one for a job the person may not see, is refused.
+An open socket is judged again when its person's account changes (events.ACCOUNT_CHANGED: deactivated,
+deleted, no longer staff, a changed password) or its session signs out, and closes (4401) when it would be
+refused now; the page's reconnect is then judged afresh.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
+
+from channels.auth import get_user
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from kiln_web.dashboard.readers import visible_jobs
@@ -23,6 +30,8 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
     """Joins `group_names(user)` (None refuses the socket) and relays the job events."""
 
     joined: list[str] = []
+    user_id = None  # whom the socket was accepted for, and whether they were staff then
+    was_staff = False
 
     async def group_names(self, user) -> list[str] | None:
         """The groups this user may join here; the base joins none and refuses the socket."""
@@ -37,8 +46,9 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
         if names is None:
             await self.close(code=NOT_FOUND)
             return
-        self.joined = names
-        for name in names:
+        self.user_id, self.was_staff = user.pk, user.is_staff
+        self.joined = [*names, events.group_name("account", user.pk)]
+        for name in self.joined:
             await self.channel_layer.group_add(name, self.channel_name)
         await self.accept()
 
@@ -54,6 +64,27 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json(message)
         else:
             await super().dispatch(message)
+
+    async def account_changed(self, message) -> None:
+        """events.ACCOUNT_CHANGED: close (4401) when this socket's session signed out, or when its person would
+        not be let in (or not into the same groups) now."""
+        session = self.scope.get("session")
+        key = getattr(session, "session_key", None)
+        if message.get("session") is not None:  # a sign-out: only that session's sockets are affected
+            if key is not None and message["session"] == events.session_digest(key):
+                await self.close(code=UNAUTHENTICATED)
+            return
+        if not await self._still_allowed(session, key):
+            await self.close(code=UNAUTHENTICATED)
+
+    async def _still_allowed(self, session, key) -> bool:
+        if session is None or key is None:
+            return False
+        stored = import_module(settings.SESSION_ENGINE).SessionStore(key)  # as stored now, not as connected
+        user = await get_user({"session": stored})
+        if not user.is_authenticated or user.pk != self.user_id or user.is_staff != self.was_staff:
+            return False
+        return await self.group_names(user) is not None
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         pass  # the page only listens; it asks the HTTP views for anything else. Any frame (JSON or not) is ignored

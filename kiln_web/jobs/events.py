@@ -3,10 +3,13 @@
 Group names come from group_name() and nowhere else. Consumers (the dashboard) join
 `group_name("job", job_id)` for one job or `group_name("user", user_id)` for a person's jobs;
 the message `type` is one of the four below, which the dashboard consumers relay unchanged.
+Every socket also joins `group_name("account", user_id)`, where ACCOUNT_CHANGED tells it that its
+person's account changed or one of their sessions signed out (the socket then judges itself again).
 """
 
 import asyncio
 import atexit
+import hashlib
 import json
 import logging
 import os
@@ -27,6 +30,7 @@ JOB_STATUS = "job.status"
 JOB_STEP = "job.step"
 JOB_CHECKPOINT = "job.checkpoint"
 JOB_EVENT = "job.event"
+ACCOUNT_CHANGED = "account.changed"  # never relayed: the consumer re-authenticates (kiln_web.dashboard.consumers)
 
 
 def group_name(scope: str, key) -> str:
@@ -42,6 +46,31 @@ def publish_after_commit(job_id, owner_id, event_type: str, payload: dict) -> No
     """Queue one message for the job's groups; it is sent when the current transaction commits."""
     message = json.loads(json.dumps({"type": event_type, "job_id": str(job_id), **payload}, cls=DjangoJSONEncoder))
     transaction.on_commit(partial(_send, job_groups(job_id, owner_id), message))
+
+
+def session_digest(session_key: str) -> str:
+    """What an ACCOUNT_CHANGED message names a session by: the key itself never travels through the layer."""
+    return hashlib.sha256(session_key.encode()).hexdigest()
+
+
+def publish_account_changed(user_id, session_key: str | None = None) -> None:
+    """After the commit, tell USER_ID's open sockets that their account changed (SESSION_KEY: that session
+    signed out), so a socket its person may no longer have closes at once."""
+    message = {"type": ACCOUNT_CHANGED, "session": session_digest(session_key) if session_key else None}
+    transaction.on_commit(partial(_send, [group_name("account", user_id)], message))
+
+
+def note_user_changed(sender, instance, update_fields=None, **_) -> None:
+    """post_save / post_delete of a user. A sign-in's own save (last_login only) takes nothing away."""
+    if update_fields is not None and set(update_fields) <= {"last_login"}:
+        return
+    publish_account_changed(instance.pk)
+
+
+def note_signed_out(sender, request, user, **_) -> None:
+    """user_logged_out: the session the request carried ends (Django flushes it right after this signal)."""
+    if user is not None and request is not None and getattr(request, "session", None) is not None:
+        publish_account_changed(user.pk, request.session.session_key)
 
 
 def _send(groups: list[str], message: dict) -> None:
