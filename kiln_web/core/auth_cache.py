@@ -2,11 +2,12 @@
 
 Every /v1/ request authenticates its token (kiln_web.accounts.actions.authenticate_token); without this
 each one costs a database query. An authentication is remembered for KILN_AUTH_CACHE_SECONDS (0: never).
-Any save or delete of a token or a user in this process forgets every authentication at once
-(kiln_web.accounts.apps connects the signals), and one the database was asked for while such a change
-happened is not kept, so a token revoked here is refused on the very next request. A change another process
-announces on Redis ends them too, once this process hears it (the caller passes its count of those as the
-epoch: the job-status fast path's listener, kiln_web.core.fastpath, while it runs). Otherwise other processes
+Any save or delete of a token or a user in this process forgets every authentication at once, and again when
+its transaction commits (kiln_web.accounts.apps connects the signals), and one the database was asked for while
+such a change happened is not kept, so a token revoked here is refused on the very next request after the
+commit. A change another process announces on Redis ends them too, once this process hears it (the caller
+passes its count of those as the epoch: the job-status fast path's listener, kiln_web.core.fastpath, while it
+runs). Otherwise other processes
 are not heard: a token revoked, or a user deactivated, by another process (`kiln token`, the admin of another
 web process) is still accepted here for up to KILN_AUTH_CACHE_SECONDS.
 """
@@ -17,6 +18,8 @@ import copy
 import threading
 import time
 from dataclasses import dataclass
+
+from django.db import transaction
 
 MAX_ENTRIES = 10_000  # tokens remembered; beyond this the expired ones, then the oldest half, are dropped
 
@@ -79,5 +82,8 @@ tokens = TokenCache()  # the process's one cache
 
 
 def note_auth_changed(**_) -> None:
-    """Signal receiver for any save or delete of a token or a user (kiln_web.accounts.apps)."""
+    """Signal receiver for any save or delete of a token or a user (kiln_web.accounts.apps): forget now, and again
+    when the change commits, since until then a request on another connection still reads the old row from the
+    database and may remember it."""
     tokens.clear()
+    transaction.on_commit(tokens.clear)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio
 from django.conf import settings
+from django.db import transaction
 
 logger = logging.getLogger("kiln.web")
 
@@ -165,7 +166,14 @@ def note_job_changed(job_id) -> None:
 
 
 def note_auth_changed(**_) -> None:
-    """A token or user changed: no web process uses an authentication from before."""
+    """A token or user changed: no web process uses an authentication from before. Until the change commits,
+    Django (on another connection, here or in another process) still reads the old row, so what it authenticates
+    meanwhile is forgotten again, and the change announced, once it commits."""
+    _auth_changed_here()
+    transaction.on_commit(_auth_committed)
+
+
+def _auth_committed() -> None:
     _auth_changed_here()
     _announce("auth")
 

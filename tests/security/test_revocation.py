@@ -132,3 +132,72 @@ def test_a_socket_stays_open_through_changes_that_take_nothing_away(make_user):
         await listener.disconnect(timeout=30)
 
     async_to_sync(scenario)()
+
+
+# -- tokens: a revocation in a transaction (the admin's delete, a deactivation) --
+
+
+def _revoke(user, change: str) -> None:
+    from kiln_web.accounts.models import ApiToken
+
+    if change == "delete the token":
+        ApiToken.objects.get(user=user).delete()
+    else:
+        _deactivate(user)
+
+
+@pytest.fixture
+def token_cache(monkeypatch, settings):
+    from kiln_web.core import auth_cache
+
+    settings.KILN_AUTH_CACHE_SECONDS = 5
+    cache = auth_cache.TokenCache()
+    monkeypatch.setattr(auth_cache, "tokens", cache)
+    return cache
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("change", ["delete the token", "deactivate the user"])
+def test_a_token_remembered_before_its_revocation_commits_is_refused_after(make_user, token_cache, change,
+                                                                          django_capture_on_commit_callbacks):
+    """The admin deletes a token inside a transaction: the change's signal clears the cache at once, but until
+    the commit a request on another connection still reads the token from the database and remembers it."""
+    from kiln_web.accounts.actions import authenticate_token
+    from kiln_web.accounts.models import hash_token
+    from kiln_web.core import fastpath
+
+    ada = make_user("ada")
+    with django_capture_on_commit_callbacks(execute=True):
+        _revoke(ada, change)
+        # another thread's request, which read the still-committed token, remembers it now
+        token_cache.put(hash_token(ada.token), ada, 5, token_cache.generation(), fastpath.auth_changes_heard())
+    assert authenticate_token(ada.token) is None
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("change", ["delete the token", "deactivate the user"])
+def test_the_status_fast_path_forgets_a_token_once_its_revocation_commits(make_user, settings, change,
+                                                                         django_capture_on_commit_callbacks):
+    """The same for the job-status fast path: an authentication (and an answer) Django gave while the revocation
+    was uncommitted is not replayed once it commits."""
+    from kiln_web.accounts.models import hash_token
+    from kiln_web.core import fastpath
+
+    settings.REDIS_URL = None
+    settings.KILN_STATUS_CACHE_SECONDS, settings.KILN_TOKEN_CACHE_SECONDS = 1, 10
+    ada = make_user("ada")
+    job_id, token_hash = str(_job(ada, "ada-bot").pk), hash_token(ada.token)
+    fastpath.forget_everything()
+    with django_capture_on_commit_callbacks(execute=True):
+        _revoke(ada, change)
+        # a poll that went through Django meanwhile (which still saw the committed token) is remembered
+        poll = fastpath._Poll(fastpath._generations(job_id))
+        token = fastpath._observed.set(poll)
+        try:
+            fastpath.remember_token(token_hash, ada)
+        finally:
+            fastpath._observed.reset(token)
+        fastpath._remember_answer(job_id, poll, 200, [(b"content-type", b"application/json")],
+                                  b'{"id": "%s"}' % job_id.encode())
+        assert fastpath._lookup(token_hash, job_id, fastpath._generations(job_id))[0] is not None
+    assert fastpath._lookup(token_hash, job_id, fastpath._generations(job_id))[0] is None
