@@ -16,6 +16,23 @@ from pathlib import Path
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
+class _Redirected(Exception):
+    def __init__(self, status: int, location: str):
+        super().__init__(location)
+        self.status, self.location = status, location
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """The API never redirects. Following one would send the bearer token wherever the answer points (urllib
+    copies the Authorization header to another host) and turn a POST into a GET, so the client stops instead."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise _Redirected(code, newurl)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 class ApiError(Exception):
     """A refusal from the server (status, code, message, the whole error object) or no answer at all."""
 
@@ -67,8 +84,13 @@ class Client:
             headers["Content-Type"] = "application/json"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with _OPENER.open(request, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"{}")
+        except _Redirected as exc:
+            raise ApiError(exc.status, {"code": "redirected", "message": (
+                f"{url} answered {exc.status} with a redirect to {exc.location}; Kiln's API never redirects, so the "
+                "token was not sent there. If that address is your Kiln server, set KILN_URL to it (without /v1/...)")}
+            ) from None
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:
