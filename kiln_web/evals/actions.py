@@ -223,6 +223,21 @@ def enqueue_evaluation(run_id) -> None:
                                                         "that a `celery -A kiln_web worker -Q training` runs")
 
 
+def require_adapters_usable(run: EvalRun) -> None:
+    """When a worker starts RUN: its owner must still be allowed to use its candidate and an adapter baseline (an
+    adapter no longer shared with them since the run was queued is not used), else EvaluationError
+    adapter_not_found, as queueing it now would answer."""
+    from kiln_web.adapters.models import Adapter
+
+    usable = Adapter.objects.visible_to(run.owner)
+    names = [run.candidate.name] + ([run.baseline] if run.baseline_kind == BaselineKind.ADAPTER else [])
+    for name in names:
+        if not usable.filter(name=name).exists():
+            raise runtime.EvaluationError("adapter_not_found", f"no adapter named {name!r} that the run's owner may "
+                                                               "use (it is no longer shared with them); GET "
+                                                               "/v1/adapters lists theirs and those shared with them")
+
+
 def do_claim_evaluation(run_id, worker_id: str) -> bool:
     now = timezone.now()
     changed = EvalRun.objects.filter(pk=run_id, status=EvalStatus.QUEUED).update(

@@ -80,7 +80,8 @@ def execute_evaluation(run_id, worker_id: str) -> str:
 def _run_claimed(run_id, worker_id: str) -> None:
     """Compare the claimed run's candidate with its baseline and finish it (succeeded, or failed with a code)."""
     try:
-        run = EvalRun.objects.select_related("suite", "candidate").get(pk=run_id)
+        run = EvalRun.objects.select_related("suite", "candidate", "owner").get(pk=run_id)
+        actions.require_adapters_usable(run)  # a share withdrawn since the run was queued holds now
         need = runtime.planned_bytes(run.candidate.name, run.candidate_base, run.max_new_tokens) \
             if run.backend == "cuda" else None
         runtime.require_backend(run.backend, need)  # a cuda run needs this worker's device, and its memory, now

@@ -67,6 +67,19 @@ def _hidden(user, path_text) -> bool:
     return registry_adapter_hidden(user, path_text)
 
 
+def check_reads_still_visible(job: TrainingJob) -> None:
+    """At dequeue: the adapters JOB reads by path (a warm start's base_adapter, an OPD teacher's adapter) must still
+    be ones its owner may see, so a share withdrawn since admission holds; refused as admission would refuse now."""
+    config = job.effective_config if isinstance(job.effective_config, dict) else {}
+    request = job.request if isinstance(job.request, dict) else {}
+    asked = (request.get("config") or {}).get("base_adapter") if isinstance(request.get("config"), dict) else None
+    _check_base_adapter_visible(asked, job.owner, config.get("base_adapter"))
+    teacher = config.get("teacher")
+    if isinstance(teacher, dict) and _hidden(job.owner, teacher.get("adapter")):
+        raise ActionRefused(400, "teacher_unavailable", f"the teacher {teacher.get('alias')}'s adapter cannot be "
+                                                        "read", field="config.teacher")
+
+
 def _check_base_adapter_visible(path_text, user, resolved=None) -> None:
     """A warm start from someone else's adapter (one not shared with USER) reads it: refused exactly as the
     trainer refuses a base_adapter directory that does not exist. RESOLVED: the directory admission resolved

@@ -225,6 +225,7 @@ def _run_claimed(job_id, worker_id: str, stop: threading.Event | None, identity:
             admission.identities["execution"] = identity  # as do_claim_job recorded it on the row
         hooks = JobHooks(job_id, worker_id, stop=stop)
         with Heartbeat(job_id, worker_id):
+            actions.check_reads_still_visible(TrainingJob.objects.select_related("owner").get(pk=job_id))
             if kind == JobKind.OPD:
                 teachers.check_teacher_unchanged(admission.effective_config["teacher"])
             runner.revalidate(admission, run_settings)  # before any memory is reserved

@@ -400,3 +400,71 @@ def test_a_teacher_alias_shows_its_adapter_only_to_who_may_see_it(scene, setting
             assert document["identity_revision"] == created.json()["identity_revision"]
         page = session(scene.people[person]).get("/teachers/").content.decode()
         assert (path in page) is shown, person
+
+
+# -- an unshare holds for work queued before it: the worker asks again when it starts --
+
+
+def _unshare(scene, who: str = "carol") -> None:
+    response = call(scene.api("alice"), "DELETE", f"/v1/adapters/{scene.name}/shares/user/{who}")
+    assert response.status_code == 204, response.content
+
+
+@pytest.mark.parametrize("role", ["candidate", "baseline"])
+def test_an_evaluation_queued_before_an_unshare_does_not_use_the_adapter(scene, settings, role):
+    """carol queues an evaluation of alice's adapter (or against it), alice stops sharing it, a worker then
+    claims the run: it fails adapter_not_found, without a single answer of the adapter, as if it did not exist."""
+    from kiln_web.evals.execution import execute_evaluation
+    from kiln_web.evals.models import EvalRun
+
+    body = {"adapter": scene.name, "suite": f"{scene.name}-carol"}
+    if role == "baseline":
+        own = f"{scene.name}-carol-own"
+        publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, own, seed=2)
+        Adapter.objects.create(name=own, owner=scene.people["carol"])
+        body = {"adapter": own, "suite": f"{scene.name}-carol", "baseline": scene.name}
+    queued = call(scene.api("carol"), "POST", "/v1/evals/runs", body)
+    assert queued.status_code == 201, queued.content
+    _unshare(scene)
+    run_id = queued.json()["id"]
+    assert execute_evaluation(run_id, "w") == "failed"
+    run = EvalRun.objects.get(pk=run_id)
+    assert run.error_code == "adapter_not_found", (run.error_code, run.error_message)
+    assert scene.name in run.error_message and "alice" not in run.error_message
+    assert not run.examples.exists() and run.candidate_summary in (None, {})
+
+
+def test_a_warm_start_queued_before_an_unshare_does_not_read_the_adapter(scene, settings):
+    from kiln_web.jobs.execution import execute_training_job
+    from kiln_web.jobs.models import TrainingJob
+
+    settings.KILN_HEARTBEAT_SECONDS = 3600
+    body = {"data": [{"prompt": "q", "completion": "a"}],
+            "config": {"output_name": f"{scene.name}-carols", "base_adapter": str(settings.KILN_ADAPTERS_DIR /
+                                                                                   scene.name)}}
+    queued = call(scene.api("carol"), "POST", "/v1/train/sft", body)
+    assert queued.status_code == 201, queued.content
+    _unshare(scene)
+    assert execute_training_job(queued.json()["id"], "w") == "failed"
+    job = TrainingJob.objects.get(pk=queued.json()["id"])
+    assert job.error_code == "base_adapter_not_found", (job.error_code, job.error_message)
+    assert job.committed_step == 0 and not job.metrics.exists()
+
+
+def test_a_distillation_queued_before_an_unshare_does_not_read_the_teachers_adapter(scene, settings):
+    from kiln_web.jobs.execution import execute_training_job
+    from kiln_web.jobs.models import TrainingJob
+
+    settings.KILN_HEARTBEAT_SECONDS = 3600
+    alias = f"{scene.name}-t@native"
+    created = call(scene.api("alice"), "POST", "/v1/teachers",
+                   {"name": alias, "base": "kiln-tiny", "adapter": str(settings.KILN_ADAPTERS_DIR / scene.name)})
+    assert created.status_code == 201, created.content
+    queued = call(scene.api("carol"), "POST", "/v1/train/opd",
+                  {"prompts": ["Say kiln."], "config": {"output_name": f"{scene.name}-carols", "teacher": alias}})
+    assert queued.status_code == 201, queued.content
+    _unshare(scene)
+    assert execute_training_job(queued.json()["id"], "w") == "failed"
+    job = TrainingJob.objects.get(pk=queued.json()["id"])
+    assert job.error_code == "teacher_unavailable", (job.error_code, job.error_message)
+    assert job.committed_step == 0 and not job.metrics.exists()
