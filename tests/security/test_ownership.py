@@ -2,16 +2,18 @@
 act on everyone's. One test per /v1 operation (enumerated from the schema: a new operation fails
 `test_every_operation_is_classified` until it gets a row here), each across two people and staff.
 
-Someone else's job, suite or evaluation answers 404, the same as one that does not exist. Adapter names
-and teacher aliases are global names (a submission must be refused an adapter name someone else trains,
-and OPD runs name teachers by alias), so someone else's adapter or alias answers 403 `*_not_yours`
-instead: its existence is already public. Teacher aliases are readable by everyone, by design.
+Someone else's job, suite, evaluation or adapter answers 404, the same as one that does not exist (a
+submission under someone else's adapter name is refused 409 adapter_name_taken, without saying whose).
+Teacher aliases are global names (OPD runs name teachers by alias), readable by everyone by design, so
+changing someone else's answers 403 `teacher_not_yours`. The dashboard's pages are enumerated from the URL
+configuration the same way.
 """
 
 from dataclasses import dataclass, field
 
 import pytest
 from django.test import Client
+from django.urls import URLResolver, get_resolver
 
 from kiln_web.adapters.models import Adapter
 from kiln_web.evals.models import EvalRun, EvalSuite
@@ -166,30 +168,69 @@ def test_a_checkpoint_cannot_be_resumed_into_someone_elses_run(world):
     assert not TrainingJob.objects.filter(owner=world.other).exists()
 
 
-# -- the dashboard --
+# -- the dashboard (every URL pattern of kiln_web.dashboard.urls, enumerated: a new page fails until classified) --
 
-DASHBOARD = [  # (method, path template, other person's status); staff get anything but 403/404
-    ("GET", "/jobs/{job_id}/", 404),
-    ("GET", "/jobs/{job_id}/snapshot", 404),
-    ("POST", "/jobs/{queued_job_id}/stop/", 404),
-    ("GET", "/jobs/{job_id}/resume/", 404),
-    ("POST", "/jobs/{job_id}/resume/", 404),
-    ("GET", "/adapters/{adapter}/", 404),
-]
+# URL name -> how the other person is answered: a status for each method (staff get anything but 403 and 404),
+# "listing" (the page lists the owner's objects: the other person's shows none of them, staff's shows them), or
+# why the page names nobody's objects
+DASHBOARD = {
+    "job": {"GET": 404},
+    "job_snapshot": {"GET": 404},
+    "stop_job": {"POST": 404},
+    "resume_job": {"GET": 404, "POST": 404},
+    "adapter": {"GET": 404},
+    "adapter_action": {"POST": 404},  # every action for every person: test_adapter_visibility.py
+    "eval_run": {"GET": 404},
+    "jobs": "listing",
+    "job_rows": "listing",
+    "adapters": "listing",
+    "eval_runs": "listing",
+    "promotions": "listing",
+    "new_job": "a blank form; a submission is refused as through the API (test_data_roots.py)",
+    "qualification": "the server's receipts, the same for everyone",
+    "teachers": "teacher aliases are global names, listed to everyone (their hidden adapters: test_adapter_visibility)",
+    "delete_teacher": "test_dashboard_teacher_delete_is_refused_for_the_other_person",
+}
 
 
-@pytest.mark.parametrize("method, template, status", DASHBOARD)
-def test_dashboard_pages_and_actions_refuse_the_other_person(world, method, template, status):
-    path = template.format(job_id=world.job_id, queued_job_id=world.queued_job_id, adapter=world.adapter)
+def dashboard_routes() -> dict[str, str]:
+    """URL name -> route (with <type:name> parameters) for every pattern of the dashboard."""
+    resolver = next(pattern for pattern in get_resolver().url_patterns
+                    if isinstance(pattern, URLResolver) and pattern.namespace == "dashboard")
+    return {pattern.name: str(resolver.pattern) + str(pattern.pattern) for pattern in resolver.url_patterns}
+
+
+def test_every_dashboard_route_is_classified():
+    assert sorted(set(dashboard_routes()) ^ set(DASHBOARD)) == [], "classify each new dashboard page in DASHBOARD"
+
+
+def _dashboard_path(world, name: str) -> str:
+    values = {"job_id": world.queued_job_id if name == "stop_job" else world.job_id, "name": world.adapter,
+              "action": "unload", "run_id": world.eval_run_id, "kind": "sft"}
+    return "/" + fill(dashboard_routes()[name], values)
+
+
+@pytest.mark.parametrize("name, method", [(name, method) for name, case in DASHBOARD.items()
+                                          if isinstance(case, dict) for method in case])
+def test_dashboard_pages_and_actions_refuse_the_other_person(world, name, method):
+    path = _dashboard_path(world, name)
     before = _snapshot(world)
-    assert call(session(world.other, csrf=False), method, path).status_code == status
+    response = call(session(world.other, csrf=False), method, path)
+    assert response.status_code == DASHBOARD[name][method], (path, response.status_code)
     assert _snapshot(world) == before
-    assert call(session(world.staff, csrf=False), method, path).status_code not in (403, 404)
+    assert call(session(world.staff, csrf=False), method, path).status_code not in (403, 404), path
+
+
+LISTED = {"jobs": "job_id", "job_rows": "job_id", "adapters": "adapter", "eval_runs": "eval_run_id",
+          "promotions": "adapter"}  # the attribute of `world` that names what the page lists
 
 
 def test_dashboard_lists_show_only_ones_own(world):
+    _promote(world)  # so that the promotions page has the owner's decision to show
+    assert sorted(LISTED) == sorted(name for name, case in DASHBOARD.items() if case == "listing")
     bob, root = session(world.other), session(world.staff)
-    for path, needle in (("/", world.job_id), ("/jobs/rows", world.job_id), ("/adapters/", world.adapter)):
+    for name, attribute in LISTED.items():
+        path, needle = _dashboard_path(world, name), getattr(world, attribute)
         assert needle not in bob.get(path).content.decode(), path
         assert needle in root.get(path).content.decode(), path
 
