@@ -61,6 +61,16 @@ def _check_adapter_owner(name: str, user) -> None:
         raise _name_taken(name)
 
 
+def _check_resume_checkpoint_visible(reference, user) -> None:
+    """A resume from another person's checkpoint (of an adapter USER may not change) is refused exactly as one the
+    registry does not hold, before anything reads it: that it exists, its kind and what its manifest holds are
+    theirs (a submission under their adapter's own name is refused adapter_name_taken first)."""
+    name = runtime.checkpoint_adapter(reference)
+    adapter = Adapter.objects.filter(name=name).select_related("owner").first() if name else None
+    if adapter is not None and not adapter.is_owner_or_staff(user):
+        raise runtime.checkpoint_not_found(reference)
+
+
 def _hidden(user, path_text) -> bool:
     from kiln_web.serving.actions import registry_adapter_hidden
 
@@ -142,6 +152,7 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
         raise ActionRefused(400, "invalid_request", f"training kind {kind!r} is not one of {', '.join(JobKind.values)}")
     name = request["config"]["output_name"]
     _check_adapter_owner(name, user)
+    _check_resume_checkpoint_visible(request["config"].get("resume_checkpoint"), user)
     _check_base_adapter_visible(request["config"].get("base_adapter"), user)
     request = split_promotion_fields(user, request)  # auto_load and gate are decided after training, never admitted
     if kind == JobKind.OPD:

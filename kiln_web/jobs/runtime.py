@@ -11,6 +11,7 @@ nowhere else in kiln_web, so tests can swap in a fake runner by overriding those
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -177,6 +178,23 @@ def teacher_spec(fields: dict) -> dict:
 
 def checkpoint_path(basename: str):
     return settings.KILN_ADAPTERS_DIR / basename
+
+
+def checkpoint_adapter(reference) -> str | None:
+    """The adapter a resume_checkpoint (a basename, or a path whose last part is one) belongs to by its name; None
+    when it is not a canonical checkpoint name (admission refuses it then)."""
+    module = checkpoint_module()
+    if not isinstance(reference, str) or not reference or "\x00" in reference:
+        return None
+    try:
+        return module.parse_basename(os.path.basename(reference))[0]
+    except module.CheckpointError:
+        return None
+
+
+def checkpoint_not_found(reference: str) -> Exception:
+    """The loader's own refusal for a checkpoint the registry does not hold, for REFERENCE's basename."""
+    return checkpoint_module().checkpoint_not_found(settings.KILN_ADAPTERS_DIR, os.path.basename(reference))
 
 
 def read_checkpoint_summary(basename: str, kind: str, adapter: str,

@@ -158,13 +158,37 @@ def _promote(world) -> None:
 
 def test_a_checkpoint_cannot_be_resumed_into_someone_elses_run(world):
     """Checkpoints are reached only through their adapter: resuming another person's checkpoint under one's own
-    adapter name is refused (the checkpoint binds its adapter), and under their name is 409 adapter_name_taken."""
+    adapter name is refused as for a checkpoint that does not exist, and under their name is 409
+    adapter_name_taken."""
     bob = Client(HTTP_AUTHORIZATION=f"Bearer {world.other.token}")
     own_name = call(bob, "POST", "/v1/train/sft", _sft(world, adapter="bobs-own", resume_checkpoint=world.checkpoint))
-    assert own_name.status_code in (400, 409) and own_name.json()["error"]["code"] in ("wrong_adapter",
-                                                                                       "noncanonical_name")
+    assert own_name.status_code == 400 and own_name.json()["error"]["code"] == "not_found"  # as if it were not there
     theirs = call(bob, "POST", "/v1/train/sft", _sft(world, resume_checkpoint=world.checkpoint))
     assert theirs.status_code == 409 and theirs.json()["error"]["code"] == "adapter_name_taken"
+    assert not TrainingJob.objects.filter(owner=world.other).exists()
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_someone_elses_checkpoint_is_answered_as_one_that_does_not_exist(world, settings, kind):
+    """Naming another person's checkpoint (by basename or by path) under one's own adapter tells nothing: not that
+    it exists (wrong_adapter), nor its kind (wrong_kind), nor anything its manifest holds; the answer is the one for
+    a step that was never written. The owner and staff still get wrong_adapter."""
+    bob = Client(HTTP_AUTHORIZATION=f"Bearer {world.other.token}")
+    missing = world.checkpoint.replace("-step-", "-step-9")
+    bodies = {"sft": lambda ref: _sft(world, adapter="bobs-own", resume_checkpoint=ref),
+              "grpo": lambda ref: {"groups": [{"prompt": "p", "completions": [{"text": "a", "reward": 1.0},
+                                                                                {"text": "b", "reward": 0.0}]}],
+                                   "config": {"output_name": "bobs-own", "resume_checkpoint": ref}}}
+    for reference in (world.checkpoint, str(settings.KILN_ADAPTERS_DIR / world.checkpoint)):
+        theirs = call(bob, "POST", f"/v1/train/{kind}", bodies[kind](reference))
+        unknown = call(bob, "POST", f"/v1/train/{kind}", bodies[kind](reference.replace(world.checkpoint, missing)))
+        assert unknown.json()["error"]["code"] == "not_found", unknown.content
+        assert theirs.status_code == unknown.status_code, theirs.content
+        assert theirs.content.decode().replace(world.checkpoint, "C") == unknown.content.decode().replace(missing, "C")
+    for who in (world.owner, world.staff):
+        response = call(Client(HTTP_AUTHORIZATION=f"Bearer {who.token}"), "POST", f"/v1/train/{kind}",
+                        bodies[kind](world.checkpoint))
+        assert response.json()["error"]["code"] == ("wrong_adapter" if kind == "sft" else "wrong_kind"), who
     assert not TrainingJob.objects.filter(owner=world.other).exists()
 
 

@@ -28,8 +28,8 @@ from trainer.runs.checkpoint_dir_names import (
     check_adapter_name, checkpoint_basename, parse_basename)
 from trainer.runs.checkpoint_dir_publish import SYNC_THREADS, publish_checkpoint
 from trainer.runs.checkpoint_dir_registry import (
-    delete_adapter_checkpoints, later_checkpoints, latest_checkpoint, list_checkpoints, list_staging_orphans,
-    remove_staging_orphans, resolve_checkpoint)
+    checkpoint_not_found, delete_adapter_checkpoints, later_checkpoints, latest_checkpoint, list_checkpoints,
+    list_staging_orphans, remove_staging_orphans, resolve_checkpoint)
 
 __all__ = [
     "IO_CHUNK", "PIPELINE_MIN", "READ_CHUNK", "CHECKPOINT_TYPES", "ERRORS", "MANIFEST", "MAX_FILES", "MAX_INT", "MAX_JSON_DEPTH", "MAX_MANIFEST_BYTES",
@@ -38,7 +38,8 @@ __all__ = [
     "ExtraFile", "HardLinkRefused", "IncompleteCheckpoint", "InconsistentState", "LoadedCheckpoint",
     "MissingFile", "MissingManifest", "NameExists", "NoncanonicalName", "NotACheckpoint", "OutsideRegistry",
     "SizeMismatch", "SymlinkRefused", "UnknownField", "UnsupportedSchema", "UnsupportedType", "UntrackedFile",
-    "WrongAdapter", "WrongKind", "check_adapter_name", "checkpoint_basename", "checkpoint_summary", "content_id",
+    "WrongAdapter", "WrongKind", "check_adapter_name", "checkpoint_basename",
+    "checkpoint_not_found", "checkpoint_summary", "content_id",
     "delete_adapter_checkpoints", "later_checkpoints", "latest_checkpoint", "list_checkpoints", "list_staging_orphans",
     "load_checkpoint", "parse_basename", "publish_checkpoint", "remove_staging_orphans", "resolve_checkpoint",
 ]

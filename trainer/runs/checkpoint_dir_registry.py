@@ -14,6 +14,14 @@ from trainer.runs.checkpoint_dir_names import (
     parse_basename, staging_basename)
 
 
+def checkpoint_not_found(registry, base: str) -> CheckpointNotFound:
+    """The refusal for a checkpoint basename the registry does not hold; the control plane gives the same one for
+    a checkpoint of an adapter the caller may not see."""
+    registry_real = Path(os.path.realpath(registry))
+    return CheckpointNotFound(f"checkpoint {base} does not exist in {registry_real}; job status reports the "
+                              "available latest_checkpoint", path=registry_real / base)
+
+
 def resolve_checkpoint(registry, reference: str) -> Path:
     """The checkpoint a resume request names: a basename in the registry, or an absolute path directly in it."""
     registry_real = Path(os.path.realpath(registry))
@@ -47,8 +55,7 @@ def resolve_checkpoint(registry, reference: str) -> Path:
         raise NotACheckpoint(peft_message(base), path=candidate)
     parse_basename(base)
     if st is None:
-        raise CheckpointNotFound(f"checkpoint {base} does not exist in {registry_real}; job status reports the "
-                                 "available latest_checkpoint", path=candidate)
+        raise checkpoint_not_found(registry, base)
     if stat.S_ISLNK(st.st_mode):
         raise SymlinkRefused(f"{candidate} is a symlink; a checkpoint must be a real directory in the registry",
                              path=candidate)
