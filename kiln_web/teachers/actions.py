@@ -93,12 +93,18 @@ def _check_owner(alias: TeacherAlias, user) -> None:
                                                       f"{alias.owner.get_username()}; register your own name")
 
 
-def check_unused(alias: TeacherAlias) -> None:
-    job = (TrainingJob.objects.filter(kind=JobKind.OPD, status__in=ACTIVE_STATUSES,
-                                      request__config__teacher=alias.name).only("pk", "status").first())
-    if job is not None:
-        raise ActionRefused(409, "teacher_in_use", f"the {job.status} OPD job {job.pk} uses {alias.name}; wait for "
-                                                   "it to end or cancel it first", job_id=str(job.pk))
+def check_unused(alias: TeacherAlias, user=None) -> None:
+    """409 teacher_in_use while an active OPD job names ALIAS; the job's id only when USER (None: the admin) may see
+    the job: someone else's job is not named to them, as its own routes answer them as for one that does not exist."""
+    jobs = TrainingJob.objects.filter(kind=JobKind.OPD, status__in=ACTIVE_STATUSES, request__config__teacher=alias.name)
+    job = jobs.only("pk", "status", "owner").first()
+    if job is None:
+        return
+    if user is not None and not TrainingJob.objects.visible_to(user).filter(pk=job.pk).exists():
+        raise ActionRefused(409, "teacher_in_use", f"another person's {job.status} OPD job uses {alias.name}; wait "
+                                                   "for it to end (or ask them, or staff, to cancel it)")
+    raise ActionRefused(409, "teacher_in_use", f"the {job.status} OPD job {job.pk} uses {alias.name}; wait for "
+                                               "it to end or cancel it first", job_id=str(job.pk))
 
 
 def adapter_hidden(alias: TeacherAlias, user) -> bool:
@@ -142,7 +148,7 @@ def do_update_teacher(user, name: str, fields: dict) -> TeacherAlias:
     with transaction.atomic():
         alias = _locked(name)
         _check_owner(alias, user)
-        check_unused(alias)
+        check_unused(alias, user)
         for key, value in values.items():
             setattr(alias, key, value or "")
         if alias.identity_revision != revision:
@@ -155,7 +161,7 @@ def do_delete_teacher(user, name: str) -> None:
     with transaction.atomic():
         alias = _locked(name)
         _check_owner(alias, user)
-        check_unused(alias)
+        check_unused(alias, user)
         alias.delete()
 
 

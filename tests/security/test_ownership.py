@@ -263,3 +263,24 @@ def test_dashboard_teacher_delete_is_refused_for_the_other_person(world):
     response = session(world.other, csrf=False).post(f"/teachers/{world.teacher}/delete/", follow=True)
     assert TeacherAlias.objects.filter(name=world.teacher).exists()
     assert "belongs to" in response.content.decode()
+
+
+def test_an_alias_in_use_by_someone_elses_job_does_not_name_that_job(world, settings):
+    """The alias's owner is refused changing it while another person's OPD job uses it (teacher_in_use), without
+    that job's id, which they could neither read nor cancel; staff, who can, are given it."""
+    from kiln_web.teachers.actions import do_create_teacher
+
+    alias = do_create_teacher(world.owner, f"{world.adapter}-tiny@native", {"base": "kiln-tiny"}).name
+    bob = Client(HTTP_AUTHORIZATION=f"Bearer {world.other.token}")
+    job = call(bob, "POST", "/v1/train/opd", {"prompts": ["Say kiln."],
+                                              "config": {"output_name": "bobs-opd", "teacher": alias}})
+    assert job.status_code == 201, job.content
+    job_id = job.json()["id"]
+    for method, body in (("PUT", {"base": "kiln-tiny"}), ("DELETE", None)):
+        refused = call(Client(HTTP_AUTHORIZATION=f"Bearer {world.owner.token}"), method, f"/v1/teachers/{alias}",
+                       body)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "teacher_in_use"
+        assert job_id not in refused.content.decode() and "job_id" not in refused.json()["error"], refused.content
+        staff = call(Client(HTTP_AUTHORIZATION=f"Bearer {world.staff.token}"), method, f"/v1/teachers/{alias}", body)
+        assert staff.status_code == 409 and staff.json()["error"]["job_id"] == job_id
+    assert TeacherAlias.objects.filter(name=alias).exists()
