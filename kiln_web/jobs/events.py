@@ -60,9 +60,10 @@ def publish_account_changed(user_id, session_key: str | None = None) -> None:
     transaction.on_commit(partial(_send, [group_name("account", user_id)], message))
 
 
-def note_user_changed(sender, instance, update_fields=None, **_) -> None:
-    """post_save / post_delete of a user. A sign-in's own save (last_login only) takes nothing away."""
-    if update_fields is not None and set(update_fields) <= {"last_login"}:
+def note_user_changed(sender, instance, update_fields=None, created=False, **_) -> None:
+    """post_save / post_delete of a user. A new user has no socket yet, and a sign-in's own save (last_login only)
+    takes nothing away."""
+    if created or (update_fields is not None and set(update_fields) <= {"last_login"}):
         return
     publish_account_changed(instance.pk)
 
