@@ -4,8 +4,9 @@ Messages come from kiln_web.jobs.events after the database commit; the four job 
 (RELAYED) are sent on unchanged by `dispatch` itself. Group names come from
 events.group_name. An anonymous socket, or one for a job the person may not see, is refused.
 An open socket is judged again when its person's account changes (events.ACCOUNT_CHANGED: deactivated,
-deleted, no longer staff, a changed password) or its session signs out, and closes (4401) when it would be
-refused now; the page's reconnect is then judged afresh.
+deleted, a changed password, no longer or newly staff) or its session signs out, and closes when it would be
+refused now (4401 signed out, 4404 a job they may no longer see) or let into other groups (4409: the page
+reconnects and is judged afresh).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kiln_web.jobs import events
 RELAYED = frozenset({events.JOB_STATUS, events.JOB_STEP, events.JOB_CHECKPOINT, events.JOB_EVENT})
 UNAUTHENTICATED = 4401  # close codes a page can tell apart from a network failure
 NOT_FOUND = 4404
+RECONNECT = 4409  # still signed in, but what the person may hear changed (staff no more, or newly): reconnect
 
 
 class RelayConsumer(AsyncJsonWebsocketConsumer):
@@ -66,25 +68,30 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
             await super().dispatch(message)
 
     async def account_changed(self, message) -> None:
-        """events.ACCOUNT_CHANGED: close (4401) when this socket's session signed out, or when its person would
-        not be let in (or not into the same groups) now."""
+        """events.ACCOUNT_CHANGED: close when this socket's session signed out, or when its person would not be let
+        in (or not into the same groups) now."""
         session = self.scope.get("session")
         key = getattr(session, "session_key", None)
         if message.get("session") is not None:  # a sign-out: only that session's sockets are affected
             if key is not None and message["session"] == events.session_digest(key):
                 await self.close(code=UNAUTHENTICATED)
             return
-        if not await self._still_allowed(session, key):
-            await self.close(code=UNAUTHENTICATED)
+        code = await self._refusal_now(session, key)
+        if code is not None:
+            await self.close(code=code)
 
-    async def _still_allowed(self, session, key) -> bool:
+    async def _refusal_now(self, session, key) -> int | None:
+        """The close code this socket would be refused with now (RECONNECT: it would be let into other groups),
+        or None."""
         if session is None or key is None:
-            return False
+            return UNAUTHENTICATED
         stored = import_module(settings.SESSION_ENGINE).SessionStore(key)  # as stored now, not as connected
         user = await get_user({"session": stored})
-        if not user.is_authenticated or user.pk != self.user_id or user.is_staff != self.was_staff:
-            return False
-        return await self.group_names(user) is not None
+        if not user.is_authenticated or user.pk != self.user_id:
+            return UNAUTHENTICATED
+        if await self.group_names(user) is None:
+            return NOT_FOUND
+        return RECONNECT if user.is_staff != self.was_staff else None
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         pass  # the page only listens; it asks the HTTP views for anything else. Any frame (JSON or not) is ignored

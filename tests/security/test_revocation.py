@@ -1,6 +1,7 @@
 """Taking access away takes effect at once, everywhere it was granted: an open WebSocket ends (4401) when its
-person signs out, is deactivated or deleted, and a staff socket that relays everyone's jobs ends when its
-person stops being staff; a token revoked or a user deactivated inside a transaction is refused once that
+session signs out or its person is deactivated, deleted or given a new password, and a staff socket ends when
+its person stops being staff (the jobs list 4409, so the page reconnects to the person's own jobs; another
+person's job page 4404); a token revoked or a user deactivated inside a transaction is refused once that
 transaction commits, even when a request authenticated it from the database while the change was still
 uncommitted (the token cache and the job-status fast path)."""
 
@@ -16,7 +17,7 @@ from kiln_web.asgi import application
 from kiln_web.jobs import actions
 from kiln_web.jobs.models import JobKind, JobStatus, TrainingJob
 
-UNAUTHENTICATED = 4401
+UNAUTHENTICATED, NOT_FOUND, RECONNECT = 4401, 4404, 4409
 ORIGIN = (b"origin", b"http://localhost")
 
 
@@ -96,15 +97,15 @@ def test_a_staff_socket_ends_when_its_person_stops_being_staff(make_user):
     async def scenario():
         jobs_list, job_page = await _open("/ws/jobs/", cookie), await _open(f"/ws/jobs/{job.pk}/", cookie)
         await database_sync_to_async(_demote)(root)
-        for communicator in (jobs_list, job_page):
-            assert await _closed_with(communicator) == UNAUTHENTICATED
+        assert await _closed_with(jobs_list) == RECONNECT  # still signed in: the page reconnects
+        assert await _closed_with(job_page) == NOT_FOUND  # as the page would be refused now
         # reconnecting, the list is the person's own again and ada's job page is refused
         again = await _open("/ws/jobs/", cookie)
         await database_sync_to_async(actions.do_add_event)(job.pk, "info", "ada's run")
         assert await again.receive_nothing(timeout=0.2)
         await again.disconnect(timeout=30)
         refused = WebsocketCommunicator(application, f"/ws/jobs/{job.pk}/", headers=[ORIGIN, (b"cookie", cookie)])
-        assert (await refused.connect(timeout=30)) == (False, 4404)
+        assert (await refused.connect(timeout=30)) == (False, NOT_FOUND)
 
     async_to_sync(scenario)()
 
