@@ -63,6 +63,14 @@ def _endpoint_ok(endpoint: str) -> bool:
             and "?" not in endpoint and "#" not in endpoint and not re.search(r"[\s\x00-\x1f\x7f]", endpoint))
 
 
+def _has_credentials(endpoint: str) -> bool:
+    """Whether ENDPOINT's authority holds a user name or password (user:password@host)."""
+    try:
+        return "@" in urllib.parse.urlsplit(endpoint).netloc
+    except ValueError:
+        return False  # not a URL: _endpoint_ok refuses it
+
+
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     """A teacher endpoint answers at its own address: a redirect is an error (HTTPError), never followed."""
 
@@ -150,6 +158,10 @@ def parse_teacher(value) -> TeacherSpec:
             raise SpecError("adapter must be an absolute path to a PEFT adapter directory", "adapter")
     else:
         endpoint = value.get("endpoint")
+        if isinstance(endpoint, str) and _has_credentials(endpoint):
+            raise SpecError(f"{_a(route)} teacher's endpoint may hold no user name or password: aliases are listed "
+                            "with their endpoint to everyone, and Kiln sends a teacher no credentials; give the "
+                            "server's address alone", "endpoint")
         if not endpoint or not _endpoint_ok(endpoint):
             raise SpecError(f"{_a(route)} teacher needs endpoint, an http(s) URL of the server's root (a port "
                             "up to 65535; no query, fragment or spaces)", "endpoint")

@@ -268,3 +268,12 @@ def test_a_model_id_with_a_namespace_is_asked_for_as_it_is():
     finally:
         endpoint.close()
     assert endpoint.paths == ["/v1/models/Qwen/Qwen2.5-0.5B:q8"]
+
+
+@pytest.mark.parametrize("endpoint", ["http://ada:s3cr3t@127.0.0.1:9", "https://key@gpu-1:8000/", "http://:pw@h:1"])
+def test_an_endpoint_holds_no_credentials(endpoint):
+    """Aliases are listed to everyone with their endpoint, and Kiln sends a teacher no credentials (urllib would
+    take 'ada:s3cr3t@127.0.0.1' for a host name): a user name or password in the URL is refused, naming why."""
+    with pytest.raises(ValueError, match="user name or password") as refused:
+        teachers.parse_teacher(served(endpoint))
+    assert "s3cr3t" not in str(refused.value) and getattr(refused.value, "field", None) == "endpoint"
