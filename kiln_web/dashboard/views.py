@@ -212,9 +212,11 @@ def resume_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
 def adapters(request: HttpRequest) -> HttpResponse:
     rows = []
     for adapter in readers.visible_adapters(request.user):
-        checkpoints, error = readers.adapter_checkpoints(adapter)
-        latest_job = adapter.jobs.order_by("-created_at").first()
-        rows.append({"adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name),
+        # an adapter shared with the person: its checkpoints and jobs are its owner's training, shown to them only
+        manages = adapter.is_owner_or_staff(request.user)
+        checkpoints, error = readers.adapter_checkpoints(adapter) if manages else ([], None)
+        latest_job = readers.visible_jobs(request.user).filter(adapter=adapter).order_by("-created_at").first()
+        rows.append({"adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name), "manages": manages,
                      "valid": sum(1 for c in checkpoints if c.state == "valid"),
                      "invalid": sum(1 for c in checkpoints if c.state != "valid"),
                      "latest": next((c for c in checkpoints if c.state == "valid"), None),

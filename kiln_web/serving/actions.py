@@ -366,7 +366,7 @@ def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
             "snapshot": runtime.has_snapshot(adapter.name), "loaded": row is not None,
             "active": mine, "serving": row.to_dict() if row is not None else None,
             "loaded_here": bool(serving and adapter.name in serving.loaded_here()),
-            "checkpoint_records": adapter.checkpoints.count(),
+            "checkpoint_records": adapter.checkpoints.count() if manages else None,
             "latest_promotion": latest.to_dict() if latest is not None else None, "created_at": adapter.created_at,
             "can_manage": manages, "shares": shares}
 

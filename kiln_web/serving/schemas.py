@@ -112,7 +112,8 @@ class AdapterOut(Schema):
     active: bool = Field(description="whether it is your active adapter (served to you when you name no model)")
     serving: ServedOut | None
     loaded_here: bool = Field(description="whether the process that answered holds it in memory")
-    checkpoint_records: int
+    checkpoint_records: int | None = Field(description="checkpoints its runs published; null unless you may "
+                                                   "manage it (they are its owner's training state)")
     latest_promotion: PromotionOut | None = Field(description="null unless you may manage it (promotions are its "
                                                            "owner's history)")
     created_at: datetime

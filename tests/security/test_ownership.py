@@ -9,6 +9,7 @@ changing someone else's answers 403 `teacher_not_yours`. The dashboard's pages a
 configuration the same way.
 """
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -284,3 +285,24 @@ def test_an_alias_in_use_by_someone_elses_job_does_not_name_that_job(world, sett
         staff = call(Client(HTTP_AUTHORIZATION=f"Bearer {world.staff.token}"), method, f"/v1/teachers/{alias}", body)
         assert staff.status_code == 409 and staff.json()["error"]["job_id"] == job_id
     assert TeacherAlias.objects.filter(name=alias).exists()
+
+
+def test_a_shared_adapter_lists_none_of_its_owners_jobs_or_checkpoints(world):
+    """Sharing an adapter lets the person use it, not read its owner's training: the adapters list shows them
+    neither the owner's latest job (someone else's job is 404 to them) nor its checkpoints, as the adapter's own
+    page and the API do not; its owner and staff still see both."""
+    from kiln_web.serving.actions import do_share_adapter
+
+    do_share_adapter(world.owner, world.adapter, kind="user", target=world.other.get_username())
+    step = f"step {int(world.checkpoint.split('-step-')[1].split('.')[0])}"
+    shared = session(world.other).get("/adapters/").content.decode()
+    assert world.adapter in shared
+    counts = re.compile(r"\d+ valid")  # the checkpoints column: "N valid"
+    assert world.job_id not in shared and step not in shared and not counts.search(shared), "the owner's training shows"
+    for who in (world.owner, world.staff):
+        page = session(who).get("/adapters/").content.decode()
+        assert world.job_id in page and step in page and counts.search(page)
+    api = {who: Client(HTTP_AUTHORIZATION=f"Bearer {who.token}").get(f"/v1/adapters/{world.adapter}").json()
+           for who in (world.owner, world.other, world.staff)}
+    assert api[world.other]["checkpoint_records"] is None  # as latest_promotion and shares
+    assert api[world.owner]["checkpoint_records"] == api[world.staff]["checkpoint_records"] > 0
