@@ -284,11 +284,17 @@ def do_delete_adapter(user, name: str) -> dict:
                                                        "try again in a moment")
         job = adapter.jobs.filter(status__in=ACTIVE_STATUSES).first()
         if job is not None:
+            if not job.is_owner_or_staff(user):  # someone else's job is not named to them (it is 404 to them)
+                raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} has a {job.status} training job of "
+                                                         "another person; wait for it to end")
             raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} has a {job.status} training job "
                                                      f"({job.pk}); wait for it or cancel it first", job_id=str(job.pk))
         evaluating = EvalRun.objects.filter(status__in=(EvalStatus.QUEUED, EvalStatus.RUNNING))
         busy = evaluating.filter(candidate=adapter).first()
         if busy is not None:
+            if not busy.is_owner_or_staff(user):
+                raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is being evaluated by another person; "
+                                                         "wait for the evaluation to end")
             raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is being evaluated ({busy.pk}); "
                                                      "wait for the evaluation to end", evaluation_id=str(busy.pk))
         busy = evaluating.filter(baseline_kind=BaselineKind.ADAPTER, baseline=name).first()

@@ -468,3 +468,16 @@ def test_a_distillation_queued_before_an_unshare_does_not_read_the_teachers_adap
     job = TrainingJob.objects.get(pk=queued.json()["id"])
     assert job.error_code == "teacher_unavailable", (job.error_code, job.error_message)
     assert job.committed_step == 0 and not job.metrics.exists()
+
+
+def test_a_delete_refused_for_someone_elses_evaluation_does_not_name_it(scene):
+    """alice may not delete her adapter while carol's evaluation of it is queued (adapter_busy), but carol's run is
+    not named to her (its own routes answer her 404); staff, who may see it, are given its id."""
+    queued = call(scene.api("carol"), "POST", "/v1/evals/runs", {"adapter": scene.name, "suite": f"{scene.name}-carol"})
+    assert queued.status_code == 201, queued.content
+    assert call(scene.api("alice"), "POST", f"/v1/adapters/{scene.name}/unload").status_code == 200
+    refused = call(scene.api("alice"), "DELETE", f"/v1/adapters/{scene.name}")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_busy"
+    assert queued.json()["id"] not in refused.content.decode(), refused.content
+    staff = call(scene.api("root"), "DELETE", f"/v1/adapters/{scene.name}")
+    assert staff.status_code == 409 and staff.json()["error"]["evaluation_id"] == queued.json()["id"]
