@@ -293,10 +293,18 @@ def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | N
         job = _locked(job_id)
         if job.worker_id != worker_id or job.status not in RUNNING_STATUSES:
             return False
-        _, created = CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
-            "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
-            "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
-            "summary": summary, "timing": dict(timing or {})})
+        fields = {"job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
+                  "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
+                  "summary": summary, "timing": dict(timing or {})}
+        record, created = CheckpointRecord.objects.select_for_update().get_or_create(
+            basename=summary["resume_checkpoint"], defaults=fields)
+        if not created and (record.job_id, record.manifest_digest) != (job.pk, manifest_digest):
+            # The name was freed (its adapter deleted, the checkpoint archived) and this run has just published it
+            # again, without replacing anything: the directory is this publication's, and so is its index row.
+            for key, value in fields.items():
+                setattr(record, key, value)
+            record.save(update_fields=list(fields))
+            created = True
         job.latest_checkpoint = summary
         job.save(update_fields=["latest_checkpoint"])
         TrainingJob.objects.filter(pk=job_id).update(heartbeat_at=Now())

@@ -266,3 +266,31 @@ def test_a_new_run_beside_an_earlier_run_s_checkpoints_is_refused_409(api, adapt
     assert TrainingJob.objects.filter(adapter__name=adapter_name).count() == 1
     assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
     assert api.post("/v1/train/sft", sft_body(adapter_name, checkpoint_interval=1)).status_code == 201
+
+
+def test_a_fresh_run_after_its_adapter_was_deleted_reports_its_own_checkpoints(fake_runner, api, adapter_name):
+    """Deleting an adapter frees its checkpoint names, and a fresh run under it publishes new checkpoints there.
+    The index kept the deleted run's row for each name, so the fresh run's checkpoints were never indexed for it
+    and, once it ended, its job reported latest_checkpoint null with checkpoint_changed (the digest of the deleted
+    run's manifest); the old job must not report the new run's checkpoint as its own either."""
+    from kiln_web.adapters.models import CheckpointRecord
+
+    first = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=1))
+    assert first.status_code == 201, first.content
+    assert EmbeddedWorker().run_once()
+    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
+    second = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=2))
+    assert second.status_code == 201, second.content
+    assert EmbeddedWorker().run_once()
+
+    detail = api.get(f"/v1/train/jobs/{second.json()['id']}").json()
+    assert detail["status"] == JobStatus.SUCCEEDED
+    assert detail["latest_checkpoint_error"] is None, detail["latest_checkpoint_error"]
+    latest = detail["latest_checkpoint"]
+    record = CheckpointRecord.objects.get(basename=latest["resume_checkpoint"])
+    assert (str(record.job_id), record.manifest_digest) == (second.json()["id"], latest["manifest_sha256"])
+    assert record.checkpoint_id == record.summary["checkpoint_id"] == latest["checkpoint_id"]
+
+    old = api.get(f"/v1/train/jobs/{first.json()['id']}").json()
+    assert old["latest_checkpoint"] is None  # its checkpoint was deleted: the name holds the fresh run's now
+    assert old["latest_checkpoint_error"]["code"] == "checkpoint_changed", old["latest_checkpoint_error"]
