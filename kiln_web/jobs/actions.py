@@ -293,24 +293,30 @@ def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | N
         job = _locked(job_id)
         if job.worker_id != worker_id or job.status not in RUNNING_STATUSES:
             return False
-        fields = {"job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
-                  "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
-                  "summary": summary, "timing": dict(timing or {})}
-        record, created = CheckpointRecord.objects.select_for_update().get_or_create(
-            basename=summary["resume_checkpoint"], defaults=fields)
-        if not created and (record.job_id, record.manifest_digest) != (job.pk, manifest_digest):
-            # The name was freed (its adapter deleted, the checkpoint archived) and this run has just published it
-            # again, without replacing anything: the directory is this publication's, and so is its index row.
-            for key, value in fields.items():
-                setattr(record, key, value)
-            record.save(update_fields=list(fields))
-            created = True
+        created = _index_checkpoint(job, summary, manifest_digest, timing)
         job.latest_checkpoint = summary
         job.save(update_fields=["latest_checkpoint"])
         TrainingJob.objects.filter(pk=job_id).update(heartbeat_at=Now())
         if created:
             _lineage_warning(job, lineage.record_checkpoint(job, summary, manifest_digest))
         events.publish_after_commit(job.pk, job.owner_id, events.JOB_CHECKPOINT, {"checkpoint": summary})
+    return True
+
+
+def _index_checkpoint(job: TrainingJob, summary: dict, manifest_digest: str, timing: dict | None = None) -> bool:
+    """Index a checkpoint JOB published; whether its row is new. A row under the name that another publication
+    left (the name was freed, by deleting the adapter or archiving the checkpoint, and this run published it again
+    without replacing anything) now describes this publication: the directory in the registry is this one."""
+    fields = {"job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
+              "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": manifest_digest,
+              "summary": summary, "timing": dict(timing or {})}
+    record, created = CheckpointRecord.objects.select_for_update().get_or_create(
+        basename=summary["resume_checkpoint"], defaults=fields)
+    if created or (record.job_id, record.manifest_digest) == (job.pk, manifest_digest):
+        return created
+    for key, value in fields.items():
+        setattr(record, key, value)
+    record.save(update_fields=list(fields))
     return True
 
 
@@ -405,18 +411,18 @@ def _unrecorded_checkpoint(job: TrainingJob) -> tuple[dict, str] | None:
         module = runtime.checkpoint_module()
         recorded = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
         floor = module.parse_basename(recorded)[1] if recorded else 0
-        others = set(CheckpointRecord.objects.filter(adapter=job.adapter).exclude(job=job)
-                     .values_list("basename", flat=True))
+        others = dict(CheckpointRecord.objects.filter(adapter=job.adapter).exclude(job=job)
+                      .values_list("basename", "manifest_digest"))
         for path in reversed(module.list_checkpoints(settings.KILN_ADAPTERS_DIR, job.adapter.name)):
             if module.parse_basename(path.name)[1] <= floor:
                 return None
-            if path.name in others:
-                continue
             try:
                 loaded = module.load_checkpoint(path, full=False, expected_type=job.kind,
                                                 expected_adapter=job.adapter.name)
             except (module.CheckpointError, OSError):
                 continue  # damaged or unreadable: never offered
+            if path.name in others and others[path.name] in ("", loaded.manifest_digest):
+                continue  # another job's publication (a row of a deleted one holds another digest)
             if loaded.manifest.get("seed") == job.effective_seed:
                 return module.checkpoint_summary(loaded), loaded.manifest_digest
     except Exception:  # noqa: BLE001 (a best effort: the job is marked lost with what it recorded)
@@ -431,9 +437,7 @@ def _adopt_unrecorded_checkpoint(job: TrainingJob, when: str) -> list:
     if unrecorded is None:
         return []
     summary, digest = unrecorded
-    CheckpointRecord.objects.get_or_create(basename=summary["resume_checkpoint"], defaults={
-        "job": job, "adapter": job.adapter, "step": int(summary.get("step") or 0),
-        "checkpoint_id": str(summary.get("checkpoint_id") or ""), "manifest_digest": digest, "summary": summary})
+    _index_checkpoint(job, summary, digest)
     job.latest_checkpoint = summary
     _event(job, EventLevel.WARNING, f"{summary['resume_checkpoint']} was published but not recorded {when}; "
                                     "it is the latest checkpoint")

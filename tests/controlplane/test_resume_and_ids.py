@@ -294,3 +294,31 @@ def test_a_fresh_run_after_its_adapter_was_deleted_reports_its_own_checkpoints(f
     old = api.get(f"/v1/train/jobs/{first.json()['id']}").json()
     assert old["latest_checkpoint"] is None  # its checkpoint was deleted: the name holds the fresh run's now
     assert old["latest_checkpoint_error"]["code"] == "checkpoint_changed", old["latest_checkpoint_error"]
+
+
+def test_a_fresh_run_after_its_adapter_was_deleted_adopts_its_unrecorded_checkpoint(fake_runner, api, adapter_name,
+                                                                                     monkeypatch):
+    """A worker lost between publishing a checkpoint and recording it: the job adopts the registry's newer
+    checkpoint when it ends. A name the deleted run had indexed was taken for another job's and never adopted."""
+    from kiln_web.adapters.models import CheckpointRecord
+    from kiln_web.jobs import actions
+
+    first = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=1))
+    assert first.status_code == 201, first.content
+    assert EmbeddedWorker().run_once()
+    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
+    second = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=2))
+    assert second.status_code == 201, second.content
+    with monkeypatch.context() as patch:
+        patch.setattr(actions, "do_record_checkpoint", lambda *args, **kwargs: True)  # published, never recorded
+        assert EmbeddedWorker().run_once()
+    job = TrainingJob.objects.get(pk=second.json()["id"])
+    published = job.latest_checkpoint  # from the run's result
+    job.latest_checkpoint = {}  # as a run lost before it returned would leave it
+    unrecorded = actions._unrecorded_checkpoint(job)
+    assert unrecorded is not None
+    assert (unrecorded[0]["checkpoint_id"], unrecorded[1]) == (published["checkpoint_id"],
+                                                              published["manifest_sha256"])
+    assert actions._adopt_unrecorded_checkpoint(job, "in the test") == ["latest_checkpoint"]
+    record = CheckpointRecord.objects.get(basename=published["resume_checkpoint"])  # the deleted run's row until now
+    assert (record.job_id, record.manifest_digest) == (job.pk, published["manifest_sha256"])
