@@ -2,13 +2,15 @@
 
 import hashlib
 import math
+import os
 import re
+import stat
 import zlib
 from collections import Counter
 
 import numpy as np
 
-from trainer import checkpoint_zip
+from trainer import checkpoint_zip, fsio
 from trainer.checkpoint_format import (
     CheckpointError, MANIFEST, MAX_DIMENSIONS, MAX_INFLATION, MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH,
     _DTYPES, _HEX64, _MOMENTS, _NAME, _byte_view, _check_block_count,
@@ -40,13 +42,24 @@ _V1_FOLDERS = ("params/", "adam/m/", "adam/v/")
 
 
 def _read_file(path):
+    """The archive's bytes: a regular file's, read to the size it has when opened (the open does not wait on
+    a FIFO, and a device is never read: /dev/zero would be read until memory ran out)."""
     try:
-        with open(path, "rb") as handle:
-            return handle.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist", code="missing_checkpoint") from None
     except OSError as error:
         raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from error
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"checkpoint {path} is not a regular file (a directory, FIFO, socket or "
+                                  "device); a .riftckpt archive is a file written by TrainingCheckpoint.save")
+        return fsio.read_exact(fd, st.st_size)
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from error
+    finally:
+        os.close(fd)
 
 
 def _open_archive(path, data=None):

@@ -279,6 +279,32 @@ def test_truncated_archive_is_refused(saved, tmp_path, target):
         refused_load(tmp_path / "cut.riftckpt", "not a complete ZIP archive", target)
 
 
+def test_a_fifo_or_a_device_is_refused_without_waiting_or_reading_forever(tmp_path):
+    """load() read the whole path with one read(): a named pipe blocked it until a writer came (forever), and a
+    character device such as /dev/zero read until memory ran out. Only a regular file is an archive."""
+    import threading
+
+    fifo = tmp_path / "pipe.riftckpt"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        outcome = []
+        loader = threading.Thread(target=lambda: outcome.append(_load_outcome(path)), daemon=True)
+        loader.start()
+        loader.join(60)  # a bound on a hang, not a wait: a refusal returns at once
+        assert outcome, f"TrainingCheckpoint.load({path}) did not return"
+        error = outcome[0]
+        assert isinstance(error, CheckpointError) and error.code == "invalid_checkpoint", error
+        assert "not a regular file" in str(error) and str(path) in str(error)
+
+
+def _load_outcome(path):
+    try:
+        TrainingCheckpoint.load(path)
+    except Exception as error:  # noqa: BLE001 (the test inspects it)
+        return error
+    return None
+
+
 def test_wrong_member_size_is_refused_before_reading(saved, tmp_path, target, monkeypatch):
     path, _ = saved
     member = "adam/first_moment/model.norm.weight.f32"
