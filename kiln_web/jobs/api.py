@@ -53,16 +53,9 @@ def _latest_checkpoint(job: TrainingJob) -> tuple[dict | None, dict | None]:
         or {}
     if job.is_active and record.get("summary"):
         return record["summary"], None
-    resume = (job.admission or {}).get("resume") or {}
-    # the digest of the manifest this job published or resumed from: the index row holds the latest publication
-    # under the name, which is another run's once the name was freed (adapter deleted) and published again
-    own = record.get("manifest_digest") if record.get("job_id") == job.pk else ""
-    if not own and (job.latest_checkpoint or {}).get("resume_checkpoint") == basename:
-        own = job.latest_checkpoint.get("manifest_sha256") or ""
-    digest = own or (resume.get("manifest_digest") if resume.get("checkpoint") == basename else "") \
-        or record.get("manifest_digest")
+    digest = resume.published_digest(job, basename, record)
     try:
-        return runtime.read_checkpoint_summary(basename, job.kind, job.adapter.name, manifest_digest=digest or "")
+        return runtime.read_checkpoint_summary(basename, job.kind, job.adapter.name, manifest_digest=digest)
     except runtime.RunnerUnavailable as exc:
         return None, {"code": exc.code, "message": str(exc)}
 

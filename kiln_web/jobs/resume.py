@@ -30,6 +30,23 @@ def _refuse(job: TrainingJob, reason: str, **extra) -> ActionRefused:
     return ActionRefused(409, "not_resumable", f"job {job.pk} cannot be resumed: {reason}", **extra)
 
 
+def published_digest(job: TrainingJob, basename: str, record: dict | None = None) -> str:
+    """The SHA-256 of the manifest JOB published or resumed from under BASENAME ("" when unknown), which the
+    directory must still have: the index row holds the latest publication under the name, another run's once
+    the name was freed (its adapter deleted) and published again. RECORD: the row's values, if read already."""
+    if record is None:
+        record = CheckpointRecord.objects.filter(basename=basename).values("manifest_digest", "job_id").first() or {}
+    if record.get("job_id") == job.pk and record.get("manifest_digest"):
+        return record["manifest_digest"]
+    if (job.latest_checkpoint or {}).get("resume_checkpoint") == basename \
+            and job.latest_checkpoint.get("manifest_sha256"):
+        return job.latest_checkpoint["manifest_sha256"]
+    resume = (job.admission or {}).get("resume") or {}
+    if resume.get("checkpoint") == basename and resume.get("manifest_digest"):
+        return resume["manifest_digest"]
+    return record.get("manifest_digest") or ""
+
+
 def resume_checkpoint(job: TrainingJob) -> str:
     """The basename of the checkpoint JOB resumes from: its newest published one (else the one it resumed
     from), light-validated now. ActionRefused 409 not_resumable says why there is none."""
@@ -41,7 +58,8 @@ def resume_checkpoint(job: TrainingJob) -> str:
         raise _refuse(job, "it published no checkpoint (it stopped before its first checkpoint interval, or "
                            "checkpointing was off); submit the run again")
     try:
-        summary, error = runtime.read_checkpoint_summary(basename, job.kind, job.adapter.name)
+        summary, error = runtime.read_checkpoint_summary(basename, job.kind, job.adapter.name,
+                                                         manifest_digest=published_digest(job, basename))
     except runtime.RunnerUnavailable as exc:
         summary, error = None, {"code": exc.code, "message": str(exc)}
     if summary is None:

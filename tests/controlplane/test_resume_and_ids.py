@@ -322,3 +322,23 @@ def test_a_fresh_run_after_its_adapter_was_deleted_adopts_its_unrecorded_checkpo
     assert actions._adopt_unrecorded_checkpoint(job, "in the test") == ["latest_checkpoint"]
     record = CheckpointRecord.objects.get(basename=published["resume_checkpoint"])  # the deleted run's row until now
     assert (record.job_id, record.manifest_digest) == (job.pk, published["manifest_sha256"])
+
+
+def test_a_deleted_run_s_job_is_not_resumed_from_a_fresh_run_s_checkpoint(interval, api, adapter_name, monkeypatch):
+    """After the adapter was deleted and trained afresh, the old job's latest checkpoint name holds the fresh run's
+    checkpoint. Resuming the old job offered that one (and admission then refused it as drift, seed and data): it is
+    not the checkpoint the old job published, so the old job is not resumable, and says why."""
+    old = _cancelled_mid_run(api, adapter_name, monkeypatch, seed=1)
+    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
+    fresh = _cancelled_mid_run(api, adapter_name, monkeypatch, seed=2)
+    basename = old.latest_checkpoint["resume_checkpoint"]
+    assert fresh.latest_checkpoint["resume_checkpoint"] == basename  # the same name, another run's checkpoint
+
+    response = api.post(f"/v1/train/jobs/{old.pk}/resume", {"data": sft_body(adapter_name, records=6)["data"]})
+    assert response.status_code == 409, response.content
+    error = response.json()["error"]
+    assert error["code"] == "not_resumable" and error.get("checkpoint_error", {}).get("code") == "checkpoint_changed", \
+        error
+    assert TrainingJob.objects.filter(adapter__name=adapter_name).count() == 2  # nothing was queued
+    again = api.post(f"/v1/train/jobs/{fresh.pk}/resume", {"data": sft_body(adapter_name, records=6)["data"]})
+    assert again.status_code == 201, again.content  # the fresh run's job resumes from its own
