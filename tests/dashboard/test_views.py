@@ -719,8 +719,8 @@ def test_prepared_opd_resume_fills_the_teacher_alias_not_its_resolved_spec(ada, 
     job.effective_seed = 9
     job.latest_checkpoint = {"resume_checkpoint": "distilled-checkpoint-step-00000005.kiln-checkpoint"}
     job.save()
-    monkeypatch.setattr(runtime, "read_checkpoint_summary",
-                        lambda basename, kind, adapter, digest="": ({"complete": False, "committed_step": 5}, None))
+    monkeypatch.setattr(runtime, "read_checkpoint_summary", lambda basename, kind, adapter, manifest_digest="": (
+        {"complete": False, "committed_step": 5}, None))
     page = signed_in.get(f"/jobs/{job.pk}/resume/").content.decode()
     teacher = re.search(r'name="teacher"[^>]*value="([^"]*)"|value="([^"]*)"[^>]*name="teacher"', page)
     assert teacher is not None and "big@native" in teacher.group(0), page[:2000]
