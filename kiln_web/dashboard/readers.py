@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.exceptions import ObjectDoesNotExist
 
 from kiln_web.adapters.models import Adapter, CheckpointRecord
-from kiln_web.jobs import runtime
+from kiln_web.jobs import resume, runtime
 from kiln_web.jobs.models import ACTIVE_STATUSES, JobMetric, JobStatus, TrainingJob
 
 PEFT_CONFIG = "adapter_config.json"  # what marks a PEFT snapshot directory (weights only)
@@ -111,9 +111,11 @@ class CheckpointState:
     step: int | None = None
 
 
-def read_checkpoint(basename: str, kind: str, adapter: str) -> CheckpointState:
+def read_checkpoint(basename: str, kind: str, adapter: str, manifest_digest: str = "") -> CheckpointState:
+    """BASENAME light-validated now; with MANIFEST_DIGEST, a manifest other than that one is invalid
+    (checkpoint_changed)."""
     try:
-        summary, error = runtime.read_checkpoint_summary(basename, kind, adapter)
+        summary, error = runtime.read_checkpoint_summary(basename, kind, adapter, manifest_digest=manifest_digest)
     except runtime.RunnerUnavailable as exc:
         return CheckpointState(basename, "invalid", error={"code": exc.code, "message": str(exc)})
     if summary is None:
@@ -199,7 +201,8 @@ def checkpoint_panel(job: TrainingJob) -> dict:
     """The latest checkpoint panel: the newest checkpoint the job published (else the one it resumed
     from), validated now, and which kind of continuation the adapter's artifacts allow."""
     basename = (job.latest_checkpoint or {}).get("resume_checkpoint") or job.resume_from
-    checkpoint = read_checkpoint(basename, job.kind, job.adapter.name) if basename else None
+    checkpoint = read_checkpoint(basename, job.kind, job.adapter.name, resume.published_digest(job, basename)) \
+        if basename else None
     snapshot = peft_snapshot(job.adapter.name)
     if checkpoint is not None and checkpoint.state == "valid":
         resume_kind = "exact"

@@ -377,6 +377,28 @@ def test_a_damaged_checkpoint_never_shows_as_saved(fake_runner, signed_in, adapt
     assert "Stopped and saved" not in page and 'data-state="missing"' in page
 
 
+def test_a_deleted_run_s_job_does_not_show_a_fresh_run_s_checkpoint_as_its_own(fake_runner, signed_in, adapter_name,
+                                                                               monkeypatch):
+    """The adapter deleted and trained afresh: the old job's checkpoint name holds the fresh run's checkpoint now.
+    The old job's panel showed it as saved, valid, and offered Prepare resume from it."""
+    from kiln_web.serving.actions import do_delete_adapter
+
+    old = cancelled_job(signed_in, monkeypatch, adapter_name, at_step=3)
+    do_delete_adapter(old.owner, adapter_name)
+    fresh = submitted(submit_form(signed_in, adapter_name, checkpoint_interval="2", seed="12"))
+    cancel_at(monkeypatch, 3)
+    run_queued()
+    monkeypatch.undo()
+    fresh.refresh_from_db()
+    assert fresh.latest_checkpoint["resume_checkpoint"] == old.latest_checkpoint["resume_checkpoint"]
+
+    page = signed_in.get(f"/jobs/{old.pk}/").content.decode()
+    assert 'data-stop-state="invalid"' in page and "Stopped and saved" not in page
+    assert "checkpoint_changed" in page and "Prepare resume" not in page
+    page = signed_in.get(f"/jobs/{fresh.pk}/").content.decode()
+    assert "Stopped and saved at step 3 of 4" in page and "Prepare resume" in page
+
+
 def test_a_stop_after_the_last_checkpoint_says_how_far_behind(fake_runner, signed_in, adapter_name, monkeypatch,
                                                               settings):
     # no checkpointing at all (the server default turned off): stopped, nothing saved, not resumable
