@@ -327,6 +327,14 @@ def _await_promotion(client, job: dict) -> dict:
     return job
 
 
+def _stopped_following(job_id: str, doing: str, cancel: bool) -> int:
+    """Ctrl-C during --wait stops the following, not the job: say so, and how to follow or stop it; status 130."""
+    print(f"\nkiln train: stopped following job {job_id}; it goes on {doing} on the server. Follow it with: kiln train "
+          f"status --job-id {job_id}" + (f"; stop it with: kiln train cancel --job-id {job_id}" if cancel else ""),
+          file=sys.stderr, flush=True)
+    return 130
+
+
 def _submitted(client, job: dict, args: argparse.Namespace) -> int:
     """Report a job just submitted (or resumed); with --wait, follow it until it ends and its promotion (if asked
     for) is decided."""
@@ -341,7 +349,10 @@ def _submitted(client, job: dict, args: argparse.Namespace) -> int:
     if not args.wait:
         print(f"follow it with: kiln train status --job-id {job['id']}")
         return 0
-    job = _await_promotion(client, _follow(client, job["id"]))
+    try:
+        job = _await_promotion(client, _follow(client, job["id"]))
+    except KeyboardInterrupt:
+        return _stopped_following(job["id"], "training", cancel=True)
     cli_serving.show(job, args.json, _print_job)
     return 0 if job["status"] in ("succeeded", "cancelled") else 1
 
@@ -372,7 +383,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             job = client.cancel(args.job_id)
             print(f"job {job['id']} {job['status']}", flush=True)
             if args.wait:
-                job = _follow(client, job["id"])
+                try:
+                    job = _follow(client, job["id"])
+                except KeyboardInterrupt:
+                    return _stopped_following(job["id"], "cancelling", cancel=False)
                 _print_job(job)
             return 0
         listing = client.jobs(status=args.status, limit=args.limit)

@@ -282,9 +282,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             run = client.request("POST", "/evals/runs", body)
             print(f"evaluation {run['id']} {run['status']}", flush=True)
             if args.wait:
-                while run["status"] not in TERMINAL_EVALUATION:
-                    time.sleep(1.0)
-                    run = client.request("GET", f"/evals/runs/{run['id']}")
+                try:
+                    while run["status"] not in TERMINAL_EVALUATION:
+                        time.sleep(1.0)
+                        run = client.request("GET", f"/evals/runs/{run['id']}")
+                except KeyboardInterrupt:
+                    print(f"\nkiln eval run: stopped following evaluation {run['id']}; it goes on on the server. "
+                          f"Follow it with: kiln eval status --id {run['id']}", file=sys.stderr, flush=True)
+                    return 130
                 _print_run(run)
                 return 0 if run["status"] == "succeeded" else 1
         elif command == "status":

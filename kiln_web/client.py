@@ -6,6 +6,7 @@ $XDG_CONFIG_HOME/kiln/cli.json (default ~/.config/kiln/cli.json): {"url": ..., "
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import urllib.error
@@ -61,7 +62,24 @@ def load_config() -> tuple[str, str | None]:
             raise ApiError(None, {"code": "config_unreadable", "message": f"{path} must hold a JSON object"})
     url = os.environ.get("KILN_URL") or stored.get("url") or DEFAULT_URL
     token = os.environ.get("KILN_TOKEN") or stored.get("token")
+    where = "KILN_URL=" if os.environ.get("KILN_URL") else f"\"url\" in {path} " if stored.get("url") else ""
+    check_url(url, where)
     return url.rstrip("/"), token
+
+
+def check_url(url, where: str = "KILN_URL=") -> None:
+    """Refuse a server URL urllib cannot use (no http(s) scheme, no host, a port that is no number), naming WHERE it
+    was set, before any request turns it into a traceback or a misleading "cannot reach"."""
+    try:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        usable = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        usable = usable and (parts.port or 0) >= 0  # .port raises ValueError on a port that is no number
+    except ValueError:
+        usable = False
+    if not usable:
+        shown = f"{where}{url!r}" if where.endswith("=") else f"{where}({url!r})"
+        raise ApiError(None, {"code": "invalid_url", "message": f"{shown} is not an http:// or https:// URL; set it "
+                              f"to the root of a Kiln server, e.g. {DEFAULT_URL}"})
 
 
 class Client:
@@ -85,7 +103,15 @@ class Client:
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with _OPENER.open(request, timeout=self.timeout) as response:
-                return json.loads(response.read() or b"{}")
+                raw = response.read()
+                try:
+                    document = json.loads(raw or b"{}")
+                except ValueError:
+                    document = None
+                if not isinstance(document, dict):
+                    raise ApiError(response.status, {"code": "not_kiln", "message": self._not_kiln(
+                        method, path, response.status, response.headers, raw)})
+                return document
         except _Redirected as exc:
             raise ApiError(exc.status, {"code": "redirected", "message": (
                 f"{url} answered {exc.status} with a redirect to {exc.location}; Kiln's API never redirects, so the "
@@ -95,13 +121,30 @@ class Client:
             raw = exc.read()
             try:
                 error = json.loads(raw)["error"]
+                if not isinstance(error, dict):
+                    raise TypeError
             except (ValueError, KeyError, TypeError):
-                error = {"code": f"http_{exc.code}", "message": raw.decode(errors="replace")[:500] or exc.reason}
+                error = {"code": f"http_{exc.code}",
+                         "message": self._not_kiln(method, path, exc.code, exc.headers, raw)}
             raise ApiError(exc.code, error) from None
+        except http.client.HTTPException as exc:  # an answer that is no HTTP (BadStatusLine: Redis' port, say)
+            raise ApiError(None, {"code": "unreachable", "message": f"{self.url} did not answer in HTTP "
+                                  f"({type(exc).__name__}: {str(exc)[:80]}); check KILN_URL: it is the address "
+                                  "`kiln up` prints (\"Kiln is serving at ...\")"}) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ApiError(None, {"code": "unreachable", "message": f"cannot reach Kiln at {self.url} ({reason}); "
                                   "is `kiln up` running there? set KILN_URL to its address"}) from None
+
+    def _not_kiln(self, method: str, path: str, status: int, headers, raw: bytes) -> str:
+        """What to say of an answer that is not Kiln's JSON: another server (or a proxy's own page) is at KILN_URL.
+        A plain-text body (a proxy's refusal) is quoted briefly; an HTML page is not."""
+        kind = (headers.get("Content-Type") or "no content type").split(";")[0].strip() if headers else "?"
+        text = raw.decode(errors="replace").strip()
+        said = f": {' '.join(text.split())[:200]}" if text and kind == "text/plain" else ""
+        return (f"{self.url} answered {method} /v1{path} with HTTP {status} ({kind}), not Kiln's JSON API{said}; "
+                f"check KILN_URL: it is the root of a Kiln server (the address `kiln up` prints, e.g. {DEFAULT_URL}), "
+                "or the proxy in front of it")
 
     def submit_sft(self, body: dict) -> dict:
         return self.submit("sft", body)

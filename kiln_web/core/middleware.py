@@ -7,7 +7,9 @@ text, which would be a 500 (request bodies: kiln_web.core.http.json_body)."""
 from __future__ import annotations
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.core.exceptions import DisallowedHost
 from django.http import HttpRequest, HttpResponse
+from django.http.request import split_domain_port
 from django.urls import Resolver404, resolve
 
 from kiln_web.core.http import HTTP_CODES, NUL_TEXT, error_response
@@ -23,6 +25,13 @@ def _message(request: HttpRequest, response: HttpResponse) -> str:
         return f"{request.method} is not allowed on {request.path}; use {response.get('Allow') or 'another method'}"
     if response.status_code >= 500:
         return "the server failed on this request; its log has the details"
+    if response.status_code == 400:
+        try:
+            request.get_host()
+        except DisallowedHost:  # Django's bare "Bad Request" for a Host header ALLOWED_HOSTS does not name
+            host = request.META.get("HTTP_HOST", "")
+            return (f"the host {host!r} is not in the server's ALLOWED_HOSTS; add {split_domain_port(host)[0]} to "
+                    "ALLOWED_HOSTS (comma-separated) where Kiln runs and restart it, or use an address it lists")
     return response.reason_phrase
 
 

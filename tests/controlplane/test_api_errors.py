@@ -51,3 +51,12 @@ def test_a_crash_is_a_coded_500(api, monkeypatch):
 def test_pages_outside_the_api_keep_their_own_errors(client):
     response = client.get("/no-such-page/")
     assert response.status_code in (302, 404) and not response.get("Content-Type", "").startswith("application/json")
+
+
+def test_a_host_not_in_allowed_hosts_is_named(api):
+    """KILN_URL=http://gpu-box:8000 against a server whose ALLOWED_HOSTS lacks gpu-box: Django answers a bare 400
+    "Bad Request", which the CLI printed as `invalid_request: Bad Request`; the message names the host and the
+    setting."""
+    error = coded(Client(HTTP_HOST="gpu-box:8000").get("/v1/train/jobs"), 400, "invalid_request")
+    assert "the host 'gpu-box:8000' is not in the server's ALLOWED_HOSTS" in error["message"]
+    assert "add gpu-box to ALLOWED_HOSTS" in error["message"]
