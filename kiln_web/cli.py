@@ -11,7 +11,7 @@ from collections.abc import Callable
 from kiln_web import cli_serving
 from kiln_web.cli_local import add_base, add_checkpoint, add_qualify, cmd_base, cmd_checkpoint, cmd_qualify
 from kiln_web.cli_remote import add_teacher, add_train, cmd_teacher, cmd_train
-from kiln_web.cli_server import (add_doctor, add_token, add_up, add_worker, cmd_doctor, cmd_token, cmd_up,
+from kiln_web.cli_server import (NotReady, add_doctor, add_token, add_up, add_worker, cmd_doctor, cmd_token, cmd_up,
                                  cmd_version, cmd_worker)
 
 
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ImproperlyConfigured as exc:
         print(f"kiln: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except NotReady as exc:
+        print(f"kiln {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

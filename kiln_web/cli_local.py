@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from kiln_web.cli_server import add_subcommand, readable, setup_django, subcommands
+from kiln_web.cli_server import add_subcommand, readable, setup_database, setup_django, subcommands
 
 
 def add_base(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +205,7 @@ def _clean_orphans(checkpoint_dir, args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    setup_django()
+    setup_database()
     from kiln_web.adapters.actions import do_prune_checkpoints
     from kiln_web.core.http import ActionRefused
 

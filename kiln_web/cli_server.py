@@ -193,18 +193,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import signal
 
-    setup_django()
-    from django.db import connection
-    from django.db.migrations.executor import MigrationExecutor
-
-    from kiln_web.jobs.worker import EmbeddedWorker
-
-    executor = MigrationExecutor(connection)
-    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
-        print("kiln worker: the database has unapplied migrations; run `kiln up` or "
-              "`python manage.py migrate` first", file=sys.stderr)
-        return 2
+    setup_database()
     from kiln_web.jobs.runtime import RunnerUnavailable
+    from kiln_web.jobs.worker import EmbeddedWorker
 
     worker = EmbeddedWorker(poll_seconds=args.poll_seconds)
     try:
@@ -305,13 +296,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         report["native_ext"] = {"imports": True, "path": _kernels.__file__}
         line("native_ext", f"_kernels imports ({_kernels.__file__})")
-        from native_ext import blas as kiln_blas
+        try:
+            from native_ext import blas as kiln_blas
+        except ValueError as exc:  # KILN_CPU_GEMM malformed (the settings below name it too)
+            ok, kiln_blas = False, None
+            report["float32_gemm"] = {"error": str(exc)}
+            line("float32", f"error: {exc}")
+    if report["native_ext"]["imports"] and kiln_blas is not None:
         # where OpenBLAS's threaded jobs run: Kiln's pool (native_ext/pool.h), which its kernels share
         report["thread_pool"] = {"openblas_jobs": kiln_blas.THREAD_POOL, "threads": kiln_blas.threads(),
                                  "spin_us": os.environ.get("KILN_POOL_SPIN_US", "200")}
         report["float32_gemm"] = {"library": kiln_blas.FLOAT32_GEMM, "why": kiln_blas.GEMM_NOTE}
-        line("float32", f"products on {kiln_blas.FLOAT32_GEMM} ({kiln_blas.GEMM_NOTE}; KILN_CPU_GEMM=auto, "
-                        "onednn or openblas chooses)")
+        line("float32", f"products on {kiln_blas.FLOAT32_GEMM} ({kiln_blas.GEMM_NOTE}; KILN_CPU_GEMM: auto, "
+                        "onednn or openblas)")
         kernels_on = "oneDNN's OpenMP threads" if kiln_blas.FLOAT32_GEMM == "onednn" else "Kiln's pool"
         line("threads", f"{kiln_blas.threads()} for products and kernels (kernels on {kernels_on}); OpenBLAS's "
                         f"jobs run on {kiln_blas.THREAD_POOL} (KILN_OPENBLAS_THREADS=own keeps OpenBLAS's pool)")
@@ -344,12 +341,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     report["kiln_home"] = str(settings.KILN_HOME)
     line("KILN_HOME", str(settings.KILN_HOME))
-    database = settings.DATABASES["default"]
-    if database["ENGINE"].endswith("sqlite3"):
-        report["database"] = f"sqlite {database['NAME']}"
-    else:
-        report["database"] = (f"postgresql {database['NAME']} on {database.get('HOST') or 'local socket'}"
-                              f":{database.get('PORT') or 5432} as {database.get('USER') or '(default user)'}")
+    report["database"] = describe_database(settings.DATABASES["default"])
     line("database", report["database"])
     if settings.KILN_EMBEDDED_WORKER:
         report["broker"] = "memory:// (embedded; set REDIS_URL for separate workers)"
@@ -358,7 +350,101 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     line("broker", report["broker"])
     report["channels"] = settings.CHANNEL_LAYERS["default"]["BACKEND"].rsplit(".", 1)[-1]
     line("channels", report["channels"])
+
+    reachable, error, unapplied = database_state()
+    report["database_check"] = {"reachable": reachable, "error": error, "unapplied_migrations": unapplied}
+    if not reachable:
+        ok = False
+        line("", f"cannot connect: {error}; check DATABASE_URL and that the server is up")
+    elif unapplied:
+        line("", f"{unapplied} migrations not yet applied: `kiln up` (or python manage.py migrate) applies them; "
+                 "`kiln worker`, `kiln token` and `kiln checkpoint prune` need them")
+    else:
+        line("", "reachable, migrations applied")
+    if not settings.KILN_EMBEDDED_WORKER:
+        report["broker_check"] = broker_state(settings.CELERY_BROKER_URL)
+        if not report["broker_check"]["reachable"]:
+            ok = False
+            line("", f"cannot reach the broker: {report['broker_check']['error']}; check REDIS_URL")
+
+    from trainer import bases
+
+    from kiln_web.jobs.runtime import default_base
+
+    name = default_base()
+    try:
+        bases.show_base(name, settings.KILN_HOME)
+        report["default_base"] = {"name": name, "registered": True}
+        line("base", f"default base {name}" + (" (KILN_DEFAULT_BASE)" if settings.KILN_DEFAULT_BASE else ""))
+    except (LookupError, ValueError, OSError) as exc:
+        ok = False
+        report["default_base"] = {"name": name, "registered": False, "error": str(exc)}
+        line("base", f"KILN_DEFAULT_BASE names {name!r}, which is not registered: requests without base_model are "
+                     f"refused; `kiln base import PATH --name {name}`, or `kiln base list` for the names ({exc})")
     return finish(0 if ok else 1)
+
+
+def database_state() -> tuple[bool, str | None, int | None]:
+    """(reachable, why not, how many migrations are unapplied) of the configured database; Django set up."""
+    from django.conf import settings
+    from django.db import DatabaseError, connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    database = settings.DATABASES["default"]
+    if not database["ENGINE"].endswith("sqlite3"):  # asked directly: the pool would wait 10 s and hide the reason
+        import psycopg
+
+        try:
+            psycopg.connect(dbname=database["NAME"], user=database.get("USER") or None,
+                            password=database.get("PASSWORD") or None, host=database.get("HOST") or None,
+                            port=database.get("PORT") or None, connect_timeout=5).close()
+        except psycopg.Error as exc:
+            return False, hide_password(" ".join(str(exc).split()))[:300], None
+    try:
+        executor = MigrationExecutor(connection)
+        return True, None, len(executor.migration_plan(executor.loader.graph.leaf_nodes()))
+    except DatabaseError as exc:
+        return False, hide_password(" ".join(str(exc).split()))[:300], None
+    finally:
+        connection.close()
+
+
+def broker_state(url: str) -> dict:
+    """Whether the Redis at URL answers a PING within a few seconds (its password never shown)."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping()
+        return {"reachable": True, "error": None}
+    except (redis.RedisError, OSError) as exc:
+        return {"reachable": False, "error": hide_password(str(exc))[:300]}
+
+
+class NotReady(Exception):
+    """This machine's database cannot serve a local command yet; the message says what to do (exit status 2)."""
+
+
+def setup_database() -> None:
+    """Django set up on a database that answers and is migrated, else NotReady (instead of a traceback such as
+    "no such table: auth_user" on a fresh KILN_HOME, or psycopg's on an unreachable server)."""
+    setup_django()
+    from django.conf import settings
+
+    reachable, error, unapplied = database_state()
+    if not reachable:
+        database = settings.DATABASES["default"]
+        raise NotReady(f"cannot use the database {describe_database(database)}: {error}; check DATABASE_URL "
+                       "(kiln doctor checks it)")
+    if unapplied:
+        raise NotReady(f"the database has {unapplied} unapplied migrations; run `kiln up` or "
+                       "`python manage.py migrate` first")
+
+
+def describe_database(database: dict) -> str:
+    if database["ENGINE"].endswith("sqlite3"):
+        return f"sqlite {database['NAME']}"
+    return (f"postgresql {database['NAME']} on {database.get('HOST') or 'local socket'}"
+            f":{database.get('PORT') or 5432} as {database.get('USER') or '(default user)'}")
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -378,7 +464,7 @@ def add_token(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    setup_django()
+    setup_database()
     from kiln_web.accounts.actions import do_create_token_for_username
 
     row, token, created = do_create_token_for_username(args.user, args.name)

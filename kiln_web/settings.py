@@ -78,6 +78,21 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     return raw.strip()
 
 
+def env_time_zone(name: str, default: str) -> str:
+    """An IANA time zone name (Europe/Berlin); Django's own check would stop the start with a bare ValueError."""
+    import zoneinfo
+
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        zoneinfo.ZoneInfo(raw.strip())
+    except (ValueError, zoneinfo.ZoneInfoNotFoundError):
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a time zone; use an IANA name such as UTC or "
+                                   "Europe/Berlin") from None
+    return raw.strip()
+
+
 def env_paths(name: str) -> list[Path]:
     """A colon-separated list of absolute paths (like PATH); empty entries are skipped."""
     raw = env_str(name)
@@ -285,7 +300,7 @@ LOGIN_REDIRECT_URL = "dashboard:jobs"
 LOGOUT_REDIRECT_URL = "login"
 
 LANGUAGE_CODE = "en-us"
-TIME_ZONE = env_str("TIME_ZONE", "UTC")
+TIME_ZONE = env_time_zone("TIME_ZONE", "UTC")
 USE_I18N = True
 USE_TZ = True
 
@@ -384,6 +399,15 @@ KILN_SFT_RUNNER = env_str("KILN_SFT_RUNNER", "trainer.runs.sft")
 KILN_GRPO_RUNNER = env_str("KILN_GRPO_RUNNER", "trainer.runs.grpo")  # admit_grpo, revalidate_grpo, run_grpo
 KILN_OPD_RUNNER = env_str("KILN_OPD_RUNNER", "trainer.runs.opd")  # admit_opd, revalidate_opd, run_opd
 KILN_CHECKPOINT_MODULE = env_str("KILN_CHECKPOINT_MODULE", "trainer.runs.checkpoint_dir")
+
+# the engine reads these itself (native_ext.blas, native_ext/pool.h), outside Django; checked here too so that a
+# malformed value stops every Kiln process at its start with the variable's name (the engine would raise a bare
+# ValueError mid-import, or silently use its default)
+if (env_str("KILN_CPU_GEMM") or "auto").strip().lower() not in ("auto", "onednn", "openblas"):  # as blas reads it
+    raise ImproperlyConfigured(f"KILN_CPU_GEMM={env_str('KILN_CPU_GEMM')!r} is not one of: auto, onednn, openblas")
+env_choice("KILN_OPENBLAS_THREADS", "kiln", ("kiln", "own"))
+if env_int("KILN_POOL_SPIN_US", 200, minimum=0) > 1_000_000:
+    raise ImproperlyConfigured(f"KILN_POOL_SPIN_US={env_str('KILN_POOL_SPIN_US')} is above the maximum of 1000000")
 
 # -- serving: one pool per web process, kept in step with the served adapters in the database --
 
