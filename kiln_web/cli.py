@@ -36,8 +36,18 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | No
 ]
 
 
+EPILOG = """\
+train, teacher, adapter and eval talk to a Kiln server: KILN_URL (default http://127.0.0.1:8000) and KILN_TOKEN,
+else "url" and "token" in $XDG_CONFIG_HOME/kiln/cli.json (~/.config/kiln/cli.json); `kiln token create --user NAME`
+makes a token. The other commands work on this machine (KILN_HOME, DATABASE_URL, ...; `kiln doctor` checks them).
+
+exit status: 0 success; 1 a refusal or failure (its code and message on stderr); 2 a usage error, a malformed
+setting or a database not yet migrated; 130 Ctrl-C (during --wait the job goes on on the server)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="Kiln: self-hosted LLM fine-tuning.")
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln: self-hosted LLM fine-tuning.", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, add_arguments, run in SUBCOMMANDS:
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)

@@ -106,8 +106,9 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     events.add_argument("--job-id", required=True, help=JOB_ID_HELP)
     events.add_argument("--json", action="store_true", help="print the events as JSON")
     jobs = commands.add_parser("list", help="list your jobs, newest first")
-    jobs.add_argument("--status")
-    jobs.add_argument("--limit", type=int, default=20)
+    jobs.add_argument("--status", choices=("queued", "running", "cancelling", "cancelled", "failed", "succeeded",
+                                           "lost"), help="only jobs with this status")
+    jobs.add_argument("--limit", type=int, default=20, help="at most this many jobs, 1 to 500 (default: %(default)s)")
 
 
 SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_checkpoint", "learning_rate",

@@ -19,8 +19,17 @@ def setup_django() -> None:
 
 
 def subcommands(parser: argparse.ArgumentParser, command: str):
-    """The required COMMAND_COMMAND choice under `kiln COMMAND` (base, train, adapter ...)."""
-    return parser.add_subparsers(dest=f"{command}_command", required=True, metavar=f"{command.upper()}_COMMAND")
+    """The required COMMAND_COMMAND choice under `kiln COMMAND` (base, train, adapter ...); each subcommand's
+    --help opens with its one-line help unless it has a description of its own."""
+    action = parser.add_subparsers(dest=f"{command}_command", required=True, metavar=f"{command.upper()}_COMMAND")
+    add_parser = action.add_parser
+
+    def described(name, **options):
+        options.setdefault("description", options.get("help"))
+        return add_parser(name, **options)
+
+    action.add_parser = described
+    return action
 
 
 def add_subcommand(commands, name: str, help: str, operand: str | None = None, *, metavar: str | None = None,

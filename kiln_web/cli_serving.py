@@ -100,7 +100,7 @@ def print_promotion(job: dict) -> None:
 def add_adapter(parser: argparse.ArgumentParser) -> None:
     commands = subcommands(parser, "adapter")
     add_subcommand(commands, "list", "your adapters and those shared with you: snapshot, loaded, active, latest "
-                   "promotion", json=True)
+                   "promotion", json="print the listing as JSON")
     load = add_subcommand(commands, "load", "load an adapter's PEFT snapshot for serving", "name")
     load.add_argument("--base", help="the base to load it over (default: the one it was trained over)")
     add_subcommand(commands, "unload", "stop serving an adapter", "name")
@@ -115,7 +115,8 @@ def add_adapter(parser: argparse.ArgumentParser) -> None:
     delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     promotions = commands.add_parser("promotions", help="the promotion audit trail, newest first")
     promotions.add_argument("--adapter", help="only this adapter's")
-    promotions.add_argument("--limit", type=int, default=20)
+    promotions.add_argument("--limit", type=int, default=20, help="at most this many, 1 to 500 (default: "
+                            "%(default)s)")
 
 
 def cmd_adapter(args: argparse.Namespace) -> int:
@@ -189,29 +190,31 @@ def add_eval(parser: argparse.ArgumentParser) -> None:
     suite = commands.add_parser("suite", help="create, list and show evaluation suites")
     suites = subcommands(suite, "suite")
     create = suites.add_parser("create", help="create a suite from held-out JSONL")
-    create.add_argument("--name", required=True)
+    create.add_argument("--name", required=True, help="the suite's name (a suite is immutable: a new name for "
+                        "new content)")
     create.add_argument("--file", required=True, help="JSONL: {prompt | messages, expected, metric?, tolerance?}")
     create.add_argument("--metric", default="exact", choices=("exact", "contains", "regex", "numeric"),
                         help="for lines without their own metric (default: %(default)s)")
     suites.add_parser("list", help="your suites")
-    add_subcommand(suites, "show", "one suite, with its content", "name", json=True)
+    add_subcommand(suites, "show", "one suite, with its content", "name", json="print the suite as JSON")
     run = commands.add_parser("run", help="evaluate an adapter against the active one (or its base)")
-    run.add_argument("--adapter", required=True)
-    run.add_argument("--suite", required=True)
+    run.add_argument("--adapter", required=True, help="the candidate: an adapter of yours or shared with you")
+    run.add_argument("--suite", required=True, help="the suite to evaluate on (kiln eval suite list)")
     run.add_argument("--base", help="the adapter's base (default: the one it was trained over)")
     run.add_argument("--baseline", help="compare with this adapter over the same base, or the base's name (default: "
                      "your active adapter when it is over that base, else the base)")
-    run.add_argument("--max-new-tokens", type=int)
+    run.add_argument("--max-new-tokens", type=int, help="greedy tokens generated per example at most, 1 to "
+                     "4096 (default: 64)")
     run.add_argument("--backend", choices=("auto", "cpu", "cuda"), help="auto: cuda when the server's CUDA device "
                      "is found and qualified, else cpu; cuda is refused without a device (default: the server's "
                      "KILN_TRAINING_BACKEND)")
     run.add_argument("--wait", action="store_true", help="follow the run until it ends")
     status = commands.add_parser("status", help="one evaluation run, per example")
-    status.add_argument("--id", required=True)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--id", required=True, help="the evaluation run's id (kiln eval list)")
+    status.add_argument("--json", action="store_true", help="print the run as JSON")
     listing = commands.add_parser("list", help="evaluation runs, newest first")
-    listing.add_argument("--adapter")
-    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--adapter", help="only this adapter's runs")
+    listing.add_argument("--limit", type=int, default=20, help="at most this many, 1 to 500 (default: %(default)s)")
 
 
 def _summary(side: dict) -> str:

@@ -246,3 +246,50 @@ def test_doctor_reaches_a_live_postgresql_and_redis(tmp_path):
     report = json.loads(done.stdout)
     assert report["database_check"]["reachable"] is True and report["broker_check"] == {"reachable": True,
                                                                                        "error": None}
+
+
+def leaf_parsers(parser, path=()):
+    """(command words, parser) of every `kiln ...` subcommand that takes no further subcommand."""
+    import argparse
+
+    choices = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    if not choices:
+        yield path, parser
+    for action in choices:
+        for name, sub in action.choices.items():
+            yield from leaf_parsers(sub, path + (name,))
+
+
+def test_every_subcommand_describes_itself_and_its_options():
+    """`kiln train list --help` printed bare `--status STATUS` and `--limit LIMIT` with no description."""
+    from kiln_web.cli import build_parser
+
+    bare = []
+    for words, parser in leaf_parsers(build_parser()):
+        if not parser.description:
+            bare.append(" ".join(words))
+        bare += [f"{' '.join(words)} {action.option_strings[-1]}" for action in parser._actions
+                 if action.option_strings and action.help is None and action.dest not in ("help",)
+                 and action.dest not in NAMED_BY_FLAG]
+    assert not bare, f"no description or no option help: {bare}"
+
+
+# options whose flag says all (their help would repeat it): the config key of the same name is documented in api.md
+NAMED_BY_FLAG = {"epochs", "seed", "learning_rate", "lr_schedule", "warmup_steps", "batch_size",
+                 "gradient_accumulation_steps", "max_grad_norm", "lora_rank", "lora_alpha", "max_sequence_length",
+                 "groups_per_step", "loss_type", "num_iterations", "steps"}
+
+
+def test_train_list_refuses_an_unknown_status_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "list", "--status", "done"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'done'" in capsys.readouterr()[1]
+
+
+def test_kiln_help_names_the_server_settings_and_the_exit_statuses(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr()[0]
+    assert "KILN_URL" in out and "KILN_TOKEN" in out and "cli.json" in out
+    assert "exit status" in out and "130" in out
