@@ -109,6 +109,7 @@ def add_train(parser: argparse.ArgumentParser) -> None:
     jobs.add_argument("--status", choices=("queued", "running", "cancelling", "cancelled", "failed", "succeeded",
                                            "lost"), help="only jobs with this status")
     jobs.add_argument("--limit", type=int, default=20, help="at most this many jobs, 1 to 500 (default: %(default)s)")
+    jobs.add_argument("--json", action="store_true", help="print the listing as JSON")
 
 
 SFT_OPTIONS = ("base_model", "epochs", "seed", "checkpoint_interval", "resume_checkpoint", "learning_rate",
@@ -391,6 +392,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                 _print_job(job)
             return 0
         listing = client.jobs(status=args.status, limit=args.limit)
+        if args.json:
+            cli_serving.show(listing, True, None)
+            return 0
         print(f"{'ID':<36}  {'STATUS':<10}  {'KIND':<4}  {'ADAPTER':<24}  {'STEPS':<11}  LATEST CHECKPOINT")
         for job in listing["items"]:
             progress = job["progress"]
@@ -420,7 +424,7 @@ def add_teacher(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--model", help="openai, vllm: the served model id")
     add.add_argument("--replace", action="store_true", help="change an existing alias (its identity revision "
                      "changes, so its OPD checkpoints no longer resume)")
-    commands.add_parser("list", help="list the teacher aliases")
+    add_subcommand(commands, "list", "list the teacher aliases", json="print the listing as JSON")
     add_subcommand(commands, "show", "show one alias: configuration and revisions", "name", metavar="NAME@ROUTE",
                    json="print the alias as JSON")
     add_subcommand(commands, "delete", "delete an alias you own", "name", metavar="NAME@ROUTE")
@@ -457,7 +461,11 @@ def cmd_teacher(args: argparse.Namespace) -> int:
                      else client.create_teacher({"name": args.name, **config}))
             _print_teacher(alias)
         elif args.teacher_command == "list":
-            for alias in client.teachers()["items"]:
+            listing = client.teachers()
+            if args.json:
+                cli_serving.show(listing, True, None)
+                return 0
+            for alias in listing["items"]:
                 target = alias["base"] if alias["route"] == "native" else alias["endpoint"]
                 print(f"{alias['name']:<32}  {alias['identity_revision'][:12]}  {alias['owner']:<12}  {target}"
                       + _teacher_adapter(alias))

@@ -117,6 +117,7 @@ def add_adapter(parser: argparse.ArgumentParser) -> None:
     promotions.add_argument("--adapter", help="only this adapter's")
     promotions.add_argument("--limit", type=int, default=20, help="at most this many, 1 to 500 (default: "
                             "%(default)s)")
+    promotions.add_argument("--json", action="store_true", help="print the listing as JSON")
 
 
 def cmd_adapter(args: argparse.Namespace) -> int:
@@ -139,6 +140,9 @@ def cmd_adapter(args: argparse.Namespace) -> int:
             return 0
         if command == "promotions":
             records = client.request("GET", "/promotions", query={"adapter": args.adapter, "limit": args.limit})
+            if args.json:
+                print(json.dumps(records, indent=2))
+                return 0
             for record in records["items"]:
                 evaluation = f" evaluation {record['evaluation']}" if record.get("evaluation") else ""
                 print(f"{record['decided_at']}  {record['adapter']:<24} {record['outcome']:<13} by "
@@ -195,7 +199,7 @@ def add_eval(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--file", required=True, help="JSONL: {prompt | messages, expected, metric?, tolerance?}")
     create.add_argument("--metric", default="exact", choices=("exact", "contains", "regex", "numeric"),
                         help="for lines without their own metric (default: %(default)s)")
-    suites.add_parser("list", help="your suites")
+    add_subcommand(suites, "list", "your suites", json="print the listing as JSON")
     add_subcommand(suites, "show", "one suite, with its content", "name", json="print the suite as JSON")
     run = commands.add_parser("run", help="evaluate an adapter against the active one (or its base)")
     run.add_argument("--adapter", required=True, help="the candidate: an adapter of yours or shared with you")
@@ -215,6 +219,7 @@ def add_eval(parser: argparse.ArgumentParser) -> None:
     listing = commands.add_parser("list", help="evaluation runs, newest first")
     listing.add_argument("--adapter", help="only this adapter's runs")
     listing.add_argument("--limit", type=int, default=20, help="at most this many, 1 to 500 (default: %(default)s)")
+    listing.add_argument("--json", action="store_true", help="print the listing as JSON")
 
 
 def _summary(side: dict) -> str:
@@ -261,7 +266,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                                              "default_metric": args.metric})
             print(f"created suite {suite['name']}: {suite['example_count']} examples, digest {suite['digest'][:16]}")
         elif command == "suite list":
-            for suite in client.request("GET", "/evals/suites")["items"]:
+            listing = client.request("GET", "/evals/suites")
+            if args.json:
+                print(json.dumps(listing, indent=2))
+                return 0
+            for suite in listing["items"]:
                 print(f"{suite['name']:<28} {suite['example_count']:>6} examples  {suite['default_metric']:<8} "
                       f"{suite['digest'][:16]}")
         elif command == "suite show":
@@ -300,6 +309,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                  lambda run: _print_run(run, examples=True))
         else:
             listing = client.request("GET", "/evals/runs", query={"adapter": args.adapter, "limit": args.limit})
+            if args.json:
+                print(json.dumps(listing, indent=2))
+                return 0
             for run in listing["items"]:
                 print(f"{run['id']}  {run['status']:<9} {run['candidate']['adapter']:<24} {run['suite']:<20} "
                       f"{_summary(run['candidate'])} vs {_summary(run['baseline'])}")

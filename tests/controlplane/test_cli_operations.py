@@ -293,3 +293,31 @@ def test_kiln_help_names_the_server_settings_and_the_exit_statuses(capsys):
     out = capsys.readouterr()[0]
     assert "KILN_URL" in out and "KILN_TOKEN" in out and "cli.json" in out
     assert "exit status" in out and "130" in out
+
+
+class Listings:
+    """A client whose every listing answers one item: the API's {"items": [...]} document."""
+
+    timeout = 300.0
+    item = {"id": "feedf00d-0000-4000-8000-000000000010", "name": "x@native", "status": "succeeded"}
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def request(self, method, path, body=None, query=None):
+        return {"items": [self.item]}
+
+    def jobs(self, **query):
+        return self.request("GET", "/train/jobs")
+
+    def teachers(self):
+        return self.request("GET", "/teachers")
+
+
+@pytest.mark.parametrize("argv", [["train", "list"], ["teacher", "list"], ["adapter", "promotions"],
+                                  ["eval", "list"], ["eval", "suite", "list"], ["adapter", "list"]])
+def test_every_listing_prints_its_api_document_as_json(monkeypatch, capsys, argv):
+    """`kiln adapter list --json` existed; the other listings had no --json, so a script parsed their columns."""
+    monkeypatch.setattr("kiln_web.client.Client", Listings)
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr()[0]) == {"items": [Listings.item]}
