@@ -297,7 +297,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 try:
                     while run["status"] not in TERMINAL_EVALUATION:
                         time.sleep(1.0)
-                        run = client.request("GET", f"/evals/runs/{run['id']}")
+                        shown, run = run["status"], client.request("GET", f"/evals/runs/{run['id']}")
+                        if run["status"] != shown:  # progress on stderr, as `kiln train ... --wait` shows it
+                            print(f"  {run['status']}", file=sys.stderr, flush=True)
                 except KeyboardInterrupt:
                     print(f"\nkiln eval run: stopped following evaluation {run['id']}; it goes on on the server. "
                           f"Follow it with: kiln eval status --id {run['id']}", file=sys.stderr, flush=True)

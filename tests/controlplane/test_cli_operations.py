@@ -321,3 +321,22 @@ def test_every_listing_prints_its_api_document_as_json(monkeypatch, capsys, argv
     monkeypatch.setattr("kiln_web.client.Client", Listings)
     assert main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr()[0]) == {"items": [Listings.item]}
+
+
+def test_eval_run_wait_shows_each_status_as_it_comes(monkeypatch, capsys):
+    """`kiln eval run --wait` printed nothing between "queued" and the result, for minutes on a real base."""
+    run = {"id": "e0000000-0000-4000-8000-000000000002", "suite": "s", "purpose": "manual", "error": None,
+           "candidate": {"adapter": "a", "base": "kiln-tiny", "summary": None},
+           "baseline": {"kind": "base", "name": "kiln-tiny", "summary": None}}
+    answers = [dict(run, status=status) for status in ("queued", "running", "running", "succeeded")]
+
+    class Evaluations(Listings):
+        def request(self, method, path, body=None, query=None):
+            return answers.pop(0)
+
+    monkeypatch.setattr("kiln_web.client.Client", Evaluations)
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    assert main(["eval", "run", "--adapter", "a", "--suite", "s", "--wait"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "  running\n  succeeded\n"
+    assert "evaluation e0000000-0000-4000-8000-000000000002  succeeded" in out
