@@ -65,9 +65,20 @@ def hide_password(url: str) -> str:
 
 
 
+def port_number(text: str) -> int:
+    """--port's type: a TCP port, refused by argparse (usage, exit 2) when it is none, before anything binds."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to 65535)")
+    return port
+
+
 def add_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--processes", type=int, default=1,
                         help="web processes sharing the port (default: %(default)s); more than one needs REDIS_URL "
                              "(Celery workers, the Redis channel layer)")

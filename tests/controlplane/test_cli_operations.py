@@ -340,3 +340,13 @@ def test_eval_run_wait_shows_each_status_as_it_comes(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert err == "  running\n  succeeded\n"
     assert "evaluation e0000000-0000-4000-8000-000000000002  succeeded" in out
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_kiln_up_refuses_a_port_that_is_no_port_as_a_usage_error(capsys, port):
+    """`kiln up --port 99999` was an OverflowError traceback from the bind check."""
+    with pytest.raises(SystemExit) as exited:
+        main(["up", "--port", port])
+    err = capsys.readouterr()[1]
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert f"argument --port: {port!r} is not a port number (1 to 65535)" in err
