@@ -425,8 +425,6 @@ def database_state() -> tuple[bool, str | None, int | None]:
         return True, None, len(executor.migration_plan(executor.loader.graph.leaf_nodes()))
     except DatabaseError as exc:
         return False, hide_password(" ".join(str(exc).split()))[:300], None
-    finally:
-        connection.close()
 
 
 def broker_state(url: str) -> dict:
