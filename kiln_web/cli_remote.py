@@ -207,7 +207,7 @@ def _opd_body(args: argparse.Namespace) -> dict:
 
     path = _input_file(args.file)
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = json.loads(path.read_text(encoding="utf-8-sig"))
     except ValueError:
         document = None  # not one JSON value: JSONL prompts
     if isinstance(document, dict):  # a request: {prompts | dataset_path, config?}
@@ -243,7 +243,7 @@ def _resume_source(args: argparse.Namespace, kind: str) -> dict:
         return {"dataset_path": str(path.resolve())}
     if kind == "opd":
         try:
-            document = json.loads(path.read_text(encoding="utf-8"))
+            document = json.loads(path.read_text(encoding="utf-8-sig"))
         except ValueError:
             document = None
         if isinstance(document, list):

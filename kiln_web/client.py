@@ -215,9 +215,10 @@ def within_data_root(path: Path) -> bool:
 
 
 def read_jsonl(path: Path) -> list:
-    """The records of a JSONL file, refusing a line that is not JSON with its number."""
+    """The records of a JSONL file, refusing a line that is not JSON with its number. Lines end at "\n" (the "\r"
+    of a CRLF is JSON whitespace), never at U+2028 ... inside a string; a byte-order mark is not part of line 1."""
     records = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig", newline="\n") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue

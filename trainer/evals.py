@@ -21,7 +21,7 @@ from fractions import Fraction
 import regex
 
 from trainer.generation import SamplingConfig, generate, stop_token_ids
-from trainer.jsonio import data_loads
+from trainer.jsonio import data_loads, jsonl_lines
 
 METRICS = ("exact", "contains", "regex", "numeric")
 logger = logging.getLogger("kiln.evals")
@@ -54,9 +54,7 @@ def parse_suite(name: str, text: str, default_metric="exact", default_tolerance=
     if default_metric not in METRICS:
         raise SuiteError(f"metric must be one of {METRICS}, got {default_metric!r}")
     examples = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(text):
         try:
             record = data_loads(line)
         except json.JSONDecodeError as error:

@@ -362,7 +362,7 @@ class JobForm(forms.Form):
                                  "bytes); put it in a data root and give its dataset path instead.")
             return None
         try:
-            text = upload.read().decode("utf-8")
+            text = upload.read().decode("utf-8-sig")  # a Windows editor's byte-order mark is not part of the text
         except UnicodeDecodeError:
             self.add_error(name, "The file is not UTF-8 text.")
             return None
@@ -376,7 +376,7 @@ class JobForm(forms.Form):
             numbered = list(enumerate(records, 1))
         else:
             numbered, where = [], "Line {}"
-            for number, line in enumerate(text.splitlines(), 1):
+            for number, line in enumerate(text.split("\n"), 1):  # never at U+2028 ... inside a string (splitlines)
                 if not line.strip():
                     continue
                 try:

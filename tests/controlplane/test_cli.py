@@ -399,6 +399,22 @@ def test_the_outside_the_data_roots_refusal_names_each_root_once(tmp_path):
     assert refused.value.message.count(str(root)) == 1 and str(tmp_path / "other") in refused.value.message
 
 
+def test_an_uploaded_jsonl_file_is_read_with_a_byte_order_mark_and_separators_inside_strings(tmp_path):
+    """A Windows editor's byte-order mark is not part of the first record, and lines end at "\n" (or "\r\n") only,
+    never at U+2028, U+2029 or U+0085 inside a JSON string; a bad line is still named."""
+    from kiln_web.client import ApiError, read_jsonl
+
+    records = [{"prompt": f"a{separator}b", "completion": " c"} for separator in ("\u2028", "\u2029", "\u0085")]
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n"
+                                              for r in records).encode("utf-8"))
+    assert read_jsonl(path) == records
+    path.write_bytes(path.read_bytes() + b"\r\n{oops\r\n")
+    with pytest.raises(ApiError) as refused:
+        read_jsonl(path)
+    assert f"{path}:5 is not JSON" in refused.value.message
+
+
 class RecordedJobs:
     """A client whose job polls answer STATES in turn (the last one from then on), and whose events are EVENTS'
     first as many items as polls so far."""

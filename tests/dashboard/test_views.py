@@ -154,6 +154,22 @@ def test_opd_prompts_may_be_strings_and_a_json_list(signed_in):
     assert not form.is_valid() and form.errors["data"] == ["Line 1 is not a JSON object."]
 
 
+def test_an_upload_is_read_as_jsonl_with_a_byte_order_mark_and_separators_inside_strings(signed_in):
+    """Lines end at "\n" only: U+2028, U+2029 and U+0085 inside a JSON string (as json.dumps(ensure_ascii=False)
+    writes them) did not end a line, and a Windows editor's byte-order mark is not part of the first record."""
+    from kiln_web.dashboard.forms import OPDJobForm
+
+    records = [{"prompt": f"a{separator}b", "completion": " c"} for separator in ("\u2028", "\u2029", "\u0085")]
+    text = "\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in records)
+    form = SFTJobForm({"output_name": "x"}, {"data": SimpleUploadedFile("d.jsonl", text.encode("utf-8"))})
+    assert form.is_valid(), form.errors
+    assert form.body["data"] == records
+    form = OPDJobForm({"output_name": "student", "teacher": "tutor@native"},
+                      {"prompts": SimpleUploadedFile("p.json", "\ufeff[\"Say hi.\"]".encode("utf-8"))})
+    assert form.is_valid(), form.errors
+    assert form.body["prompts"] == ["Say hi."]
+
+
 def test_prepared_resume_keeps_the_promotion_the_job_asked_for():
     request = {"data": RECORDS, "config": {}, "auto_load": True, "gate": {"suite": "held-out", "min_accuracy": 0.5}}
     initial = SFTJobForm.initial_from({"output_name": "bot"}, request, "bot-checkpoint-step-00000002.kiln-checkpoint")

@@ -83,10 +83,11 @@ def _chain(chain: str, line_sha: str) -> str:
 def _blank(raw: bytes) -> bool:
     return raw.strip() == b""
 
+    """The JSON value of 0-based line NUMBER (a byte-order mark before the first line is not part of it)."""
 
 def _parse_line(raw: bytes, number: int, source: str):
     try:
-        return data_loads(raw.decode("utf-8"))
+        return data_loads(raw.decode("utf-8-sig" if number == 0 else "utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(source, f"line {number + 1} is not UTF-8 JSON: {error}") from None
 

