@@ -9,7 +9,7 @@ import pytest
 
 from test_sft import RECORDS, make_settings, request, write_dataset
 from trainer.evals import SuiteError, parse_suite
-from trainer.runs import grpo_data, opd, sft
+from trainer.runs import grpo, grpo_data, opd, sft
 from trainer.runs.sft import RequestError, admit_sft
 from trainer.tokenizer import byte_tokenizer
 
@@ -118,6 +118,62 @@ def test_an_answer_starting_with_a_newline_keeps_the_served_prompt_s_tokens(smol
     prompt = ours.encode(ours.apply_chat_template(record["messages"][:-1], add_generation_prompt=True))
     assert tokens[:len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(tokens) - len(prompt))
     assert ours.decode(tokens) == reference.apply_chat_template(record["messages"], tokenize=False)
+
+
+# -- chat templates that cannot render a record ------------------------------------------------------------------
+
+
+def test_a_chat_template_that_refuses_a_record_is_a_request_error_naming_it():
+    """A template's raise_exception (roles that must alternate) was a jinja2 TemplateError out of admission: a 500
+    for every kind. It is the record's refusal, with the template's own words."""
+    tokenizer = tiny_tokenizer(STRICT_TEMPLATE)
+    tool = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(RequestError) as info:
+        sft.tokenize_examples([RECORDS[0], {"messages": tool}], tokenizer, 64)
+    assert info.value.field == "data[1]"
+    assert "chat template" in info.value.message and "roles must alternate" in info.value.message
+    group = {"messages": tool[:2], "completions": [{"text": "a", "reward": 1.0}, {"text": "b", "reward": 0.0}]}
+    with pytest.raises(RequestError) as info:
+        grpo.tokenize_group(group, tokenizer, {"max_completion_length": 8}, 64, ("dataset_path", "line 3: "))
+    assert info.value.field == "dataset_path" and info.value.message.startswith("line 3: the base's chat template")
+    with pytest.raises(RequestError) as info:
+        opd.prompt_ids({"messages": tool[:2]}, tokenizer, 64, "prompts[0]")
+    assert info.value.field == "prompts[0]" and "roles must alternate" in info.value.message
+
+
+def test_chat_records_on_a_base_without_a_chat_template_are_refused_saying_what_to_give():
+    tokenizer = tiny_tokenizer(None)
+    with pytest.raises(RequestError) as info:
+        sft.tokenize_examples([{"prompt": "q", "completion": " a"}, RECORDS[0]], tokenizer, 64)
+    assert info.value.field == "data[1]" and "no chat template" in info.value.message
+    assert "prompt and completion" in info.value.message
+    with pytest.raises(RequestError) as info:
+        opd.prompt_ids({"messages": [{"role": "user", "content": "q"}]}, tokenizer, 64, "prompts[2]")
+    assert info.value.field == "prompts[2]" and "no chat template" in info.value.message
+    assert sft.tokenize_examples([{"prompt": "q", "completion": " a"}], tokenizer, 64)  # plain text needs none
+
+
+# -- records: what is wrong with a message ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": []}],
+     "messages[1].content must be a string, got null"),
+    ([{"role": "user", "content": [{"type": "text", "text": "q"}]}, {"role": "assistant", "content": "a"}],
+     "messages[0].content must be a string, got a list"),
+    ([{"content": "q"}, {"role": "assistant", "content": "a"}], "messages[0] needs a role string"),
+    (["q", {"role": "assistant", "content": "a"}], "messages[0] must be an object {role, content}"),
+    ([{"role": "assistant", "content": "a"}], "at least two"),
+    ("q", "messages must be a list"),
+])
+def test_a_bad_message_is_named_with_what_is_wrong(tmp_path, messages, words):
+    settings = make_settings(tmp_path)
+    path = tmp_path / "datasets" / "chat.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(RequestError) as info:
+        admit_sft(request(str(path)), settings)
+    assert info.value.field == "dataset_path" and info.value.message.startswith("line 2: "), info.value.message
+    assert words in info.value.message
 
 
 # -- JSONL files ------------------------------------------------------------------------------------------------

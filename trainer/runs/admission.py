@@ -295,6 +295,45 @@ def refuse_record(place, message: str) -> RequestError:
     return RequestError(field, prefix + message)
 
 
+def message_problem(messages) -> str | None:
+    """What is wrong with a record's MESSAGES (a list of {role: string, content: string}), naming the message, or
+    None when nothing is."""
+    if not isinstance(messages, list):
+        return f"messages must be a list of {{role, content}} objects, got {json_kind(messages)}"
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{index}] must be an object {{role, content}}, got {json_kind(message)}"
+        if not isinstance(message.get("role"), str):
+            return f"messages[{index}] needs a role string (user, assistant, system ...)"
+        if not isinstance(message.get("content"), str):
+            return (f"messages[{index}].content must be a string, got {json_kind(message.get('content'))} (tool "
+                    "calls and content parts are not read: give the text)")
+    return None
+
+
+def json_kind(value) -> str:
+    """How JSON spells VALUE's type, for a refusal: null, a list, an object, a number ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else "a string"
+
+
+def render_chat(tokenizer, messages, place, add_generation_prompt: bool = True) -> str:
+    """The base's chat template rendered for a record's MESSAGES; the record's refusal (at PLACE, record_place's)
+    when the base has no chat template or its template refuses them (raise_exception: roles out of turn, say)."""
+    if tokenizer.chat_template is None:
+        raise refuse_record(place, "the base has no chat template to render messages with; give prompt and "
+                                   "completion text instead (prompt text for GRPO and OPD)")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 (jinja2's TemplateError from raise_exception, or the template's own fault)
+        raise refuse_record(place, f"the base's chat template refused the messages: {error}") from None
+
+
 def find_base(config: dict, settings: RunSettings):
     """The registered base the configuration names (BaseInfo), or AdmissionError base_not_found; the adapter's
     rank is checked against it (check_rank_fits), unless a base_adapter's own files give the rank (PEFT bounds

@@ -32,7 +32,7 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     merge_config, number_field, planning_identity, reopen_resume, require_loss_route,
                                     revalidate, run_identities, select_loss_route, settle_seed, training_view,
                                     warm_start)
-from trainer.runs.admission import refuse_existing_checkpoints, refuse_record
+from trainer.runs.admission import refuse_existing_checkpoints, refuse_record, render_chat
 from trainer.runs.grpo_data import (CHAIN_START, GRPOLoop, MemorySource, StreamSource, group_sha256,  # noqa: F401
                                     parse_group, read_groups, scan_stream, verify_stream_prefix)
 from trainer.runs.defaults import EMA_DEFAULTS, GRPO_DEFAULTS
@@ -97,7 +97,7 @@ def normalise_config(config: dict, settings: RunSettings) -> dict:
 def tokenize_group(record, tokenizer, config: dict, maximum_context: int, where: str):
     """(prompt ids, [completion ids]) with completions truncated to max_completion_length and the context."""
     if "messages" in record:
-        prompt = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True)
+        prompt = render_chat(tokenizer, record["messages"], where)
     else:
         prompt = record["prompt"]
     prompt_ids = tokenizer.encode(prompt)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from trainer.jsonio import data_loads
 from trainer.runs.admission import (AdmissionError, FileRecords, RequestError, RunFailed, RunSettings, canonical,
-                                    dataset_file, difference, line_place, record_place, refuse_record, sha256_hex,
-                                    within)
+                                    dataset_file, difference, line_place, message_problem, record_place, refuse_record,
+                                    sha256_hex, within)
 
 CHAIN_START = hashlib.sha256(b"kiln.grpo.consumed-lines.v1").hexdigest()
 
@@ -34,11 +34,9 @@ def parse_group(record, where) -> dict:
     if "prompt" in record and not isinstance(record["prompt"], str):
         raise refuse_record(where, "prompt must be a string")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise refuse_record(where, "messages must be a non-empty list of {role, content}")
+        problem = message_problem(record["messages"]) or (None if record["messages"] else "messages is empty")
+        if problem is not None:
+            raise refuse_record(where, problem)
     completions = record.get("completions")
     if not isinstance(completions, list) or len(completions) < 2:
         raise refuse_record(where, "completions must be a list of at least two scored completions")
@@ -83,9 +81,9 @@ def _chain(chain: str, line_sha: str) -> str:
 def _blank(raw: bytes) -> bool:
     return raw.strip() == b""
 
-    """The JSON value of 0-based line NUMBER (a byte-order mark before the first line is not part of it)."""
 
 def _parse_line(raw: bytes, number: int, source: str):
+    """The JSON value of 0-based line NUMBER (a byte-order mark before the first line is not part of it)."""
     try:
         return data_loads(raw.decode("utf-8-sig" if number == 0 else "utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

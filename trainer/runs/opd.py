@@ -34,7 +34,8 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     merge_config, number_field, planning_identity, prepare, reopen_resume,
                                     require_loss_route, revalidate, run_identities, select_loss_route, settle_seed,
                                     sha256_hex, warm_start)
-from trainer.runs.admission import FileRecords, record_place, refuse_existing_checkpoints, refuse_record
+from trainer.runs.admission import (FileRecords, message_problem, record_place, refuse_existing_checkpoints,
+                                    refuse_record, render_chat)
 from trainer.runs.defaults import GUARDRAIL_DEFAULTS, OPD_CHECKPOINT_INTERVAL, OPD_DEFAULTS
 from trainer.runs.formats import GUARDRAILS, MAX_IDLE_CANDIDATES, rollout_seed  # noqa: F401 (read from here too)
 from trainer.runs.kind import RunKind
@@ -95,11 +96,10 @@ def _prompt_record(record, where):
     if isinstance(record, dict) and set(record) == {"prompt"} and isinstance(record["prompt"], str):
         return record
     if isinstance(record, dict) and set(record) == {"messages"}:
-        messages = record["messages"]
-        if isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+        problem = message_problem(record["messages"]) or (None if record["messages"] else "messages is empty")
+        if problem is None:
             return record
+        raise refuse_record(where, problem)
     raise refuse_record(where, "a prompt is a string, {prompt: string} or {messages: [{role, content}...]}")
 
 
@@ -137,8 +137,7 @@ def read_prompts(request: dict, settings: RunSettings):
 
 
 def prompt_ids(record, tokenizer, maximum_context, where) -> list:
-    text = (tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True)
-            if "messages" in record else record["prompt"])
+    text = render_chat(tokenizer, record["messages"], where) if "messages" in record else record["prompt"]
     ids = tokenizer.encode(text)
     if not ids:
         raise refuse_record(where, "the prompt has no tokens")

@@ -36,7 +36,8 @@ from trainer.runs.admission import (MANIFEST_FIELDS, Admission, AdmissionError, 
                                     has_dataset_path, int_field, load_resume, lora_config, merge_config, prepare,
                                     reopen_resume, require_loss_route, revalidate, run_identities, select_loss_route,
                                     settle_seed, training_view, warm_start)
-from trainer.runs.admission import FileRecords, record_place, refuse_existing_checkpoints, refuse_record
+from trainer.runs.admission import (FileRecords, json_kind, message_problem, record_place, refuse_existing_checkpoints,
+                                    refuse_record, render_chat)
 from trainer.runs.admission import execution_identity  # noqa: F401  (trainer.qualify reads it here)
 from trainer.runs.defaults import NF4_DEFAULT, SFT_DEFAULTS
 from trainer.runs.formats import PLANNING_SCHEMA_SFT, SPIKE_FACTOR, SPIKE_WINDOW  # noqa: F401 (read from here too)
@@ -110,25 +111,32 @@ def read_dataset(request: dict, settings: RunSettings):
 def _parts_of(record, where):
     """(messages, None) for a chat record, (None, (prompt, completion)) for a plain-text one."""
     if not isinstance(record, dict):
-        raise refuse_record(where, "must be an object with messages or prompt/completion")
+        raise refuse_record(where, f"must be an object with messages or prompt/completion, got {json_kind(record)}")
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or len(messages) < 2 or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise refuse_record(where, "messages must be a list of {role, content} with at least two entries")
+        problem = message_problem(messages)
+        if problem is not None:
+            raise refuse_record(where, problem)
+        if len(messages) < 2:
+            raise refuse_record(where, "messages must hold at least two entries: what is asked, then the "
+                                       "assistant's answer that is learnt")
         if messages[-1]["role"] != "assistant":
             raise refuse_record(where, "the last message must be the assistant's (it is what is learnt)")
         return messages, None
     if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
         return None, (record["prompt"], record["completion"])
-    raise refuse_record(where, "needs messages, or prompt and completion strings")
+    if "prompt" in record or "completion" in record:
+        got = ", ".join(f"{key}: {json_kind(record[key]) if key in record else 'missing'}"
+                        for key in ("prompt", "completion"))
+        raise refuse_record(where, f"needs messages, or prompt and completion strings; got {got} (a chat is "
+                                   "messages: [{role, content}...] ending with the assistant's answer)")
+    raise refuse_record(where, f"needs messages, or prompt and completion strings; its keys are {sorted(record)}")
 
 
 def _chat_example(messages, tokenizer, where):
     """The chat template's prompt (up to the generation prompt) and the final assistant turn after it."""
-    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    prompt = render_chat(tokenizer, messages[:-1], where, add_generation_prompt=True)
+    full = render_chat(tokenizer, messages, where, add_generation_prompt=False)
     if not full.startswith(prompt):
         raise refuse_record(where, "the chat template does not extend the prompt with the assistant turn; cannot "
                                    "mask the prompt")
