@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from test_sft import RECORDS, make_settings, request, write_dataset
+from test_sft import RECORDS, StopAt, make_settings, request, write_dataset
 from trainer.evals import SuiteError, parse_suite
 from trainer.runs import grpo, grpo_data, opd, sft
-from trainer.runs.sft import RequestError, admit_sft
+from trainer.runs.sft import RequestError, admit_sft, run_sft
 from trainer.tokenizer import byte_tokenizer
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
@@ -230,3 +230,26 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read_as_jsonl(tmp_path):
     assert len(parse_suite("s", "\ufeff" + json.dumps({"prompt": "x", "expected": "y"}) + "\r\n").examples) == 1
     with pytest.raises(SuiteError, match="line 2"):
         parse_suite("s", "\ufeff" + json.dumps({"prompt": "x", "expected": "y"}) + "\r\n{\"prompt\": \"x\"}\r\n")
+
+
+# -- examples longer than the base's context ---------------------------------------------------------------------
+
+
+def test_examples_longer_than_the_base_s_context_are_cut_to_it(tmp_path):
+    """max_sequence_length above the base's context (kiln-tiny: 512) admitted a longer example, and the run then
+    failed at its batch ("inputs time 737 outside 1..maximum_context 512"), after training and publishing steps.
+    Such an example is cut to the context, as GRPO cuts a completion to it, and the run's warning says so."""
+    settings = make_settings(tmp_path)
+    long = {"prompt": "Say hello.", "completion": " Hello" + " there" * 120 + "!"}  # a token a byte, and the EOS: 738
+    path = write_dataset(tmp_path, RECORDS[:3] + [long])
+    admission = admit_sft(request(path, max_sequence_length=4096, epochs=1, batch_size=4), settings)
+    hooks = StopAt(None)
+    assert run_sft(admission, settings, hooks).status == "succeeded"
+    warnings = [message for level, message in hooks.events if level == "warning" and "context" in message]
+    assert len(warnings) == 1 and warnings[0].startswith("1 of 4 examples are longer than the base's context of "
+                                                         "512 tokens (the longest has 738 tokens)"), hooks.events
+    prompt_only = {"prompt": "x" * 600, "completion": " y"}
+    with pytest.raises(RequestError) as info:
+        admit_sft(request(write_dataset(tmp_path, RECORDS[:1] + [prompt_only], name="p.jsonl"),
+                          max_sequence_length=4096), settings)
+    assert info.value.message.startswith("line 2: no completion token fits in the base's context of 512 tokens")

@@ -158,25 +158,33 @@ def _plain_example(prompt, completion, tokenizer, where):
 
 
 class Examples(list):
-    """tokenize_examples' [(tokens, loss_mask)], with how many were cut to max_sequence_length (`truncated`) and
-    the longest one's tokens before the cut (`longest`)."""
+    """tokenize_examples' [(tokens, loss_mask)], with how many were cut to their limit (`truncated`), the longest
+    one's tokens before the cut (`longest`) and the limit in words (`limit`: max_sequence_length's, or the base's
+    context where that is shorter)."""
 
     truncated = 0
     longest = 0
+    limit = ""
 
-    def truncation_warning(self, max_length: int) -> str | None:
+    def truncation_warning(self) -> str | None:
         """What a run says, once, when it trains on cut examples (their tails are not learnt), or None."""
         if not self.truncated:
             return None
-        return (f"{self.truncated} of {len(self)} examples are longer than max_sequence_length {max_length} "
-                f"(the longest has {self.longest} tokens) and were cut to it: their last tokens are not learnt; "
-                "raise max_sequence_length to keep them")
+        remedy = ("raise max_sequence_length to keep them" if self.limit.startswith("max_sequence_length")
+                  else "the model reads no more; shorten or split them to learn their ends")
+        return (f"{self.truncated} of {len(self)} examples are longer than {self.limit} (the longest has "
+                f"{self.longest} tokens) and were cut to it: their last tokens are not learnt; {remedy}")
 
 
-def tokenize_examples(records, tokenizer, max_length) -> Examples:
+def tokenize_examples(records, tokenizer, max_length, context=None) -> Examples:
     """[(tokens, loss_mask)] with loss on the final assistant turn (chat records) or the completion and its EOS
-    (plain prompt/completion records) only, truncated at the end (TRL's keep_start)."""
+    (plain prompt/completion records) only, truncated at the end (TRL's keep_start) to MAX_LENGTH tokens, or to
+    the base's CONTEXT where that is shorter (the model takes no longer sequence)."""
     examples = Examples()
+    if context is not None and context < max_length:
+        max_length, examples.limit = context, f"the base's context of {context} tokens"
+    else:
+        examples.limit = f"max_sequence_length {max_length}"
     for index, record in enumerate(records):
         where = record_place(records, index, "data")
         messages, plain = _parts_of(record, where)
@@ -188,8 +196,8 @@ def tokenize_examples(records, tokenizer, max_length) -> Examples:
         tokens = (prompt_ids + completion_ids)[:max_length]
         mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_length]
         if sum(mask[1:]) == 0:
-            raise refuse_record(where, f"no completion token fits in max_sequence_length {max_length} after the "
-                                       f"prompt ({len(prompt_ids)} tokens)")
+            raise refuse_record(where, f"no completion token fits in {examples.limit} after the prompt "
+                                       f"({len(prompt_ids)} tokens)")
         if length > max_length:
             examples.truncated += 1
             examples.longest = max(examples.longest, length)
@@ -234,7 +242,7 @@ def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     backend = admit_backend(config, settings, base, need_bytes=need)
     loss_route = select_loss_route(backend.resolved)
     tokenizer = admission_tokenizer(config, settings)
-    examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
+    examples = tokenize_examples(records, tokenizer, config["max_sequence_length"], base.config["maximum_context"])
     steps_per_epoch = _steps_per_epoch(len(examples), config)
     dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
                "order": "source"}
@@ -357,7 +365,8 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                                  **precision_options(config))
     try:
         check_run_tokenizer(tokenizer, admission)
-        examples = tokenize_examples(records, tokenizer, config["max_sequence_length"])
+        examples = tokenize_examples(records, tokenizer, config["max_sequence_length"],
+                                     model.config.maximum_context)
         if config["quantization"]:
             model.quantize(block_size=config["quantization"]["block_size"],
                            double_quantization=config["quantization"]["double_quantization"])
@@ -373,7 +382,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
                 _restore_state(loaded, model, optimizer, loop)
                 latest = checkpoint_dir.checkpoint_summary(loaded)
                 hooks.on_event("info", f"resumed from {loaded.path.name} at step {loop.step}")
-            truncation = examples.truncation_warning(config["max_sequence_length"])
+            truncation = examples.truncation_warning()
             if truncation is not None:
                 hooks.on_event("warning", truncation)
             with computing_model(model, optimizer, run_backend(admission),
