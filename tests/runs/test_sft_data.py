@@ -120,6 +120,23 @@ def test_an_answer_starting_with_a_newline_keeps_the_served_prompt_s_tokens(smol
     assert ours.decode(tokens) == reference.apply_chat_template(record["messages"], tokenize=False)
 
 
+def test_a_prompt_whose_end_joins_the_completion_is_refused_with_the_fix_that_applies(smollm2_tokenizers):
+    """SmolLM2 reads "A: " then "twelve" as "A", ":", " twelve": the prompt's own " " token is not in the whole. The
+    completion already follows a space, so "start the completion with a space" was no help: the refusal shows the
+    tokens and says to move the prompt's trailing whitespace to the completion."""
+    ours, _ = smollm2_tokenizers
+    with pytest.raises(RequestError) as info:
+        sft.tokenize_examples([{"prompt": "Q: What is it? A: ", "completion": "twelve"}], ours, 512)
+    assert info.value.field == "data[0]"
+    assert "' '" in info.value.message and "' twelve'" in info.value.message
+    assert "end the prompt before its trailing whitespace and start the completion with it" in info.value.message
+    with pytest.raises(RequestError) as info:
+        sft.tokenize_examples([{"prompt": "Hello", "completion": "world"}], ours, 512)
+    assert "start the completion with a space or a newline" in info.value.message
+    (tokens, _), = sft.tokenize_examples([{"prompt": "Q: What is it? A:", "completion": " twelve"}], ours, 512)
+    assert ours.decode(tokens).endswith("A: twelve<|im_end|>")
+
+
 # -- chat templates that cannot render a record ------------------------------------------------------------------
 
 

@@ -150,8 +150,14 @@ def _plain_example(prompt, completion, tokenizer, where):
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     full_ids = tokenizer.encode(prompt + completion, add_special_tokens=True)
     if full_ids[:len(prompt_ids)] != prompt_ids:
-        raise refuse_record(where, "the prompt's last tokens change when the completion follows it; start the "
-                                   "completion with a space or a newline")
+        same = next((i for i, (a, b) in enumerate(zip(prompt_ids, full_ids)) if a != b), len(full_ids))
+        tokens = ", ".join(repr(tokenizer.decode([t])) for t in prompt_ids[same:][-4:])
+        joined = ", ".join(repr(tokenizer.decode([t])) for t in full_ids[same:same + 2])
+        fix = ("end the prompt before its trailing whitespace and start the completion with it"
+               if prompt[-1:].isspace() else "start the completion with a space or a newline")
+        raise refuse_record(where, f"the prompt's last tokens change when the completion follows it (the prompt "
+                                   f"ends in {tokens}, the two together read {joined} there), so no mask can "
+                                   f"separate them; {fix}")
     if tokenizer.eos_token_id is not None and full_ids[-1:] != [tokenizer.eos_token_id]:
         full_ids.append(tokenizer.eos_token_id)
     return prompt_ids, full_ids[len(prompt_ids):]
