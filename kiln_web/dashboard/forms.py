@@ -259,6 +259,7 @@ class JobForm(forms.Form):
         self.body: dict | None = None
         self.payload: dict | None = None
         self.refusal: dict | None = None
+        self.record_places: dict[str, tuple[str, list[int]]] = {}  # upload field -> ("Line"/"Item", each record's)
 
     def uploads_to_choose_again(self) -> None:
         """A form shown again after a refusal comes back without its files (a browser never refills a file
@@ -392,6 +393,7 @@ class JobForm(forms.Form):
         if not numbered:
             self.add_error(name, "The file holds no records.")
             return None
+        self.record_places[name] = (where.split()[0], [number for number, _ in numbered])
         return [record for _, record in numbered]
 
     # -- refusals, from the schema or from admission --
@@ -426,9 +428,13 @@ class JobForm(forms.Form):
             return None
         leaf = self.leaves.get(name)
         if leaf is not None and leaf.shape == "records" and len(parts) > 1 and parts[1].isdigit():
-            # a record of an upload: say which one (1-based, as an editor numbers lines) and where inside it
+            # a record of an upload: say where it is (its line as an editor numbers them, blank lines counted, or
+            # its item of a JSON list) and where inside it
             inner = where.split("]", 1)[1].lstrip(".") if "[" in where.split(".")[0] else ".".join(parts[2:])
-            message = f"Record {int(parts[1]) + 1}{', ' + inner if inner else ''}: {message}"
+            index = int(parts[1])
+            kind, numbers = self.record_places.get(name, ("Record", []))
+            place = f"{kind} {numbers[index]}" if index < len(numbers) else f"Record {index + 1}"
+            message = f"{place}{', ' + inner if inner else ''}: {message}"
         self.add_error(name, message)
         return name
 

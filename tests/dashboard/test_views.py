@@ -281,7 +281,25 @@ def test_a_refused_record_of_an_upload_is_shown_at_the_upload(signed_in, adapter
                                                        "groups": SimpleUploadedFile("g.jsonl", bad.encode())})
     assert response.status_code == 400
     errors = field_errors(response.content.decode(), "groups")
-    assert errors == ["Record 1, completions[0]: must be an object with a text string"], errors
+    assert errors == ["Line 1, completions[0]: must be an object with a text string"], errors
+    assert not TrainingJob.objects.exists()
+
+
+def test_a_refused_record_of_an_upload_is_named_by_its_line_as_the_api_names_a_file_s(signed_in, adapter_name):
+    """Admission names an uploaded record by its index among the records (groups[1]); the page said "Record 2",
+    which is not where an editor shows it when blank lines come before it. It names the line, as a dataset_path's
+    refusal and the upload's own "Line 4 is not JSON" do (a JSON list's item by its number)."""
+    good = {"prompt": "Say kiln.", "completions": [{"text": "KILN!", "reward": 1.0}, {"text": "no", "reward": 0.0}]}
+    bad = {"prompt": "Say kiln.", "completions": ["KILN!", "no"]}
+    text = "\n" + json.dumps(good) + "\n\n" + json.dumps(bad) + "\n"
+    response = csrf_post(signed_in, "/jobs/new/grpo/", {"output_name": adapter_name,
+                                                       "groups": SimpleUploadedFile("g.jsonl", text.encode())})
+    assert field_errors(response.content.decode(), "groups") == [
+        "Line 4, completions[0]: must be an object with a text string"]
+    listed = SimpleUploadedFile("g.json", json.dumps([good, bad]).encode())
+    response = csrf_post(signed_in, "/jobs/new/grpo/", {"output_name": adapter_name, "groups": listed})
+    assert field_errors(response.content.decode(), "groups") == [
+        "Item 2, completions[0]: must be an object with a text string"]
     assert not TrainingJob.objects.exists()
 
 
