@@ -360,15 +360,18 @@ def _submitted(client, job: dict, args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from kiln_web.client import ApiError, Client
+    from kiln_web.client import ApiError, Client, uploaded_place
 
+    body = None  # what was submitted: a refused record of an uploaded file is then named by its line
     try:
         client = Client()
         if args.train_command in BODIES:
-            return _submitted(client, client.submit(args.train_command, BODIES[args.train_command](args)), args)
+            body = BODIES[args.train_command](args)
+            return _submitted(client, client.submit(args.train_command, body), args)
         if args.train_command == "resume":
             ended = client.job(args.job_id)
-            return _submitted(client, client.resume(ended["id"], _resume_source(args, ended["kind"])), args)
+            body = _resume_source(args, ended["kind"])
+            return _submitted(client, client.resume(ended["id"], body), args)
         if args.train_command == "events":
             listing = client.events(args.job_id)
             if args.json:
@@ -405,7 +408,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print("(no jobs" + (f" with status {args.status})" if args.status else ")"))
         return 0
     except ApiError as exc:
-        return cli_serving.print_api_error(f"train {args.train_command}", exc)
+        return cli_serving.print_api_error(f"train {args.train_command}", exc,
+                                           at=uploaded_place(body, exc.error.get("field")))
 
 
 # -- teacher aliases, through the HTTP API --

@@ -18,11 +18,14 @@ def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def print_api_error(command: str, exc) -> int:
-    """Print a refusal from the API (code, message, field, differences) for `kiln COMMAND`; the exit status 1."""
+def print_api_error(command: str, exc, at: str | None = None) -> int:
+    """Print a refusal from the API (code, message, field, differences) for `kiln COMMAND`, and AT (the FILE:LINE
+    the field stands for, an uploaded record's); the exit status 1."""
     print(f"kiln {command}: {exc.code}: {exc.message}", file=sys.stderr)
     if exc.error.get("field"):
         print(f"  field: {exc.error['field']}", file=sys.stderr)
+    if at:
+        print(f"  at: {at}", file=sys.stderr)
     for difference in exc.error.get("differences") or []:
         print(f"  {difference.get('field')}: checkpoint {difference.get('checkpoint')!r}, "
               f"request {difference.get('request')!r}", file=sys.stderr)

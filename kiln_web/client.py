@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -214,10 +215,18 @@ def within_data_root(path: Path) -> bool:
     return any(resolved.is_relative_to(root.resolve()) and resolved != root.resolve() for root in local_data_roots())
 
 
-def read_jsonl(path: Path) -> list:
+class FileRecords(list):
+    """read_jsonl's records, with the file they came from (`path`) and each one's line in it (`lines`)."""
+
+    def __init__(self, records, path, lines):
+        super().__init__(records)
+        self.path, self.lines = path, lines
+
+
+def read_jsonl(path: Path) -> FileRecords:
     """The records of a JSONL file, refusing a line that is not JSON with its number. Lines end at "\n" (the "\r"
     of a CRLF is JSON whitespace), never at U+2028 ... inside a string; a byte-order mark is not part of line 1."""
-    records = []
+    records, lines = [], []
     with open(path, encoding="utf-8-sig", newline="\n") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -226,4 +235,15 @@ def read_jsonl(path: Path) -> list:
                 records.append(json.loads(line))
             except ValueError as exc:
                 raise ApiError(None, {"code": "invalid_file", "message": f"{path}:{number} is not JSON ({exc})"})
-    return records
+            lines.append(number)
+    return FileRecords(records, path, lines)
+
+
+def uploaded_place(body: dict | None, field: str | None) -> str | None:
+    """FILE:LINE of the uploaded record that a refusal's FIELD names (data[3], groups[1].completions[0]), when BODY
+    carries read_jsonl's records there; else None."""
+    match = re.match(r"(\w+)\[(\d+)\]", field or "")
+    records = (body or {}).get(match.group(1)) if match else None
+    if not isinstance(records, FileRecords) or int(match.group(2)) >= len(records.lines):
+        return None
+    return f"{records.path}:{records.lines[int(match.group(2))]}"

@@ -415,6 +415,27 @@ def test_an_uploaded_jsonl_file_is_read_with_a_byte_order_mark_and_separators_in
     assert f"{path}:5 is not JSON" in refused.value.message
 
 
+@pytest.mark.parametrize("kind, field", [("sft", "data[1]"), ("grpo", "groups[1].completions[0]")])
+def test_a_refused_record_of_an_uploaded_file_is_named_by_the_file_and_its_line(monkeypatch, capsys, tmp_path, kind,
+                                                                                field):
+    """A file outside the data roots is uploaded as records, and admission names a bad one by its index (data[1]),
+    not where it is in the file the person edits (blank lines counted): the CLI says that too, as FILE:LINE."""
+    from kiln_web.client import ApiError, Client
+
+    def refuse(self, kind, body):
+        raise ApiError(400, {"code": "invalid_request", "field": field, "message": "something about it"})
+
+    monkeypatch.setattr(Client, "submit", refuse)
+    monkeypatch.setenv("KILN_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("KILN_TOKEN", "token")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    path = tmp_path / "records.jsonl"
+    path.write_text('\n{"prompt": "a", "completion": " b"}\n\n\n{"prompt": "c"}\n')
+    assert main(["train", kind, "--file", str(path), "--adapter", "bot", "--upload"]) == 1
+    err = capsys.readouterr()[1]
+    assert f"  field: {field}\n" in err and f"  at: {path}:5\n" in err, err
+
+
 class RecordedJobs:
     """A client whose job polls answer STATES in turn (the last one from then on), and whose events are EVENTS'
     first as many items as polls so far."""
