@@ -224,10 +224,10 @@ class FileRecords(list):
 
 
 def read_jsonl(path: Path) -> FileRecords:
-    """The records of a JSONL file, refusing a line that is not JSON with its number. Lines end at "\n" (the "\r"
-    of a CRLF is JSON whitespace), never at U+2028 ... inside a string; a byte-order mark is not part of line 1."""
+    """The records of a JSONL file, refusing a line that is not JSON with its number. Lines end at "\n", "\r\n" or
+    "\r" (universal newlines), never at U+2028 ... inside a string; a byte-order mark is not part of line 1."""
     records, lines = [], []
-    with open(path, encoding="utf-8-sig", newline="\n") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue

@@ -11,6 +11,7 @@ import re
 MAX_DEPTH = 64  # nesting; real documents nest a few levels, and json/deepcopy recurse per level
 MAX_INT = 2 ** 63 - 1  # integers must fit a signed 64-bit value
 MIN_INT = -(2 ** 63)
+LINE_END = re.compile(r"\r\n|\r|\n")  # a JSONL line's end
 BOM = "\ufeff"  # a UTF-8 file's byte-order mark, once decoded
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where an unpaired UTF-16 surrogate may be spelt
 
@@ -89,10 +90,10 @@ def without_bom(text: str) -> str:
 
 def jsonl_lines(text: str) -> list:
     """[(line number, line)] of JSONL TEXT's non-blank lines, numbered from 1 as an editor numbers them. A line ends
-    at "\n" only (a "\r" before it is JSON whitespace): str.splitlines() also ends one at U+2028, U+2029, U+0085
-    and other separators, which a JSON string may hold unescaped (json.dumps(ensure_ascii=False) writes them so).
-    A byte-order mark before the first line is not part of it."""
-    return [(number, line) for number, line in enumerate(without_bom(text).split("\n"), 1) if line.strip()]
+    at "\n", "\r\n" or "\r" (no JSON string holds either character raw), as Python's universal newlines: never at
+    the U+2028, U+2029, U+0085 ... where str.splitlines() also ends one, which a JSON string may hold unescaped
+    (json.dumps(ensure_ascii=False) writes them so). A byte-order mark before the first line is not part of it."""
+    return [(number, line) for number, line in enumerate(LINE_END.split(without_bom(text)), 1) if line.strip()]
 
 
 def data_loads(text: str, *, max_depth: int = MAX_DEPTH):

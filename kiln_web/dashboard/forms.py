@@ -377,7 +377,7 @@ class JobForm(forms.Form):
             numbered = list(enumerate(records, 1))
         else:
             numbered, where = [], "Line {}"
-            for number, line in enumerate(text.split("\n"), 1):  # never at U+2028 ... inside a string (splitlines)
+            for number, line in enumerate(re.split(r"\r\n|\r|\n", text), 1):  # not at U+2028 ... as splitlines()
                 if not line.strip():
                     continue
                 try:

@@ -232,6 +232,11 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read_as_jsonl(tmp_path):
     assert got.identities["dataset"]["records"] == 3
     assert got.total_steps == admit_sft(request(plain), settings).total_steps
     assert sft.read_dataset({"dataset_path": str(marked)}, settings)[0] == RECORDS[:3]
+    classic = tmp_path / "datasets" / "classic.jsonl"  # a lone "\r" ends a line too, as it always did
+    classic.write_text("".join(json.dumps(r) + "\r" for r in RECORDS[:3]) + "\r{\"prompt\": 1}\r", newline="")
+    with pytest.raises(RequestError) as info:
+        admit_sft(request(str(classic)), settings)
+    assert info.value.message.startswith("line 5: "), info.value.message
     prompts = tmp_path / "datasets" / "prompts.jsonl"
     prompts.write_bytes(b"\xef\xbb\xbf\"a\"\r\n\"b\"\r\n")
     assert [r["prompt"] for r in opd.read_prompts({"dataset_path": str(prompts)}, settings)[0]] == ["a", "b"]
