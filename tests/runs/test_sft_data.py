@@ -193,6 +193,26 @@ def test_a_bad_message_is_named_with_what_is_wrong(tmp_path, messages, words):
     assert words in info.value.message
 
 
+TOOL_TEMPLATE = (  # as tool-calling templates (Qwen2.5's, Llama 3.1's) read an assistant's calls where it has them
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if message.tool_calls is defined %}{% for call in message.tool_calls %}{{ call.name }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_null_fields_are_absent_as_in_a_dataset_exported_by_the_datasets_library():
+    """datasets' to_json writes every column of every row: a mixed dataset's prompt/completion rows carry
+    "messages": null, its chat rows "prompt": null, and a message without tool calls "tool_calls": null. TRL drops
+    such None values (remove_none_values) before reading the formats; Kiln refused the rows ("messages must be a
+    list") or failed the template ('NoneType' object is not iterable)."""
+    tokenizer = tiny_tokenizer(TOOL_TEMPLATE)
+    chat_record = chat("q", "a")
+    exported = [{"prompt": "q", "completion": " a", "messages": None},
+                {"messages": [{**m, "tool_calls": None} for m in chat_record["messages"]], "prompt": None,
+                 "completion": None}]
+    expected = sft.tokenize_examples([{"prompt": "q", "completion": " a"}, chat_record], tokenizer, 64)
+    assert sft.tokenize_examples(exported, tokenizer, 64) == expected
+
+
 # -- JSONL files ------------------------------------------------------------------------------------------------
 
 

@@ -108,15 +108,23 @@ def read_dataset(request: dict, settings: RunSettings):
     return data, raw, "inline"
 
 
+def _without_nulls(value: dict) -> dict:
+    return {key: item for key, item in value.items() if item is not None}
+
+
 def _parts_of(record, where):
-    """(messages, None) for a chat record, (None, (prompt, completion)) for a plain-text one."""
+    """(messages, None) for a chat record, (None, (prompt, completion)) for a plain-text one. A null field is an
+    absent one, in the record and in its messages, as TRL reads them (remove_none_values): the datasets library's
+    to_json writes every column of every row, null where a row has none."""
     if not isinstance(record, dict):
         raise refuse_record(where, f"must be an object with messages or prompt/completion, got {json_kind(record)}")
+    record = _without_nulls(record)
     if "messages" in record:
         messages = record["messages"]
         problem = message_problem(messages)
         if problem is not None:
             raise refuse_record(where, problem)
+        messages = [_without_nulls(message) for message in messages]
         if len(messages) < 2:
             raise refuse_record(where, "messages must hold at least two entries: what is asked, then the "
                                        "assistant's answer that is learnt")
