@@ -189,9 +189,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("Training jobs run in this process (embedded worker; set REDIS_URL for Celery workers)")
         else:
             print("Training jobs go to Celery: run `celery -A kiln_web worker -Q training` beside this")
-        print(f"Kiln is serving at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `docker stop` stops as cleanly as Ctrl-C
-        try:
+        try:  # the announcement inside: a Ctrl-C the moment it is printed still stops cleanly
+            print(f"Kiln is serving at http://{args.host}:{args.port}/  (Ctrl-C stops)", flush=True)
             # lifespan off: the Channels router does not speak the ASGI lifespan protocol.
             # no per-message deflate: job events are a few hundred bytes of JSON, and compressing each one once
             # per open dashboard costs the web process more CPU than the bytes it saves on a local network
@@ -233,9 +233,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     worker.start()
-    print(f"worker {worker.worker_id} is polling for queued jobs every {worker.poll_seconds:g} s "
-          "(Ctrl-C stops)", flush=True)
-    try:
+    try:  # the announcement inside: a Ctrl-C the moment it is printed still stops the worker cleanly
+        print(f"worker {worker.worker_id} is polling for queued jobs every {worker.poll_seconds:g} s "
+              "(Ctrl-C stops)", flush=True)
         while worker.is_alive():
             worker.join(0.5)
     except KeyboardInterrupt:
