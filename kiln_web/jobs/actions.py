@@ -176,6 +176,9 @@ def _submit_job(user, body: dict, request: dict, kind: str) -> TrainingJob:
             raise _name_taken(adapter.name)
         active = TrainingJob.objects.filter(adapter=adapter, status__in=ACTIVE_STATUSES).first()
         if active is not None:
+            if not active.is_owner_or_staff(user):  # staff's job on the owner's adapter is 404 to the owner
+                raise ActionRefused(409, "adapter_busy", f"the adapter {adapter.name!r} already has a {active.status} "
+                                                         "job of another person; wait for it to finish")
             raise ActionRefused(409, "adapter_busy",
                                 f"the adapter {adapter.name!r} already has a {active.status} job ({active.pk}); "
                                 "wait for it to finish or cancel it first", job_id=str(active.pk))

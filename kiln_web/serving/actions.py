@@ -299,6 +299,9 @@ def do_delete_adapter(user, name: str) -> dict:
                                                      "wait for the evaluation to end", evaluation_id=str(busy.pk))
         busy = evaluating.filter(baseline_kind=BaselineKind.ADAPTER, baseline=name).first()
         if busy is not None:  # the baseline is evaluated too: without its snapshot the run fails
+            if not busy.is_owner_or_staff(user):
+                raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is the baseline of another person's "
+                                                         "evaluation; wait for the evaluation to end")
             raise ActionRefused(409, "adapter_busy", f"the adapter {name!r} is the baseline of evaluation {busy.pk}; "
                                                      "wait for the evaluation to end", evaluation_id=str(busy.pk))
         checkpoints = runtime.delete_checkpoints(name)

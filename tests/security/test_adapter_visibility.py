@@ -481,3 +481,34 @@ def test_a_delete_refused_for_someone_elses_evaluation_does_not_name_it(scene):
     assert queued.json()["id"] not in refused.content.decode(), refused.content
     staff = call(scene.api("root"), "DELETE", f"/v1/adapters/{scene.name}")
     assert staff.status_code == 409 and staff.json()["error"]["evaluation_id"] == queued.json()["id"]
+
+
+def test_a_delete_refused_for_someone_elses_evaluation_against_it_does_not_name_it(scene, settings):
+    """carol evaluates her own adapter with alice's (shared with her) as the baseline: alice may not delete hers
+    while the run waits (adapter_busy: without its snapshot the run would fail), but carol's run is not named to her;
+    staff are given its id."""
+    own = f"{scene.name}-c"
+    publish_adapter(settings.KILN_HOME, settings.KILN_ADAPTERS_DIR, own, seed=2)
+    Adapter.objects.create(name=own, owner=scene.people["carol"])
+    queued = call(scene.api("carol"), "POST", "/v1/evals/runs",
+                  {"adapter": own, "suite": f"{scene.name}-carol", "baseline": scene.name})
+    assert queued.status_code == 201, queued.content
+    assert call(scene.api("alice"), "POST", f"/v1/adapters/{scene.name}/unload").status_code == 200
+    refused = call(scene.api("alice"), "DELETE", f"/v1/adapters/{scene.name}")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_busy", refused.content
+    assert queued.json()["id"] not in refused.content.decode(), refused.content
+    assert "evaluation_id" not in refused.json()["error"]
+    staff = call(scene.api("root"), "DELETE", f"/v1/adapters/{scene.name}")
+    assert staff.status_code == 409 and staff.json()["error"]["evaluation_id"] == queued.json()["id"]
+
+
+def test_a_submission_refused_for_staffs_job_on_the_adapter_does_not_name_it(scene):
+    """Staff may train alice's adapter; while that job waits, alice's own submission is refused adapter_busy without
+    the job's id (staff's job answers her 404), and staff's own second submission is given it."""
+    queued = _api_call(scene, "submit_sft", "root")
+    assert queued.status_code == 201, queued.content
+    refused = _api_call(scene, "submit_sft", "alice")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "adapter_busy", refused.content
+    assert queued.json()["id"] not in refused.content.decode() and "job_id" not in refused.json()["error"]
+    again = _api_call(scene, "submit_sft", "root")
+    assert again.status_code == 409 and again.json()["error"]["job_id"] == queued.json()["id"]
