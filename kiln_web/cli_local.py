@@ -141,6 +141,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command == "prune":
         return _prune(args)
     path = Path(args.path).expanduser()
+    if not os.path.lexists(path):  # before the name's rules: a mistyped path is missing, not misnamed
+        print(f"invalid: {path.name}: not_found: no checkpoint at {path}", file=sys.stderr)
+        return 1
     try:
         fields = _manifest_fields(checkpoint_dir, path)
         loaded = checkpoint_dir.load_checkpoint(path, full=args.checkpoint_command == "verify",

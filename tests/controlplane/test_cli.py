@@ -150,7 +150,11 @@ def test_checkpoint_verify_and_show(fake_runner, api, adapter_name, capsys, sett
     capsys.readouterr()
     assert main(["checkpoint", "verify", str(path)]) == 1
     assert "checksum_mismatch" in capsys.readouterr()[1]
-    assert main(["checkpoint", "verify", str(path.parent / "nothing-checkpoint-step-00000001.kiln-checkpoint")]) == 1
+    capsys.readouterr()
+    for missing in (path.parent / "nothing-checkpoint-step-00000001.kiln-checkpoint", path.parent / "typo"):
+        assert main(["checkpoint", "verify", str(missing)]) == 1
+        # a missing path is said to be missing, whatever its name (not that "typo" breaks the naming rules)
+        assert capsys.readouterr()[1] == f"invalid: {missing.name}: not_found: no checkpoint at {missing}\n"
     assert response.status_code == 201
 
 
