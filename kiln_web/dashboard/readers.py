@@ -124,12 +124,14 @@ def read_checkpoint(basename: str, kind: str, adapter: str, manifest_digest: str
     return CheckpointState(basename, "valid", summary=summary, step=summary.get("step"))
 
 
-def adapter_checkpoints(adapter: Adapter) -> tuple[list[CheckpointState], str | None]:
+def adapter_checkpoints(adapter: Adapter, records: list | None = None) -> tuple[list[CheckpointState], str | None]:
     """Every checkpoint of ADAPTER, newest first: each directory in the registry (light-validated now),
     indexed ones that are gone, and hidden staging directories of unfinished publications.
-    The second value says why the registry could not be read, if it could not."""
-    records = {record.basename: record for record in
-               CheckpointRecord.objects.filter(adapter=adapter).select_related("job")}
+    The second value says why the registry could not be read, if it could not. RECORDS: the adapter's
+    CheckpointRecords, when the caller read them already (adapter_rows)."""
+    if records is None:
+        records = CheckpointRecord.objects.filter(adapter=adapter)
+    records = {record.basename: record for record in records}
     try:
         module = runtime.checkpoint_module()
     except runtime.RunnerUnavailable as exc:
@@ -343,6 +345,37 @@ def accepts_base_adapter(kind: str) -> bool:
     except (KeyError, runtime.RunnerUnavailable):
         return False
     return True
+
+
+def adapter_rows(user) -> list[dict]:
+    """The adapters page: each adapter USER may see with its checkpoints (adapter_checkpoints), its newest job
+    and whether it is served; the database is read with a fixed number of queries whatever their number."""
+    from django.db.models import OuterRef, Subquery
+
+    adapters = visible_adapters(user)
+    if apps.is_installed("kiln_web.serving"):
+        adapters = adapters.select_related("serving__active_for")
+    adapters = list(adapters)
+    ids = [adapter.pk for adapter in adapters]
+    records: dict = {pk: [] for pk in ids}
+    for record in CheckpointRecord.objects.filter(adapter_id__in=ids):
+        records[record.adapter_id].append(record)
+    # the newest job the person may see (staff's job on their adapter is not theirs to see)
+    newest = visible_jobs(user).filter(adapter=OuterRef("pk")).order_by("-created_at").values("pk")[:1]
+    picks = Adapter.objects.filter(pk__in=ids).annotate(pick=Subquery(newest)).values("pick")
+    jobs = {job.adapter_id: job for job in TrainingJob.objects.filter(pk__in=picks).only("pk", "status", "adapter_id")}
+    rows = []
+    for adapter in adapters:
+        # an adapter shared with the person: its checkpoints and jobs are its owner's training, shown to them only
+        manages = adapter.is_owner_or_staff(user)
+        checkpoints, error = adapter_checkpoints(adapter, records[adapter.pk]) if manages else ([], None)
+        rows.append({"adapter": adapter, "snapshot": peft_snapshot(adapter.name), "manages": manages,
+                     "valid": sum(1 for c in checkpoints if c.state == "valid"),
+                     "invalid": sum(1 for c in checkpoints if c.state != "valid"),
+                     "latest": next((c for c in checkpoints if c.state == "valid"), None),
+                     "latest_job": jobs.get(adapter.pk) if manages else None, "registry_error": error,
+                     "served": served(adapter)})
+    return rows
 
 
 def served(adapter: Adapter) -> dict | None:

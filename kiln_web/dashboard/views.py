@@ -210,17 +210,7 @@ def resume_job(request: HttpRequest, job: TrainingJob) -> HttpResponse:
 @require_GET
 @login_required
 def adapters(request: HttpRequest) -> HttpResponse:
-    rows = []
-    for adapter in readers.visible_adapters(request.user):
-        # an adapter shared with the person: its checkpoints and jobs are its owner's training, shown to them only
-        manages = adapter.is_owner_or_staff(request.user)
-        checkpoints, error = readers.adapter_checkpoints(adapter) if manages else ([], None)
-        latest_job = readers.visible_jobs(request.user).filter(adapter=adapter).order_by("-created_at").first()
-        rows.append({"adapter": adapter, "snapshot": readers.peft_snapshot(adapter.name), "manages": manages,
-                     "valid": sum(1 for c in checkpoints if c.state == "valid"),
-                     "invalid": sum(1 for c in checkpoints if c.state != "valid"),
-                     "latest": next((c for c in checkpoints if c.state == "valid"), None),
-                     "latest_job": latest_job, "registry_error": error, "served": readers.served(adapter)})
+    rows = readers.adapter_rows(request.user)
     return render(request, "dashboard/adapters.html", {"rows": rows, "show_owner": request.user.is_staff,
                                                        "nav": "adapters"})
 
@@ -295,7 +285,7 @@ def qualification(request: HttpRequest) -> HttpResponse:
 @login_required
 def teachers(request: HttpRequest) -> HttpResponse:
     """Teacher aliases (global names an OPD run's config.teacher resolves) and registering one."""
-    from kiln_web.teachers.actions import adapter_hidden, do_create_teacher
+    from kiln_web.teachers.actions import adapters_hidden, do_create_teacher
     from kiln_web.teachers.models import TeacherAlias
 
     form = TeacherForm(request.POST or None)
@@ -313,8 +303,9 @@ def teachers(request: HttpRequest) -> HttpResponse:
                 return redirect("dashboard:teachers")
         status = 400
     aliases = list(TeacherAlias.objects.select_related("owner").order_by("name"))
-    for alias in aliases:  # a registry adapter the person may not see is left out, as in the API
-        alias.adapter_hidden = adapter_hidden(alias, request.user)
+    # a registry adapter the person may not see is left out, as in the API
+    for alias, hidden in zip(aliases, adapters_hidden(aliases, request.user)):
+        alias.adapter_hidden = hidden
     return render(request, "dashboard/teachers.html", {"aliases": aliases, "form": form, "nav": "teachers"},
                   status=status)
 

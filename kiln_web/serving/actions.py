@@ -14,6 +14,7 @@ from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
+from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from kiln_web.adapters.models import Adapter, AdapterShare
@@ -70,25 +71,38 @@ def registry_adapter_hidden(user, path_text) -> bool:
     `NAME-checkpoint-step-...`) or in one of the registry's hidden staging or retired copies. Reading those weights
     (distilling from them, starting from them) is using the adapter, so the caller refuses it as if the directory
     did not exist. A path that does not resolve, or lies elsewhere, is left to the caller."""
-    if not isinstance(path_text, str) or not path_text:
-        return False
+    return registry_adapters_hidden(user, [path_text])[0]
+
+
+def registry_adapters_hidden(user, paths: list) -> list[bool]:
+    """registry_adapter_hidden for each of PATHS, with two queries whatever their number."""
     try:
         registry = runtime.registry().resolve()
+    except (OSError, RuntimeError, ValueError):
+        return [False] * len(paths)
+    entries = [_registry_entries(registry, path_text) for path_text in paths]
+    names = {entry.split("-checkpoint-step-")[0] for found in entries for entry in found if not entry.startswith(".")}
+    hidden = set()
+    if names:
+        hidden = (set(Adapter.objects.filter(name__in=names).values_list("name", flat=True))
+                  - set(Adapter.objects.visible_to(user).filter(name__in=names).values_list("name", flat=True)))
+    # a staging or retired copy (a name starting with '.') is nobody's to read
+    return [any(entry.startswith(".") or entry.split("-checkpoint-step-")[0] in hidden for entry in found)
+            for found in entries]
+
+
+def _registry_entries(registry: Path, path_text) -> list[str]:
+    """The registry entries (top-level names) that PATH_TEXT and the PEFT files in it resolve into; none for a
+    path that does not resolve, or lies elsewhere."""
+    if not isinstance(path_text, str) or not path_text:
+        return []
+    try:
         directory = Path(path_text)
         places = [directory.resolve(), *((directory / name).resolve() for name in ADAPTER_FILES)]
     except (OSError, RuntimeError, ValueError):
-        return False
-    return any(_hidden_in_registry(user, registry, place) for place in places)
-
-
-def _hidden_in_registry(user, registry: Path, resolved: Path) -> bool:
-    if resolved == registry or not resolved.is_relative_to(registry):
-        return False
-    entry = resolved.relative_to(registry).parts[0]
-    if entry.startswith("."):  # a staging or retired copy: nobody's to read
-        return True
-    adapter = Adapter.objects.filter(name=entry.split("-checkpoint-step-")[0]).first()
-    return adapter is not None and not adapter.is_visible_to(user)
+        return []
+    return [place.relative_to(registry).parts[0] for place in places
+            if place != registry and place.is_relative_to(registry)]
 
 
 def job_base(job) -> str | None:
@@ -102,12 +116,23 @@ def job_base(job) -> str | None:
     return None
 
 
-def adapter_base(adapter: Adapter) -> str | None:
-    """The base an adapter was trained over: its newest succeeded job's, else what its snapshot names."""
-    from kiln_web.jobs.models import JobStatus
+NEWEST_SUCCEEDED = ("-finished_at",)  # which of an adapter's succeeded jobs says its base
 
-    job = adapter.jobs.filter(status=JobStatus.SUCCEEDED).order_by("-finished_at").first()
+
+def _succeeded_jobs():
+    from kiln_web.jobs.models import JobStatus, TrainingJob
+
+    # what job_base reads, and nothing of the (possibly large) request and admission bodies
+    return TrainingJob.objects.filter(status=JobStatus.SUCCEEDED).only("pk", "adapter_id", "effective_config",
+                                                                       "identities")
+
+
+def adapter_base(adapter: Adapter, newest_job=None, *, known: bool = False) -> str | None:
+    """The base an adapter was trained over: its newest succeeded job's, else what its snapshot names. KNOWN: the
+    caller read that job already (NEWEST_JOB, None when there is none)."""
+    job = newest_job if known else _succeeded_jobs().filter(adapter=adapter).order_by(*NEWEST_SUCCEEDED).first()
     if job is not None:
+        job.adapter = adapter
         return job_base(job)
     return runtime.snapshot_base(adapter.name)
 
@@ -362,22 +387,58 @@ def do_unshare_adapter(user, name: str, *, kind: str, target: str) -> None:
 # -- reading --
 
 
-def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
-    """One adapter as the API shows it to USER; its shares only to those who may change them."""
-    row = rows.get(adapter.pk)
-    mine = bool(row and row.active and user is not None and row.active_for_id == user.pk)
-    manages = user is not None and adapter.is_owner_or_staff(user)
-    latest = adapter.promotions.order_by("-decided_at", "-id").first() if manages else None  # the owner's history
-    shares = ([share.to_dict() for share in adapter.shares.select_related("user", "group", "created_by")]
-              if manages else None)
+def _newest_per_adapter(rows, ids: list, order: tuple) -> dict:
+    """{adapter id: its newest row of ROWS (a queryset with an `adapter` foreign key) by ORDER} for the adapters
+    IDS, in one query whatever their number (each adapter's pick is a subquery on its own rows)."""
+    pick = rows.filter(adapter=OuterRef("pk")).order_by(*order).values("pk")[:1]
+    picks = Adapter.objects.filter(pk__in=ids).annotate(pick=Subquery(pick)).values("pick")
+    return {row.adapter_id: row for row in rows.filter(pk__in=picks)}
+
+
+def adapter_views(adapters, rows: dict, user=None) -> list[dict]:
+    """Each of ADAPTERS as the API shows it to USER; its shares only to those who may change them. Their latest
+    promotions, shares, newest succeeded jobs and checkpoint counts are read in one query each, whatever the
+    number of adapters."""
+    from django.db.models import Count
+
+    from kiln_web.adapters.models import CheckpointRecord
+
+    adapters = list(adapters)
+    ids = [adapter.pk for adapter in adapters]
+    managed = [adapter.pk for adapter in adapters if user is not None and adapter.is_owner_or_staff(user)]
+    latest = _newest_per_adapter(PromotionRecord.objects.all(), managed, ("-decided_at", "-id")) if managed else {}
+    shares: dict = {pk: [] for pk in managed}
+    if managed:
+        for share in AdapterShare.objects.filter(adapter_id__in=managed).select_related("user", "group",
+                                                                                      "created_by"):
+            shares[share.adapter_id].append(share.to_dict())
+    jobs = _newest_per_adapter(_succeeded_jobs(), ids, NEWEST_SUCCEEDED) if ids else {}
+    checkpoints = dict(CheckpointRecord.objects.filter(adapter_id__in=ids).order_by().values("adapter")
+                       .annotate(count=Count("pk")).values_list("adapter", "count")) if ids else {}
     serving = runtime.started()
-    return {"name": adapter.name, "owner": adapter.owner.get_username(), "base": adapter_base(adapter),
+    loaded_here = serving.loaded_here() if serving else ()
+    views = []
+    for adapter in adapters:
+        row = rows.get(adapter.pk)
+        manages = adapter.pk in shares
+        promotion = latest.get(adapter.pk)
+        if promotion is not None:
+            promotion.adapter = adapter
+        views.append({
+            "name": adapter.name, "owner": adapter.owner.get_username(),
+            "base": adapter_base(adapter, jobs.get(adapter.pk), known=True),
             "snapshot": runtime.has_snapshot(adapter.name), "loaded": row is not None,
-            "active": mine, "serving": row.to_dict() if row is not None else None,
-            "loaded_here": bool(serving and adapter.name in serving.loaded_here()),
-            "checkpoint_records": adapter.checkpoints.count() if manages else None,
-            "latest_promotion": latest.to_dict() if latest is not None else None, "created_at": adapter.created_at,
-            "can_manage": manages, "shares": shares}
+            "active": bool(row and row.active and user is not None and row.active_for_id == user.pk),
+            "serving": row.to_dict() if row is not None else None, "loaded_here": adapter.name in loaded_here,
+            "checkpoint_records": checkpoints.get(adapter.pk, 0) if manages else None,  # the owner's training
+            "latest_promotion": promotion.to_dict() if promotion is not None else None,
+            "created_at": adapter.created_at, "can_manage": manages, "shares": shares.get(adapter.pk)})
+    return views
+
+
+def adapter_view(adapter: Adapter, rows: dict, user=None) -> dict:
+    """One adapter as the API shows it to USER (adapter_views)."""
+    return adapter_views([adapter], rows, user)[0]
 
 
 def visible_adapters(user):

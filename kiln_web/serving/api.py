@@ -31,8 +31,8 @@ def list_adapters(request: HttpRequest):
     rows = _rows()
     active = next((row.adapter.name for row in rows.values() if row.active and row.active_for_id == request.auth.pk),
                   None)
-    return {"items": [actions.adapter_view(adapter, rows, request.auth)
-                      for adapter in actions.visible_adapters(request.auth)], "active": active}
+    return {"items": actions.adapter_views(actions.visible_adapters(request.auth), rows, request.auth),
+            "active": active}
 
 
 @router.get("/{name}", response={200: AdapterOut, **REFUSALS}, summary="One adapter", operation_id="get_adapter")

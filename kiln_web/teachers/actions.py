@@ -109,17 +109,25 @@ def check_unused(alias: TeacherAlias, user=None) -> None:
 
 def adapter_hidden(alias: TeacherAlias, user) -> bool:
     """Whether ALIAS names an adapter of the registry that USER may not see."""
-    from kiln_web.serving.actions import registry_adapter_hidden
-
-    return bool(alias.adapter) and registry_adapter_hidden(user, alias.adapter)
+    return adapters_hidden([alias], user)[0]
 
 
-def shown_to(alias: TeacherAlias, user) -> dict:
+def adapters_hidden(aliases, user) -> list[bool]:
+    """adapter_hidden for each of ALIASES, with a fixed number of queries whatever their number."""
+    from kiln_web.serving.actions import registry_adapters_hidden
+
+    named = [alias.adapter for alias in aliases if alias.adapter]
+    hidden = iter(registry_adapters_hidden(user, named) if named else [])
+    return [bool(alias.adapter) and next(hidden) for alias in aliases]
+
+
+def shown_to(alias: TeacherAlias, user, hidden: bool | None = None) -> dict:
     """ALIAS as USER may see it: aliases are listed to everyone, but an adapter of the registry that USER may not
     see is left out (`adapter` null, `adapter_hidden` true), as the adapter's own routes answer USER as for a name
-    that does not exist. The identity revision, which binds the path, is shown to all."""
+    that does not exist. The identity revision, which binds the path, is shown to all. HIDDEN: adapter_hidden,
+    when the caller read it already (adapters_hidden, for a list)."""
     document = alias.to_dict()
-    hidden = adapter_hidden(alias, user)
+    hidden = adapter_hidden(alias, user) if hidden is None else hidden
     if hidden:
         document["adapter"] = None
     return {**document, "adapter_hidden": hidden}

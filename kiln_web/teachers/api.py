@@ -27,7 +27,9 @@ def _alias(name: str) -> TeacherAlias:
 @router.get("", response={200: TeacherListOut, **REFUSALS}, summary="List teacher aliases",
             operation_id="list_teachers")
 def list_teachers(request: HttpRequest):
-    return {"items": [actions.shown_to(alias, request.auth) for alias in TeacherAlias.objects.select_related("owner")]}
+    aliases = list(TeacherAlias.objects.select_related("owner"))
+    hidden = actions.adapters_hidden(aliases, request.auth)
+    return {"items": [actions.shown_to(alias, request.auth, flag) for alias, flag in zip(aliases, hidden)]}
 
 
 @router.post("", response={201: TeacherOut, **CHANGE_REFUSALS}, summary="Register a teacher alias",

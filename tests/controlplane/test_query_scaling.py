@@ -1,0 +1,178 @@
+"""The control plane's cost as its tables grow: every list and detail endpoint and every dashboard page answers
+with a number of SQL queries that does not depend on how many rows there are (no query per adapter, job, run,
+share or alias), and the responses that could hold a job's or a suite's every row are paged.
+
+Each test builds the same world at two sizes and compares the query counts; the per-row work is then visible as
+the difference.
+"""
+
+import itertools
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from kiln_web.adapters.models import Adapter, AdapterShare, CheckpointRecord
+from kiln_web.evals.models import EvalExampleResult, EvalRun, EvalSuite
+from kiln_web.jobs.models import JobEvent, JobKind, JobMetric, JobStatus, TrainingJob
+from kiln_web.serving.models import PromotionRecord, ServedAdapter
+from kiln_web.teachers.models import TeacherAlias
+
+from .conftest import ApiClient
+
+pytestmark = pytest.mark.django_db
+
+SMALL, LARGE = 2, 9
+_worlds = itertools.count()
+
+
+class World:
+    """N adapters of ada's, each trained by a succeeded job with a checkpoint, a promotion decision, an
+    evaluation and a share with bob (and one of bob's shared with ada); one job with N metrics, events and
+    checkpoints; one evaluation with N examples; N teacher aliases; the first adapter loaded and active."""
+
+    def __init__(self, ada, bob, settings, n: int):
+        tag = f"w{next(_worlds)}"
+        self.n, self.ada, self.bob = n, ada, bob
+        self.suite = EvalSuite.objects.create(name=f"{tag}-suite", owner=ada, content="", digest="d" * 64,
+                                              example_count=n)
+        self.adapters, self.jobs, self.runs = [], [], []
+        for i in range(n):
+            adapter = Adapter.objects.create(name=f"{tag}-a{i}", owner=ada)
+            job = TrainingJob.objects.create(
+                owner=ada, kind=JobKind.SFT, adapter=adapter, status=JobStatus.SUCCEEDED,
+                request={"auto_load": True}, admission={}, effective_config={"base_model": "kiln-tiny"},
+                committed_step=n, total_steps=n, latest_checkpoint={"resume_checkpoint": f"{adapter.name}-ck"})
+            CheckpointRecord.objects.create(job=job, adapter=adapter, basename=f"{adapter.name}-ck", step=1,
+                                            checkpoint_id="c", summary={"step": 1})
+            run = EvalRun.objects.create(
+                owner=ada, suite=self.suite, suite_digest="d" * 64, candidate=adapter, candidate_base="kiln-tiny",
+                baseline_kind="base", baseline="kiln-tiny", baseline_base="kiln-tiny", training_job=job,
+                purpose="gate", status="succeeded", candidate_summary=self.summary(n, n // 2),
+                baseline_summary=self.summary(n, n // 4))
+            PromotionRecord.objects.create(adapter=adapter, job=job, evaluation=run, outcome="promoted",
+                                           reason="passed", decided_by="gate", user=ada)
+            AdapterShare.objects.create(adapter=adapter, user=bob, created_by=ada)
+            TeacherAlias.objects.create(name=f"{tag}-t{i}@native", route="native", base="kiln-tiny", owner=ada,
+                                        adapter=str(settings.KILN_ADAPTERS_DIR / adapter.name),
+                                        identity_revision="r" * 64)
+            self.adapters.append(adapter)
+            self.jobs.append(job)
+            self.runs.append(run)
+        theirs = Adapter.objects.create(name=f"{tag}-bob", owner=bob)
+        AdapterShare.objects.create(adapter=theirs, user=ada, created_by=bob)
+        ServedAdapter.objects.create(adapter=self.adapters[0], base="kiln-tiny", adapter_sha256="s" * 64,
+                                     active=True, active_for=ada, loaded_by="ada")
+        self.job, self.run = self.jobs[0], self.runs[0]
+        CheckpointRecord.objects.bulk_create(
+            CheckpointRecord(job=self.job, adapter=self.adapters[0], basename=f"{tag}-a0-extra-{i}", step=i + 2,
+                             checkpoint_id="c") for i in range(n))
+        JobMetric.objects.bulk_create(JobMetric(job=self.job, step=i + 1, metrics={"loss": 1.0, "tokens": 8,
+                                                                                    "elapsed_seconds": i})
+                                      for i in range(n))
+        JobEvent.objects.bulk_create(JobEvent(job=self.job, message=f"event {i}") for i in range(n))
+        EvalExampleResult.objects.bulk_create(
+            EvalExampleResult(run=self.run, index=i, expected="x", metric="exact", candidate_output="x",
+                              candidate_correct=True, baseline_output="y", baseline_correct=False)
+            for i in range(n))
+
+    def summary(self, total: int, correct: int) -> dict:
+        return {"suite": self.suite.name, "suite_digest": self.suite.digest, "correct": correct, "total": total,
+                "accuracy": correct / total}
+
+
+def _clear():
+    for model in (EvalExampleResult, PromotionRecord, EvalRun, EvalSuite, ServedAdapter, AdapterShare,
+                  CheckpointRecord, JobMetric, JobEvent, TrainingJob, TeacherAlias, Adapter):
+        model.objects.all().delete()
+
+
+def queries(get) -> int:
+    """How many SQL queries GET() (a request) made; it must answer 200."""
+    with CaptureQueriesContext(connection) as captured:
+        response = get()
+    assert response.status_code == 200, response.content[:500]
+    return len(captured.captured_queries)
+
+
+def counts(ada, bob, settings, path_of) -> tuple[int, int]:
+    """The queries of PATH_OF(world)'s request (a callable returning a response) in a SMALL and a LARGE world."""
+    out = []
+    for n in (SMALL, LARGE):
+        _clear()
+        world = World(ada, bob, settings, n)
+        request = path_of(world)
+        request()  # warm: a first request may fill per-process caches (the token's user, the registry)
+        out.append(queries(request))
+    return tuple(out)
+
+
+@pytest.fixture
+def api_get(ada):
+    client = ApiClient(ada.token)
+    return lambda path: (lambda: client.get(path))
+
+
+@pytest.fixture
+def page_get(ada):
+    client = Client()
+    client.force_login(ada)
+    return lambda path: (lambda: client.get(path))
+
+
+API_PATHS = {
+    "jobs": lambda w: "/v1/train/jobs?limit=500",
+    "job": lambda w: f"/v1/train/jobs/{w.job.pk}",
+    "metrics": lambda w: f"/v1/train/jobs/{w.job.pk}/metrics",
+    "events": lambda w: f"/v1/train/jobs/{w.job.pk}/events",
+    "checkpoints": lambda w: f"/v1/train/jobs/{w.job.pk}/checkpoints",
+    "adapters": lambda w: "/v1/adapters",
+    "adapter": lambda w: f"/v1/adapters/{w.adapters[0].name}",
+    "promotions": lambda w: "/v1/promotions?limit=500",
+    "eval_runs": lambda w: "/v1/evals/runs?limit=500",
+    "eval_run": lambda w: f"/v1/evals/runs/{w.run.pk}",
+    "suites": lambda w: "/v1/evals/suites",
+    "teachers": lambda w: "/v1/teachers",
+    "models": lambda w: "/v1/models",
+}
+
+PAGES = {
+    "jobs": lambda w: "/",
+    "job_rows": lambda w: "/jobs/rows",
+    "job": lambda w: f"/jobs/{w.job.pk}/",
+    "job_snapshot": lambda w: f"/jobs/{w.job.pk}/snapshot",
+    "adapters": lambda w: "/adapters/",
+    "adapter": lambda w: f"/adapters/{w.adapters[0].name}/",
+    "eval_runs": lambda w: "/evals/",
+    "eval_run": lambda w: f"/evals/runs/{w.run.pk}/",
+    "promotions": lambda w: "/promotions/",
+    "teachers": lambda w: "/teachers/",
+}
+
+
+@pytest.mark.parametrize("name", API_PATHS)
+def test_api_queries_do_not_grow_with_rows(ada, bob, settings, api_get, name):
+    small, large = counts(ada, bob, settings, lambda w: api_get(API_PATHS[name](w)))
+    assert large == small, f"{name}: {small} queries with {SMALL} of each row, {large} with {LARGE}"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_dashboard_queries_do_not_grow_with_rows(ada, bob, settings, page_get, name):
+    small, large = counts(ada, bob, settings, lambda w: page_get(PAGES[name](w)))
+    assert large == small, f"{name}: {small} queries with {SMALL} of each row, {large} with {LARGE}"
+
+
+def test_the_staff_view_is_bounded_too(make_user, bob, settings):
+    """Staff see everyone's rows: the lists they read must not cost a query per row either."""
+    root = make_user("root", staff=True)
+    client = ApiClient(root.token)
+    page = Client()
+    page.force_login(root)
+    for path in ("/v1/adapters", "/v1/train/jobs?limit=500", "/v1/evals/runs?limit=500", "/v1/teachers"):
+        small, large = counts(root, bob, settings, lambda w: (lambda: client.get(path)))
+        assert large == small, f"{path}: {small} queries with {SMALL} of each row, {large} with {LARGE}"
+    for path in ("/", "/adapters/", "/evals/", "/promotions/", "/teachers/"):
+        small, large = counts(root, bob, settings, lambda w: (lambda: page.get(path)))
+        assert large == small, f"{path}: {small} queries with {SMALL} of each row, {large} with {LARGE}"
+
