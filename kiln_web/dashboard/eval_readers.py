@@ -14,12 +14,19 @@ LIST_LIMIT = 200  # rows per list page, newest first
 
 
 def visible_runs(user):
-    return EvalRun.objects.visible_to(user).select_related("suite", "candidate", "owner", "training_job")
+    """For lists: a row shows its suite's name and its job's id, never the suite's content or the job's bodies
+    (inline data: up to KILN_UPLOAD_MAX_BYTES each); run_detail reads them for one run."""
+    return EvalRun.objects.visible_to(user).select_related("suite", "candidate", "owner").defer("suite__content")
+
+
+def visible_run(user, run_id) -> EvalRun | None:
+    return EvalRun.objects.visible_to(user).select_related("suite", "candidate", "owner", "training_job") \
+        .filter(pk=run_id).first()
 
 
 def visible_promotions(user):
-    return PromotionRecord.objects.visible_to(user).select_related("adapter", "adapter__owner", "job", "evaluation",
-                                                                    "user")
+    # a row shows its job's and its evaluation's ids only
+    return PromotionRecord.objects.visible_to(user).select_related("adapter", "adapter__owner", "user")
 
 
 def accuracy(summary) -> float | None:

@@ -33,7 +33,7 @@ def eval_runs(request: HttpRequest) -> HttpResponse:
 @require_GET
 @login_required
 def eval_run(request: HttpRequest, run_id) -> HttpResponse:
-    run = eval_readers.visible_runs(request.user).filter(pk=run_id).first()
+    run = eval_readers.visible_run(request.user, run_id)
     if run is None:
         raise Http404("no such evaluation run (or it belongs to someone else)")
     return render(request, "dashboard/eval_run.html", eval_readers.run_detail(run) | {

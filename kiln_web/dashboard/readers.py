@@ -49,6 +49,11 @@ def visible_jobs(user):
     return TrainingJob.objects.visible_to(user).select_related("owner", "adapter")
 
 
+def listed_jobs(user):
+    """visible_jobs for a list: without the jobs' request and admission bodies, which a row never shows."""
+    return visible_jobs(user).defer(*TrainingJob.BODIES)
+
+
 def visible_adapters(user):
     return Adapter.objects.visible_to(user).select_related("owner")
 

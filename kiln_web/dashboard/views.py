@@ -44,7 +44,7 @@ def job_view(view):
 
 
 def _filtered_jobs(request: HttpRequest):
-    jobs = readers.visible_jobs(request.user)
+    jobs = readers.listed_jobs(request.user)
     status, kind = request.GET.get("status", ""), request.GET.get("kind", "")
     if status in JobStatus.values:
         jobs = jobs.filter(status=status)
@@ -229,7 +229,7 @@ def adapter_detail(request: HttpRequest, name: str) -> HttpResponse:
         "served": readers.served(adapter), "can_manage": manages,
         "shares": adapter.shares.select_related("user", "group") if manages else (),
         "registry_error": error,
-        "jobs": [readers.job_row(job) for job in readers.visible_jobs(request.user).filter(adapter=adapter)[:50]],
+        "jobs": [readers.job_row(job) for job in readers.listed_jobs(request.user).filter(adapter=adapter)[:50]],
         "show_owner": request.user.is_staff, "nav": "adapters"})
 
 

@@ -328,4 +328,5 @@ def do_finish_evaluation(run_id, worker_id: str, comparison=None, *, error_code:
 
 
 def visible_runs(user):
-    return EvalRun.objects.visible_to(user).select_related("owner", "suite", "candidate")
+    # a run shows its suite's name, never its content (every example: up to KILN_UPLOAD_MAX_BYTES)
+    return EvalRun.objects.visible_to(user).select_related("owner", "suite", "candidate").defer("suite__content")

@@ -31,7 +31,8 @@ def create_suite(request: HttpRequest, payload: SuiteIn):
 @router.get("/suites", response={200: SuiteListOut, **REFUSALS}, summary="Your evaluation suites",
             operation_id="list_suites")
 def list_suites(request: HttpRequest):
-    return {"items": [suite.to_dict() for suite in actions.visible_suites(request.auth).order_by("name")]}
+    suites = actions.visible_suites(request.auth).defer("content").order_by("name")  # to_dict() shows no content
+    return {"items": [suite.to_dict() for suite in suites]}
 
 
 @router.get("/suites/{name}", response={200: SuiteOut, **REFUSALS}, summary="One suite, with its content",

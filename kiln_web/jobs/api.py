@@ -32,9 +32,11 @@ def _visible_jobs(request: HttpRequest):
 JobId = Path(..., description=ids.DESCRIPTION)
 
 
-def _job(request: HttpRequest, job_id: str) -> TrainingJob:
-    """The job JOB_ID (a full id or a unique prefix) names among those the caller may see (kiln_web.jobs.ids)."""
-    return ids.visible_job(request.auth, job_id, _visible_jobs(request))
+def _job(request: HttpRequest, job_id: str, bodies: bool = True) -> TrainingJob:
+    """The job JOB_ID (a full id or a unique prefix) names among those the caller may see (kiln_web.jobs.ids);
+    without its request and admission (TrainingJob.BODIES) unless BODIES."""
+    jobs = _visible_jobs(request)
+    return ids.visible_job(request.auth, job_id, jobs if bodies else jobs.defer(*TrainingJob.BODIES))
 
 
 def _latest_checkpoint(job: TrainingJob) -> tuple[dict | None, dict | None]:
@@ -109,14 +111,14 @@ class JobFilter(Schema):
 
 @router.get("/jobs", response={200: JobListOut, **REFUSALS}, summary="List training jobs", operation_id="list_jobs")
 def list_jobs(request: HttpRequest, filters: Query[JobFilter]):
-    jobs = _visible_jobs(request)
+    jobs = _visible_jobs(request).defer(*TrainingJob.BODIES)
     if filters.status:
         jobs = jobs.filter(status=filters.status)
     if filters.adapter:
         jobs = jobs.filter(adapter__name=filters.adapter)
     items = []
     for job in jobs[filters.offset:filters.offset + filters.limit]:
-        out = job.to_dict()
+        out = job.to_dict(summary=True)
         out["latest_checkpoint"] = (job.latest_checkpoint or {}).get("resume_checkpoint")
         items.append(out)
     return {"items": items, "count": jobs.count()}
@@ -154,7 +156,7 @@ def resume_job(request: HttpRequest, job_id: str = JobId, payload: ResumeIn = No
 @router.get("/jobs/{job_id}/checkpoints", response={200: CheckpointListOut, **REFUSALS},
             summary="Checkpoints a job published", operation_id="list_job_checkpoints")
 def list_checkpoints(request: HttpRequest, job_id: str = JobId):
-    job = _job(request, job_id)
+    job = _job(request, job_id, bodies=False)
     items = []
     for record in job.checkpoints.select_related("adapter").order_by("step"):
         out = record.to_dict()
@@ -175,7 +177,7 @@ def list_metrics(request: HttpRequest, page: Query[MetricPage], job_id: str = Jo
     GRPO adds the policy audit (clip_low/high/region_fraction, kl_mean, ratio_mean/min/max, reward_mean/std,
     advantage_mean/std, groups, completions); OPD adds kl, entropy, repetition_rate, empty_candidates,
     candidates_consumed."""
-    job = _job(request, job_id)
+    job = _job(request, job_id, bodies=False)
     rows = list(JobMetric.objects.filter(job=job, step__gt=page.after_step).order_by("step")[:page.limit + 1])
     more = len(rows) > page.limit
     rows = rows[:page.limit]
@@ -186,5 +188,5 @@ def list_metrics(request: HttpRequest, page: Query[MetricPage], job_id: str = Jo
             summary="The job's log: claims, checkpoints with their timings, warnings, errors",
             operation_id="list_job_events")
 def list_events(request: HttpRequest, job_id: str = JobId):
-    job = _job(request, job_id)
+    job = _job(request, job_id, bodies=False)
     return {"items": [event.to_dict() for event in job.events.order_by("time", "id")]}

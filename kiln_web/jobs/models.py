@@ -76,6 +76,10 @@ class TrainingJob(Owned, models.Model):
 
     objects = OwnedQuerySet.as_manager()  # .visible_to(user): the owner's rows, or all for staff
 
+    # the submitted and the admitted body: each holds the inline data (up to KILN_UPLOAD_MAX_BYTES), so lists and
+    # a job's metrics, events and checkpoints defer them (to_dict(summary=True) reads neither)
+    BODIES = ("request", "admission")
+
     class Meta:
         ordering = ["-created_at"]
         indexes = [
@@ -104,16 +108,18 @@ class TrainingJob(Owned, models.Model):
             return None
         return {key: teacher.get(key) for key in ("alias", "route", "identity_revision", "content_revision")}
 
-    def to_dict(self) -> dict:
-        """The job as the API, the CLI and channel events describe it (no request body, no tensors)."""
-        return {
+    def to_dict(self, summary: bool = False) -> dict:
+        """The job as the API, the CLI and channel events describe it (no request body, no tensors). SUMMARY: as a
+        list shows it, without dataset_path, the one field read from the request (which a list defers)."""
+        out = {
             "id": str(self.pk),
             "kind": self.kind,
             "status": self.status,
             "owner": self.owner.get_username(),
             "adapter": self.adapter.name,
             "data_source_kind": self.data_source_kind,
-            "dataset_path": self.request.get("dataset_path") if isinstance(self.request, dict) else None,
+            "dataset_path": None if summary else
+            self.request.get("dataset_path") if isinstance(self.request, dict) else None,
             "effective_seed": self.effective_seed,
             "effective_config": self.effective_config,
             "identities": self.identities,
@@ -129,6 +135,9 @@ class TrainingJob(Owned, models.Model):
             "started_at": self.started_at,
             "finished_at": self.finished_at,
         }
+        if summary:
+            del out["dataset_path"]
+        return out
 
 
 class JobMetric(models.Model):
