@@ -301,11 +301,11 @@ def _follow(client, job_id: str) -> dict:
 
 def _tell_warnings(client, job_id: str, told: int) -> int:
     """Print the job's warning and error events after its first TOLD events; how many events it has now."""
-    items = client.events(job_id)["items"]
-    for event in items[told:]:
+    items = client.all_events(job_id, offset=told)  # only those not seen yet
+    for event in items:
         if event["level"] in ("warning", "error"):
             print(f"  {event['level']}: {event['message']}", file=sys.stderr, flush=True)
-    return len(items)
+    return told + len(items)
 
 
 def _await_promotion(client, job: dict) -> dict:
@@ -373,7 +373,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             body = _resume_source(args, ended["kind"])
             return _submitted(client, client.resume(ended["id"], body), args)
         if args.train_command == "events":
-            listing = client.events(args.job_id)
+            listing = {"items": client.all_events(args.job_id)}
             if args.json:
                 cli_serving.show(listing, True, None)
                 return 0

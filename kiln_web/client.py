@@ -173,8 +173,20 @@ class Client:
         or the kind's inline field."""
         return self.request("POST", self._job_path(job_id, "resume"), source)
 
-    def events(self, job_id: str) -> dict:
-        return self.request("GET", self._job_path(job_id, "events"))
+    def events(self, job_id: str, **query) -> dict:
+        """One page of the job's log (?offset=&limit=); next_offset asks for the next, null at the end."""
+        return self.request("GET", self._job_path(job_id, "events"), query=query)
+
+    def all_events(self, job_id: str, offset: int = 0) -> list:
+        """The job's events from OFFSET on (oldest first), every page of them."""
+        items = []
+        while offset is not None:
+            page = self.events(job_id, offset=offset)
+            if "next_offset" not in page:  # a server from before paging answers every event, whatever the offset
+                return items + page["items"][offset:]
+            items += page["items"]
+            offset = page["next_offset"]
+        return items
 
     def metrics(self, job_id: str, **query) -> dict:
         return self.request("GET", self._job_path(job_id, "metrics"), query=query)

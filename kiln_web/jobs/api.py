@@ -184,9 +184,18 @@ def list_metrics(request: HttpRequest, page: Query[MetricPage], job_id: str = Jo
     return {"items": [row.to_dict() for row in rows], "next_after_step": rows[-1].step if more else None}
 
 
+class EventPage(Schema):
+    offset: int = Field(0, ge=0, le=2**31 - 1, description="skip this many of the job's events (oldest first)")
+    limit: int = Field(1000, ge=1, le=10000)
+
+
 @router.get("/jobs/{job_id}/events", response={200: EventListOut, **REFUSALS},
             summary="The job's log: claims, checkpoints with their timings, warnings, errors",
             operation_id="list_job_events")
-def list_events(request: HttpRequest, job_id: str = JobId):
+def list_events(request: HttpRequest, page: Query[EventPage], job_id: str = JobId):
+    """Oldest first, a page of `limit` events from `offset`; next_offset asks for the next page."""
     job = _job(request, job_id, bodies=False)
-    return {"items": [event.to_dict() for event in job.events.order_by("time", "id")]}
+    rows = list(job.events.order_by("time", "id")[page.offset:page.offset + page.limit + 1])
+    more = len(rows) > page.limit
+    rows = rows[:page.limit]
+    return {"items": [event.to_dict() for event in rows], "next_offset": page.offset + len(rows) if more else None}

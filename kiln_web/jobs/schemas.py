@@ -436,6 +436,7 @@ class EventOut(Schema):
 
 class EventListOut(Schema):
     items: list[EventOut]
+    next_offset: int | None = Field(None, description="pass as offset for the next page; null at the end")
 
 
 class ResumeIn(Strict):

@@ -446,13 +446,23 @@ class RecordedJobs:
 
     def __init__(self, states, timeout=300.0, events=()):
         self.states, self.timeout, self.polls, self.events_seen = list(states), timeout, 0, list(events)
+        self.events_sent = 0  # events answered, over every page
 
     def job(self, job_id):
         self.polls += 1
         return self.states.pop(0) if len(self.states) > 1 else self.states[0]
 
-    def events(self, job_id):
-        return {"items": self.events_seen[:self.polls]}
+    def events(self, job_id, offset=0, limit=1000):
+        """As GET /v1/train/jobs/{id}/events pages them (with a page of at most 2 here)."""
+        items = self.events_seen[:self.polls]
+        page = items[offset:offset + min(limit, 2)]
+        self.events_sent += len(page)
+        return {"items": page, "next_offset": offset + len(page) if offset + len(page) < len(items) else None}
+
+    def all_events(self, job_id, offset=0):
+        from kiln_web.client import Client
+
+        return Client.all_events(self, job_id, offset)
 
 
 def test_wait_shows_each_warning_and_error_once_as_it_comes(monkeypatch, capsys):
@@ -473,6 +483,23 @@ def test_wait_shows_each_warning_and_error_once_as_it_comes(monkeypatch, capsys)
     assert err.count("  error: the run failed: boom\n") == 1
     assert "claimed" not in err and "checkpoint step 1" not in err
     assert err.index("running 1/4") < err.index("warning:") < err.index("running 2/4")
+
+
+def test_wait_asks_only_for_the_events_it_has_not_seen(monkeypatch, capsys):
+    """Each status change asked for the job's whole log again: quadratic in its events (100k events answered
+    15.8 MB in 9.3 s). It asks from the first event it has not seen, page by page."""
+    from kiln_web import cli_remote
+
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    events = [{"level": "info", "message": f"checkpoint step {i}"} for i in range(40)]
+    events[37] = {"level": "warning", "message": "late"}
+    states = [dict(job_state("running", None), progress={"committed_step": step, "total_steps": 40})
+              for step in range(40)] + [dict(job_state("failed", None), progress={"committed_step": 40,
+                                                                                  "total_steps": 40})]
+    client = RecordedJobs(states, events=events)
+    assert cli_remote._follow(client, "feedf00d")["status"] == "failed"
+    assert capsys.readouterr()[1].count("  warning: late\n") == 1
+    assert client.events_sent == 40  # each event once
 
 
 def job_state(status, outcome, reason=""):
