@@ -104,7 +104,9 @@ class EvalRun(Owned, models.Model):
     class Meta:
         ordering = ["-created_at"]
         verbose_name = "evaluation run"
-        indexes = [models.Index(fields=["status", "created_at"], name="evalrun_status_created")]
+        indexes = [models.Index(fields=["status", "created_at"], name="evalrun_status_created"),
+                   models.Index(fields=["owner", "created_at"], name="evalrun_owner_created"),
+                   models.Index(fields=["created_at"], name="evalrun_created")]
 
     def __str__(self) -> str:
         return f"evaluation {self.pk} of {self.candidate} on {self.suite} ({self.status})"

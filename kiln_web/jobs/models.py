@@ -86,6 +86,7 @@ class TrainingJob(Owned, models.Model):
             models.Index(fields=["status", "created_at"], name="job_status_created"),
             models.Index(fields=["status", "heartbeat_at"], name="job_status_heartbeat"),
             models.Index(fields=["owner", "created_at"], name="job_owner_created"),
+            models.Index(fields=["created_at"], name="job_created"),  # staff's newest jobs, everyone's
         ]
 
     def __str__(self) -> str:
@@ -171,6 +172,7 @@ class JobEvent(models.Model):
 
     class Meta:
         ordering = ["job", "time", "id"]
+        indexes = [models.Index(fields=["job", "time", "id"], name="job_event_order")]  # a job's log, in pages
 
     def __str__(self) -> str:
         return f"{self.time:%H:%M:%S} {self.level} {self.message[:60]}"

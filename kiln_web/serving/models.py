@@ -90,6 +90,8 @@ class PromotionRecord(models.Model):
     class Meta:
         ordering = ["-decided_at", "-id"]
         verbose_name = "promotion"
+        indexes = [models.Index(fields=["decided_at", "id"], name="promotion_decided"),
+                   models.Index(fields=["adapter", "decided_at", "id"], name="promotion_adapter_decided")]
 
     def __str__(self) -> str:
         return f"{self.adapter.name}: {self.outcome} by {self.decided_by}"
