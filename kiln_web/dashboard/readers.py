@@ -89,7 +89,8 @@ def earlier_metrics(job: TrainingJob, user) -> list[dict]:
     for _ in range(LINEAGE_DEPTH):
         if not basename:
             break
-        record = CheckpointRecord.objects.filter(basename=basename).select_related("job").first()
+        record = (CheckpointRecord.objects.filter(basename=basename).select_related("job")
+                  .defer(*(f"job__{body}" for body in TrainingJob.BODIES)).first())
         if record is None or record.job_id in seen or not visible_jobs(user).filter(pk=record.job_id).exists():
             break
         seen.add(record.job_id)

@@ -222,3 +222,17 @@ def test_a_jobs_events_are_paged(ada, bob, settings, api_get):
     assert api_get(f"/v1/train/jobs/{world.job.pk}/events?offset=9999")().json() == {"items": [], "next_offset": None}
     refused = api_get(f"/v1/train/jobs/{world.job.pk}/events?limit=10001")()
     assert refused.status_code == 400 and refused.json()["error"]["field"] == "limit"
+
+
+def test_a_resumed_jobs_page_reads_no_earlier_runs_bodies(ada, bob, settings, page_get):
+    """The charts of a resumed run start with the steps its earlier runs committed (up to 20 of them, through
+    resume_from): reading those steps read each earlier job's request and admission too (inline data, up to
+    KILN_UPLOAD_MAX_BYTES each). Only the job shown is read whole."""
+    world = World(ada, bob, settings, 4)
+    for earlier, later in zip(world.jobs, world.jobs[1:]):
+        TrainingJob.objects.filter(pk=later.pk).update(resume_from=f"{earlier.adapter.name}-ck")
+    shown = world.jobs[-1]
+    with CaptureQueriesContext(connection) as captured:
+        assert page_get(f"/jobs/{shown.pk}/")().status_code == 200
+    read = [query["sql"] for query in captured.captured_queries if BODY_COLUMNS[1] in query["sql"]]
+    assert len(read) == 1 and (str(shown.pk) in read[0] or shown.pk.hex in read[0]), read
