@@ -11,6 +11,7 @@ from kiln_web.serving.promotion import minimum_examples
 from kiln_web.serving.promotion_request import requested_promotion
 
 LIST_LIMIT = 200  # rows per list page, newest first
+EXAMPLE_PAGE = 500  # per-example results shown at a time on a run's page (a suite may hold tens of thousands)
 
 
 def visible_runs(user):
@@ -58,12 +59,30 @@ def gate(run: EvalRun) -> dict | None:
     return out
 
 
-def run_detail(run: EvalRun) -> dict:
-    """The run's facts, per-example results, and for a gate its thresholds and decision."""
+def example_page(run: EvalRun, number) -> dict:
+    """Page NUMBER (from 1; anything else is the first, past the end the last) of the run's per-example results:
+    {number, pages, total, first, last (positions from 1), previous, next (page numbers or None)}."""
+    total = run.examples.count()
+    pages = max(1, -(-total // EXAMPLE_PAGE))
+    try:
+        number = min(max(1, int(number)), pages)
+    except (TypeError, ValueError):
+        number = 1
+    start = (number - 1) * EXAMPLE_PAGE
+    return {"number": number, "pages": pages, "total": total, "first": start + 1,
+            "last": min(total, start + EXAMPLE_PAGE), "previous": number - 1 if number > 1 else None,
+            "next": number + 1 if number < pages else None}
+
+
+def run_detail(run: EvalRun, page=1) -> dict:
+    """The run's facts, one page of its per-example results (example_page), and for a gate its thresholds and
+    decision."""
     texts = prompts(run)
+    shown = example_page(run, page)
+    results = run.examples.all()[shown["first"] - 1:shown["last"]]
     examples = [{"result": example, "prompt": texts[example.index] if example.index < len(texts) else None}
-                for example in run.examples.all()]
-    return run_row(run) | {"examples": examples, "gate": gate(run),
+                for example in results]
+    return run_row(run) | {"examples": examples, "example_page": shown, "gate": gate(run),
                            "promotions": list(run.promotions.select_related("adapter", "job")
                                               .order_by("-decided_at", "-id"))}
 

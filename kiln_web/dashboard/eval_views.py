@@ -36,7 +36,7 @@ def eval_run(request: HttpRequest, run_id) -> HttpResponse:
     run = eval_readers.visible_run(request.user, run_id)
     if run is None:
         raise Http404("no such evaluation run (or it belongs to someone else)")
-    return render(request, "dashboard/eval_run.html", eval_readers.run_detail(run) | {
+    return render(request, "dashboard/eval_run.html", eval_readers.run_detail(run, request.GET.get("page")) | {
         "show_owner": request.user.is_staff, "nav": "evals"})
 
 
