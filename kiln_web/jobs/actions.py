@@ -34,8 +34,10 @@ MAX_TOTAL_STEPS = 2**31 - 1  # TrainingJob.total_steps and committed_step are 32
 # -- helpers --
 
 
-def _locked(job_id) -> TrainingJob:
-    return TrainingJob.objects.select_for_update().select_related("adapter", "owner").get(pk=job_id)
+def _locked(job_id, bodies: bool = True) -> TrainingJob:
+    """The job, its row locked; without its request and admission (TrainingJob.BODIES) unless BODIES."""
+    jobs = TrainingJob.objects.select_for_update().select_related("adapter", "owner")
+    return (jobs if bodies else jobs.defer(*TrainingJob.BODIES)).get(pk=job_id)
 
 
 def _event(job: TrainingJob, level: str, message: str) -> None:
@@ -293,7 +295,7 @@ def do_record_checkpoint(job_id, worker_id: str, summary: dict, timing: dict | N
     """Index a published checkpoint and make it the job's latest; the directory itself is the authority.
     (The run reports the publication, with its timings, as an event of its own.)"""
     with transaction.atomic():
-        job = _locked(job_id)
+        job = _locked(job_id, bodies=False)  # at every checkpoint: not the inline data
         if job.worker_id != worker_id or job.status not in RUNNING_STATUSES:
             return False
         created = _index_checkpoint(job, summary, manifest_digest, timing)
@@ -333,8 +335,7 @@ def do_add_event(job_id, level: str, message: str) -> None:
     if level not in EventLevel.values:
         level = EventLevel.INFO
     with transaction.atomic():
-        job = TrainingJob.objects.select_related("owner").get(pk=job_id)
-        _event(job, level, message)
+        _event(TrainingJob.objects.only("pk", "owner_id").get(pk=job_id), level, message)
 
 
 def do_finish_job(job_id, worker_id: str, status: str, *, result: dict | None = None,

@@ -236,3 +236,26 @@ def test_a_resumed_jobs_page_reads_no_earlier_runs_bodies(ada, bob, settings, pa
         assert page_get(f"/jobs/{shown.pk}/")().status_code == 200
     read = [query["sql"] for query in captured.captured_queries if BODY_COLUMNS[1] in query["sql"]]
     assert len(read) == 1 and (str(shown.pk) in read[0] or shown.pk.hex in read[0]), read
+
+
+def test_a_runs_events_and_checkpoints_do_not_read_its_bodies(ada, bob, settings):
+    """The worker records an event (every checkpoint, warning, loss spike) and indexes every checkpoint while the
+    run trains: each read the whole job row, its request and admission (inline data, up to KILN_UPLOAD_MAX_BYTES
+    each) with it."""
+    from kiln_web.jobs import actions
+
+    world = World(ada, bob, settings, 1)
+    job = world.job
+    TrainingJob.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING, worker_id="w")
+    summary = {"resume_checkpoint": f"{job.adapter.name}-checkpoint-step-00000002.kiln-checkpoint", "step": 2,
+               "checkpoint_id": "c2"}
+    with CaptureQueriesContext(connection) as captured:
+        actions.do_add_event(job.pk, "warning", "step 2: loss spiked")
+        assert actions.do_record_checkpoint(job.pk, "w", summary, {"publish": 0.1}, manifest_digest="f" * 64)
+        assert actions.do_record_step(job.pk, "w", {"step": 3, "loss": 1.0})
+    read = [query["sql"] for query in captured.captured_queries
+            if any(column in query["sql"] for column in BODY_COLUMNS)]
+    assert not read, read
+    assert JobEvent.objects.filter(job=job, message="step 2: loss spiked").exists()
+    assert CheckpointRecord.objects.get(basename=summary["resume_checkpoint"]).adapter_id == job.adapter_id
+    assert TrainingJob.objects.get(pk=job.pk).latest_checkpoint == summary
