@@ -259,3 +259,14 @@ def test_a_runs_events_and_checkpoints_do_not_read_its_bodies(ada, bob, settings
     assert JobEvent.objects.filter(job=job, message="step 2: loss spiked").exists()
     assert CheckpointRecord.objects.get(basename=summary["resume_checkpoint"]).adapter_id == job.adapter_id
     assert TrainingJob.objects.get(pk=job.pk).latest_checkpoint == summary
+
+
+def test_a_jobs_page_reads_its_bodies_once_whatever_its_checkpoints(ada, bob, settings, page_get):
+    """The job page and its snapshot (asked again after every checkpoint event) list the adapter's checkpoints:
+    each index row was read joined to its job, so the job's request and admission came back once per checkpoint."""
+    world = World(ada, bob, settings, 6)  # world.job published 7 checkpoints
+    for path in (f"/jobs/{world.job.pk}/", f"/jobs/{world.job.pk}/snapshot", f"/adapters/{world.adapters[0].name}/"):
+        with CaptureQueriesContext(connection) as captured:
+            assert page_get(path)().status_code == 200
+        read = [query["sql"] for query in captured.captured_queries if BODY_COLUMNS[1] in query["sql"]]
+        assert len(read) == (0 if path.startswith("/adapters/") else 1), (path, read)
