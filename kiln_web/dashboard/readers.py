@@ -450,6 +450,10 @@ def gpu_text(gpu: dict) -> str:
              *(f"{label} {gpu[key]}" for key, label in (("compute_capability", "compute capability"),
                                                          ("driver_version", "driver"), ("runtime_version", "runtime"),
                                                          ("cublas_version", "cuBLAS")) if gpu.get(key))]
+    if gpu.get("shared_memory_per_block"):
+        parts.append(f"{gpu['shared_memory_per_block'] / 1024:g} KiB shared memory per block")
+    if gpu.get("tf32_override") is not None:
+        parts.append(f"NVIDIA_TF32_OVERRIDE={gpu['tf32_override']}")
     if gpu.get("library_sha256"):
         parts.append(f"library sha256 {str(gpu['library_sha256'])[:16]}…")
     return ", ".join(parts)
@@ -477,7 +481,8 @@ def events(job: TrainingJob) -> list:
 # -- qualification receipts --
 
 RECEIPT_SCHEMA = "kiln.qualification-receipt.v1"  # trainer.qualify writes it; `kiln qualify` names the files
-EXECUTION_ROWS = ("backend", "device", "blas", "precision", "kernel_contract", "python", "numpy", "kiln", "code")
+EXECUTION_ROWS = ("backend", "device", "blas", "precision", "kernel_contract", "python", "numpy", "libraries", "kiln",
+                  "code")
 
 
 @dataclass
@@ -521,6 +526,8 @@ def _envelope_rows(envelope: dict) -> list[tuple[str, str]]:
                               for entry in value if isinstance(entry, list)) or None
         elif key == "gpu" and isinstance(value, dict):
             value = gpu_text(value)
+        elif key == "libraries" and isinstance(value, dict):
+            value = ", ".join(f"{name} {version}" for name, version in sorted(value.items()) if version) or "none"
         elif key == "native_builds" and isinstance(value, dict):
             value = ", ".join(f"{name} {str(digest)[:12]}…" for name, digest in sorted(value.items())) or "none"
         elif isinstance(value, (dict, list)):

@@ -77,6 +77,7 @@ def test_the_latest_receipt_per_backend_with_routes_envelope_and_time(signed_in,
     assert f"{blas['library']} {blas['version']}" in cpu and f"{blas['threads']} threads" in cpu
     assert execution["device"]["machine"] in cpu and "{&quot;" not in cpu
     assert f"sha256 {execution['code']['sha256'][:16]}" in cpu
+    assert ">libraries<" in cpu and f"tokenizers {execution['libraries']['tokenizers']}" in cpu
 
     cuda = section(page, "cuda")
     assert 'data-field="result">failed<' in cuda and "2031-02-03 04:05 UTC" in cuda
