@@ -268,6 +268,18 @@ def test_a_new_run_beside_an_earlier_run_s_checkpoints_is_refused_409(api, adapt
     assert api.post("/v1/train/sft", sft_body(adapter_name, checkpoint_interval=1)).status_code == 201
 
 
+def _trained_deleted_and_submitted_again(api, adapter_name):
+    """A run trained to its end under ADAPTER_NAME, the adapter deleted, and a fresh run submitted under the same
+    name (not yet run): the two submissions' responses."""
+    first = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=1))
+    assert first.status_code == 201, first.content
+    assert EmbeddedWorker().run_once()
+    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
+    second = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=2))
+    assert second.status_code == 201, second.content
+    return first, second
+
+
 def test_a_fresh_run_after_its_adapter_was_deleted_reports_its_own_checkpoints(fake_runner, api, adapter_name):
     """Deleting an adapter frees its checkpoint names, and a fresh run under it publishes new checkpoints there.
     The index kept the deleted run's row for each name, so the fresh run's checkpoints were never indexed for it
@@ -275,12 +287,7 @@ def test_a_fresh_run_after_its_adapter_was_deleted_reports_its_own_checkpoints(f
     run's manifest); the old job must not report the new run's checkpoint as its own either."""
     from kiln_web.adapters.models import CheckpointRecord
 
-    first = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=1))
-    assert first.status_code == 201, first.content
-    assert EmbeddedWorker().run_once()
-    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
-    second = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=2))
-    assert second.status_code == 201, second.content
+    first, second = _trained_deleted_and_submitted_again(api, adapter_name)
     assert EmbeddedWorker().run_once()
 
     detail = api.get(f"/v1/train/jobs/{second.json()['id']}").json()
@@ -303,12 +310,7 @@ def test_a_fresh_run_after_its_adapter_was_deleted_adopts_its_unrecorded_checkpo
     from kiln_web.adapters.models import CheckpointRecord
     from kiln_web.jobs import actions
 
-    first = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=1))
-    assert first.status_code == 201, first.content
-    assert EmbeddedWorker().run_once()
-    assert api.client.delete(f"/v1/adapters/{adapter_name}").status_code == 200
-    second = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1, seed=2))
-    assert second.status_code == 201, second.content
+    first, second = _trained_deleted_and_submitted_again(api, adapter_name)
     with monkeypatch.context() as patch:
         patch.setattr(actions, "do_record_checkpoint", lambda *args, **kwargs: True)  # published, never recorded
         assert EmbeddedWorker().run_once()
