@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -331,6 +332,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1  # a training task runs for minutes: never
 # one queue: `celery -A kiln_web worker -Q training` also runs the lost-job check; its name can be
 # changed so that separate deployments (or test runs) can share one Redis
 KILN_TRAINING_QUEUE = env_str("KILN_TRAINING_QUEUE", "training")
+if not re.fullmatch(r"[A-Za-z0-9_.:-]+", KILN_TRAINING_QUEUE):  # workers and web must name the same queue exactly
+    raise ImproperlyConfigured(f"KILN_TRAINING_QUEUE={KILN_TRAINING_QUEUE!r} is not a queue name: letters, digits "
+                               "and _ . : - only")
 CELERY_TASK_DEFAULT_QUEUE = KILN_TRAINING_QUEUE
 CELERY_TASK_ROUTES = {name: {"queue": KILN_TRAINING_QUEUE}
                       for name in ("kiln.run_training_job", "kiln.mark_lost_jobs", "kiln.run_evaluation")}

@@ -60,6 +60,8 @@ def test_run_settings_from_django_settings(settings, tmp_path):
     ("KILN_UPLOAD_MAX_BYTES", "-1", "KILN_UPLOAD_MAX_BYTES=-1 is below the minimum"),
     ("KILN_LOST_AFTER_SECONDS", "5", "must be at least three heartbeats"),
     ("KILN_TRAINING_BACKEND", "tpu", "KILN_TRAINING_BACKEND='tpu' is not one of: auto, cpu, cuda"),
+    ("KILN_TRAINING_QUEUE", " ", "KILN_TRAINING_QUEUE=' ' is not a queue name"),
+    ("KILN_TRAINING_QUEUE", "train ing", "KILN_TRAINING_QUEUE='train ing' is not a queue name"),
 ])
 def test_bad_training_settings_stop_the_start(tmp_path, variable, value, words):
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE"}}
