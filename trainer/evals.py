@@ -31,7 +31,10 @@ MINIMUM_EXAMPLES = 20  # a gate decided on fewer examples is inconclusive (the s
 
 
 class SuiteError(ValueError):
-    """A malformed suite; the message names the line."""
+    """A malformed suite, or one the base cannot be asked (its chat template); the message names the line or the
+    example."""
+
+    code = "invalid_suite"
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,19 @@ class EvalResult:
                 "total": self.total, "accuracy": self.accuracy}
 
 
+def _chat_prompt(tokenizer, example: EvalExample, index: int) -> str:
+    """The example's messages in the base's chat template, with the assistant's turn opened; SuiteError naming the
+    example where the base has no template or its template refuses them (raise_exception: roles out of turn)."""
+    if tokenizer.chat_template is None:
+        raise SuiteError(f"example {index + 1}: the base has no chat template to render its messages with; ask it "
+                         "with prompt text instead")
+    messages = [{"role": role, "content": content} for role, content in example.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as error:  # noqa: BLE001 (jinja2's TemplateError from raise_exception, or the template's fault)
+        raise SuiteError(f"example {index + 1}: the base's chat template refused its messages: {error}") from None
+
+
 def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -> EvalResult:
     """Greedy completions of every example, scored by its metric."""
     result = EvalResult(suite=suite.name, suite_digest=suite.digest, correct=0, total=len(suite.examples))
@@ -153,8 +169,7 @@ def evaluate(model, tokenizer, suite: Suite, max_new_tokens=64, progress=None) -
         if example.plain:
             prompt = tokenizer.encode(example.messages[0][1], add_special_tokens=True)
         else:
-            messages = [{"role": role, "content": content} for role, content in example.messages]
-            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            prompt = tokenizer.encode(_chat_prompt(tokenizer, example, index))
         budget = min(max_new_tokens, model.config.maximum_context - len(prompt))
         if budget < 1:  # no room to answer: wrong whatever it expects, and the record says why
             output, correct = "", False

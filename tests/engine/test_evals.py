@@ -194,3 +194,29 @@ def test_a_chat_example_ends_at_the_end_of_turn_as_chat_completions_do(tmp_path,
     chat, plain = evaluate(model, tokenizer, suite, max_new_tokens=64).examples
     assert chat["output"] == "4" and chat["correct"]
     assert plain["output"] == "4\nuser: and 3+3?" and plain["correct"]
+
+
+def test_an_example_the_bases_chat_template_cannot_render_fails_the_run_naming_it(tmp_path):
+    """A messages example over a base with no chat template (or one whose template refuses the messages: roles out
+    of turn) cannot be asked: the evaluation fails invalid_suite naming the example and why, not internal_error with
+    jinja2's or the tokenizer's bare exception."""
+    from trainer.tokenizer import Tokenizer
+
+    model, tiny = load_base("kiln-tiny", tmp_path)
+    files = tiny.files()
+    config = {k: v for k, v in json.loads(files["tokenizer_config.json"]).items() if k != "chat_template"}
+    plain = Tokenizer(files["tokenizer.json"], config)
+    assert plain.chat_template is None
+    suite = parse_suite("s", suite_text({"prompt": "2+2?", "expected": "4"},
+                                        {"messages": [{"role": "user", "content": "2+2?"}], "expected": "4"}))
+    with pytest.raises(SuiteError) as refused:
+        evaluate(model, plain, suite, max_new_tokens=2)
+    assert refused.value.code == "invalid_suite"
+    assert str(refused.value).startswith("example 2: the base has no chat template"), str(refused.value)
+    strict = Tokenizer(files["tokenizer.json"], {**config, "chat_template": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant turns') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")})
+    suite = parse_suite("s", suite_text({"messages": [{"role": "user", "content": "a"},
+                                                      {"role": "assistant", "content": "b"}], "expected": "4"}))
+    with pytest.raises(SuiteError, match="example 1: the base's chat template refused its messages: .*no assistant"):
+        evaluate(model, strict, suite, max_new_tokens=2)
