@@ -104,7 +104,7 @@ def _baseline(user, candidate: str, candidate_base: str) -> dict:
     if active is None:
         note = "no adapter is active for you"
     elif active.adapter.name == candidate:
-        note = f"your active adapter is {candidate!r} itself, whose snapshot the new run has replaced"
+        note = f"your active adapter is {candidate!r} itself, which is not compared with itself"
     elif active.base != candidate_base:
         note = f"your active adapter {active.adapter.name!r} is over another base ({active.base!r})"
     else:

@@ -65,6 +65,21 @@ def test_a_run_compares_the_candidate_with_the_base_when_nothing_is_active(api, 
     assert listing["count"] == 1 and listing["items"][0]["id"] == run["id"]
 
 
+def test_an_active_adapter_evaluated_itself_is_compared_with_its_base_saying_why(api, publish, adapter_name):
+    """Evaluating the adapter that is active for you, with no baseline named: it is not compared with itself but
+    with its base, and the note says so (it spoke of a new run having replaced its snapshot, though none had)."""
+    publish(adapter_name, seed=4)
+    assert api.post(f"/v1/adapters/{adapter_name}/load").status_code == 200
+    assert api.post(f"/v1/adapters/{adapter_name}/activate").status_code == 200
+    api.post("/v1/evals/suites", {"name": "self", "content": jsonl({"prompt": "Say glaze.", "expected": "x"})})
+    run = api.post("/v1/evals/runs", {"adapter": adapter_name, "suite": "self"})
+    assert run.status_code == 201, run.content
+    baseline = run.json()["baseline"]
+    assert (baseline["kind"], baseline["name"]) == ("base", "kiln-tiny")
+    assert baseline["note"] == (f"your active adapter is {adapter_name!r} itself, which is not compared with itself: "
+                                "compared with the base 'kiln-tiny'"), baseline["note"]
+
+
 def test_the_celery_task_runs_the_same_code(api, publish, adapter_name, settings):
     from kiln_web.evals.tasks import run_evaluation
 
