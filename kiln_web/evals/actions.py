@@ -133,8 +133,9 @@ def _named_baseline(user, candidate: str, candidate_base: str, baseline: str) ->
         baseline_base, sha = served.base, served.adapter_sha256
     else:
         if not serving_runtime.has_snapshot(baseline):
-            raise ActionRefused(409, "adapter_not_found", f"the baseline {baseline!r} has no PEFT snapshot yet; a "
-                                                          "training run publishes one when it succeeds",
+            raise ActionRefused(409, "adapter_not_found", f"the baseline {baseline!r} has no PEFT snapshot: a "
+                                                          "training run publishes one when it succeeds, and deleting "
+                                                          "the adapter removes it",
                                 field="baseline")
         baseline_base = serving_actions.adapter_base(adapter)
         if baseline_base is None:
@@ -187,8 +188,9 @@ def do_enqueue_evaluation(user, candidate: str, suite: str, *, base: str | None 
     except runtime.EvaluationError as error:
         raise ActionRefused(400, error.code, error.message, field="backend") from None
     adapter = serving_actions.adapter_for(user, candidate, manage=False, field="adapter")  # theirs, or shared
-    no_snapshot = ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot yet; a "
-                                                          "training run publishes one when it succeeds")
+    no_snapshot = ActionRefused(409, "adapter_not_found", f"the adapter {candidate!r} has no PEFT snapshot: a "
+                                                          "training run publishes one when it succeeds, and deleting "
+                                                          "the adapter removes it")
     if not serving_runtime.has_snapshot(candidate):
         raise no_snapshot
     suite_row = suite_for(user, suite)
