@@ -26,7 +26,7 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | No
      cli_serving.add_adapter, cli_serving.cmd_adapter),
     ("eval", "evaluation suites and runs (through the API)", cli_serving.add_eval, cli_serving.cmd_eval),
     ("checkpoint", "verify, show or prune .kiln-checkpoint directories (locally)", add_checkpoint, cmd_checkpoint),
-    ("token", "create API tokens (in the local database)", add_token, cmd_token),
+    ("token", "create, list and revoke API tokens (in the local database)", add_token, cmd_token),
     ("doctor", "show the Python, numpy, BLAS, native kernels, CUDA backend and configuration in use",
      add_doctor, cmd_doctor),
     ("version", "print the Kiln version", None, cmd_version),

@@ -479,15 +479,64 @@ def add_token(parser: argparse.ArgumentParser) -> None:
                                  "if needed")
     create.add_argument("--user", required=True, help="the username")
     create.add_argument("--name", default="created by kiln token create", help="what the token is for")
+    listing = commands.add_parser("list", help="list API tokens: id, user, name, the token's first characters, "
+                                  "created and last used (never the token)")
+    listing.add_argument("--user", help="only this user's tokens")
+    listing.add_argument("--json", action="store_true", help="print the tokens as a JSON list")
+    revoke = commands.add_parser("revoke", help="revoke an API token: it stops working at once")
+    revoke.add_argument("token", help="the token's id, or its first characters as `kiln token list` shows them "
+                                      "(kiln_...)")
+    revoke.add_argument("--user", help="only among this user's tokens")
 
 
 def cmd_token(args: argparse.Namespace) -> int:
     setup_database()
     from kiln_web.accounts.actions import do_create_token_for_username
 
+    if args.token_command == "list":
+        return _list_tokens(args)
+    if args.token_command == "revoke":
+        return _revoke_token(args)
     row, token, created = do_create_token_for_username(args.user, args.name)
     if created:
         print(f"created user {args.user!r} (no password; set one in the admin to sign in)", file=sys.stderr)
     print(f"token {row.prefix}... for {args.user!r}; shown once, stored hashed:", file=sys.stderr)
     print(token)
+    return 0
+
+
+def _list_tokens(args: argparse.Namespace) -> int:
+    import json
+
+    from kiln_web.accounts.models import ApiToken
+
+    rows = ApiToken.objects.select_related("user").order_by("user__username", "created_at", "pk")
+    if args.user:
+        rows = rows.filter(user__username=args.user)
+    items = [row.to_dict() for row in rows]
+    if args.json:
+        print(json.dumps(items, default=str, indent=2))
+        return 0
+    for item in items:
+        used = item["last_used_at"].strftime("%Y-%m-%d %H:%M") if item["last_used_at"] else "never used"
+        print(f"{item['id']:>5}  {item['prefix']}...  {item['user']:<16} created "
+              f"{item['created_at'].strftime('%Y-%m-%d %H:%M')}, {used}  {item['name']}")
+    if not items:
+        print("no API tokens" + (f" for {args.user!r}" if args.user else ""), file=sys.stderr)
+    return 0
+
+
+def _revoke_token(args: argparse.Namespace) -> int:
+    from kiln_web.accounts.actions import do_revoke_token, tokens_matching
+
+    rows = tokens_matching(args.token, args.user)
+    if len(rows) != 1:
+        why = (f"{len(rows)} tokens start with {args.token!r}; give more characters or the id" if rows else
+               f"no token {args.token!r}" + (f" of {args.user!r}" if args.user else "") +
+               "; `kiln token list` shows their ids and first characters")
+        print(f"kiln token revoke: {why}", file=sys.stderr)
+        return 1
+    row = rows[0]
+    do_revoke_token(row)
+    print(f"revoked token {row.prefix}... ({row.name}) of {row.user.get_username()!r}")
     return 0

@@ -34,6 +34,26 @@ def do_create_token_for_username(username: str, name: str) -> tuple[ApiToken, st
     return row, token, created
 
 
+def tokens_matching(reference: str, username: str | None = None):
+    """The tokens REFERENCE names (an id, or the start of a token as `kiln token list` shows it), of USERNAME's
+    only when given."""
+    rows = ApiToken.objects.select_related("user")
+    if username is not None:
+        rows = rows.filter(user__username=username)
+    if reference.isdigit():
+        return list(rows.filter(pk=int(reference)))
+    if not reference.startswith(TOKEN_PREFIX) or len(reference) <= len(TOKEN_PREFIX):
+        return []
+    shown = reference.removesuffix("...")[:DISPLAY_CHARACTERS]
+    return list(rows.filter(prefix__startswith=shown))
+
+
+def do_revoke_token(row: ApiToken) -> None:
+    """Delete the token ROW: it stops authenticating at once, in every process (the caches and the status fast
+    path are cleared on commit by the post_delete signals)."""
+    row.delete()
+
+
 def do_ensure_token(user, name: str) -> str | None:
     """Give USER a token when it has none; return the token text only then (it is printed once)."""
     with transaction.atomic():

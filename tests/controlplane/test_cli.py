@@ -128,6 +128,38 @@ def test_token_create_prints_the_token_once(capsys, django_user_model):
     assert "created user 'dana'" in err and "shown once" in err and token not in err
 
 
+@pytest.mark.django_db(transaction=True)  # the caches are cleared when the revocation commits
+def test_token_list_and_revoke(capsys):
+    """`kiln token list` shows each token's id, user, name and first characters, never the token; `kiln token
+    revoke` takes an id or those characters, and the token stops authenticating at once (the authentication cache
+    and status fast path included) while the user's other tokens go on; an unknown or ambiguous reference is
+    refused, exit 1, saying what to give."""
+    from kiln_web.accounts.actions import authenticate_token
+
+    tokens = {}
+    for user, name in (("dana", "laptop"), ("dana", "ci"), ("erin", "notebook")):
+        assert main(["token", "create", "--user", user, "--name", name]) == 0
+        tokens[name] = capsys.readouterr()[0].strip()
+        assert authenticate_token(tokens[name]).username == user  # remembered by the cache from here on
+    assert main(["token", "list"]) == 0
+    out = capsys.readouterr()[0]
+    assert all(token not in out and token[:12] in out for token in tokens.values()), out
+    assert main(["token", "list", "--user", "dana", "--json"]) == 0
+    listed = json.loads(capsys.readouterr()[0])
+    assert sorted(item["name"] for item in listed) == ["ci", "laptop"] and {item["user"] for item in listed} == {"dana"}
+    assert main(["token", "revoke", tokens["laptop"][:12] + "..."]) == 0
+    assert capsys.readouterr()[0] == f"revoked token {tokens['laptop'][:12]}... (laptop) of 'dana'\n"
+    assert authenticate_token(tokens["laptop"]) is None
+    assert authenticate_token(tokens["ci"]).username == "dana"
+    ci = next(item for item in listed if item["name"] == "ci")
+    assert main(["token", "revoke", str(ci["id"]), "--user", "erin"]) == 1  # not erin's
+    assert "no token" in capsys.readouterr()[1]
+    assert main(["token", "revoke", str(ci["id"])]) == 0 and authenticate_token(tokens["ci"]) is None
+    capsys.readouterr()
+    assert main(["token", "revoke", "kiln_"]) == 1 and "no token 'kiln_'" in capsys.readouterr()[1]
+    assert authenticate_token(tokens["notebook"]).username == "erin"
+
+
 @pytest.mark.django_db
 def test_checkpoint_verify_and_show(fake_runner, api, adapter_name, capsys, settings):
     response = api.post("/v1/train/sft", sft_body(adapter_name, records=2, checkpoint_interval=1))
