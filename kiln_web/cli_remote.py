@@ -282,13 +282,44 @@ def _print_job(job: dict) -> None:
     cli_serving.print_promotion(job)
 
 
+# no answer at all, or a proxy's while the web process behind it restarts: the job goes on with its worker
+_NOT_ANSWERING = ("unreachable", "http_502", "http_503", "http_504")
+
+
+def _poll(client, job_id: str) -> dict:
+    """The job, waiting out a server that does not answer (restarting: an upgrade, a crash) for at most the
+    client's timeout, saying so once on stderr; a refusal (a 404, say) is raised at once."""
+    import time
+
+    from kiln_web.client import ApiError
+
+    since = None
+    while True:
+        try:
+            job = client.job(job_id)
+        except ApiError as error:
+            if error.code not in _NOT_ANSWERING:
+                raise
+            if since is None:
+                since = time.monotonic()
+                print(f"  the server does not answer ({error.message}); still following, Ctrl-C stops",
+                      file=sys.stderr, flush=True)
+            elif time.monotonic() - since >= client.timeout:
+                raise
+            time.sleep(2.0)
+            continue
+        if since is not None:
+            print("  the server answers again", file=sys.stderr, flush=True)
+        return job
+
+
 def _follow(client, job_id: str) -> dict:
     """Poll until the job ends, showing its progress, and its warnings and errors as they come, on stderr."""
     import time
 
     shown, told = None, 0
     while True:
-        job = client.job(job_id)
+        job = _poll(client, job_id)
         line = f"{job['status']} {job['progress']['committed_step']}/{job['progress'].get('total_steps')}"
         if line != shown:
             print(f"  {line}", file=sys.stderr, flush=True)

@@ -482,7 +482,10 @@ class RecordedJobs:
 
     def job(self, job_id):
         self.polls += 1
-        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if isinstance(state, Exception):  # the server did not answer this poll
+            raise state
+        return state
 
     def events(self, job_id, offset=0, limit=1000):
         """As GET /v1/train/jobs/{id}/events pages them (with a page of at most 2 here)."""
@@ -532,6 +535,32 @@ def test_wait_asks_only_for_the_events_it_has_not_seen(monkeypatch, capsys):
     assert cli_remote._follow(client, "feedf00d")["status"] == "failed"
     assert capsys.readouterr()[1].count("  warning: late\n") == 1
     assert client.events_sent == 40  # each event once
+
+
+def test_wait_follows_a_job_through_a_server_restart(monkeypatch, capsys):
+    """The web process restarting (an upgrade, a crash) while `--wait` follows a job: the job goes on with its
+    worker, so the following waits for the server to answer again, saying so once, instead of ending with
+    'cannot reach Kiln' and exit 1; a refusal (a 404: the job is gone) still ends it at once."""
+    from kiln_web import cli_remote
+    from kiln_web.client import ApiError
+
+    slept = []
+    monkeypatch.setattr("time.sleep", slept.append)
+    down = ApiError(None, {"code": "unreachable", "message": "cannot reach Kiln at http://127.0.0.1:8000"})
+    gateway = ApiError(502, {"code": "http_502", "message": "a proxy's Bad Gateway"})
+    client = RecordedJobs([job_state("running", None), down, down, gateway, job_state("succeeded", None)])
+    assert cli_remote._follow(client, "feedf00d")["status"] == "succeeded"
+    err = capsys.readouterr()[1]
+    assert err.count("the server does not answer") == 1 and "still following" in err, err
+    assert "answers again" in err and client.polls == 5
+    gone = ApiError(404, {"code": "not_found", "message": "no job feedf00d"})
+    with pytest.raises(ApiError):
+        cli_remote._follow(RecordedJobs([job_state("running", None), gone]), "feedf00d")
+    clock = iter(range(0, 10_000, 100))  # the server never comes back: given up after the client's timeout
+    monkeypatch.setattr("time.monotonic", lambda: next(clock))
+    with pytest.raises(ApiError) as gave_up:
+        cli_remote._follow(RecordedJobs([job_state("running", None), down], timeout=300.0), "feedf00d")
+    assert gave_up.value.code == "unreachable"
 
 
 def job_state(status, outcome, reason=""):
