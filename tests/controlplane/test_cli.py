@@ -501,8 +501,6 @@ class RecordedJobs:
 
 
 def test_wait_shows_each_warning_and_error_once_as_it_comes(monkeypatch, capsys):
-    import argparse
-
     from kiln_web import cli_remote
 
     monkeypatch.setattr("time.sleep", lambda seconds: None)
@@ -511,7 +509,8 @@ def test_wait_shows_each_warning_and_error_once_as_it_comes(monkeypatch, capsys)
               {"level": "info", "message": "checkpoint step 1"},
               {"level": "error", "message": "the run failed: boom"}]
     states = [dict(job_state("running", None), progress={"committed_step": step, "total_steps": 4})
-              for step in (0, 1, 2)] + [dict(job_state("failed", None), progress={"committed_step": 2, "total_steps": 4})]
+              for step in (0, 1, 2)]
+    states.append(dict(job_state("failed", None), progress={"committed_step": 2, "total_steps": 4}))
     assert cli_remote._follow(RecordedJobs(states, events=events), "feedf00d")["status"] == "failed"
     err = capsys.readouterr()[1]
     assert err.count("  warning: 2 of 9 examples are longer than max_sequence_length 64\n") == 1
