@@ -220,3 +220,41 @@ def test_entropy_and_repetition():
     assert objectives.repetition_rate([1, 2, 3, 4, 5]) == 0.0
     assert objectives.repetition_rate([7] * 10) == pytest.approx(7 / 8)
     assert objectives.repetition_rate([1, 2]) == 0.0
+
+
+def trl_reverse_kl(student_logits, teacher_logits, temperature):
+    """TRL's GKD / DistillationTrainer generalized_jsd_loss with beta=1 (reverse KL) at one position."""
+    student = torch.log_softmax(student_logits / temperature, -1)
+    teacher = torch.log_softmax(teacher_logits / temperature, -1)
+    return torch.nn.functional.kl_div(teacher, student, reduction="sum", log_target=True)
+
+
+def expected_opd_gradient(student_logits, teacher_logits, sampling_temperature):
+    """E over a token sampled at SAMPLING_TEMPERATURE of Kiln's OPD gradient d(sum c log p_s)/dlogits (one token,
+    one candidate): log-probabilities of student and teacher are the untempered ones, as the run computes them."""
+    def log_softmax(z):
+        return z - np.log(np.exp(z - z.max()).sum()) - z.max()
+    student, teacher = log_softmax(student_logits), log_softmax(teacher_logits)
+    sampling = np.exp(log_softmax(student_logits / sampling_temperature))
+    gradient = np.zeros(V)
+    for token in range(V):
+        _, c, _ = objectives.opd_terms([[student[token]]], [[teacher[token]]], [[True]], candidates=1)
+        gradient += sampling[token] * c[0, 0] * (np.eye(V)[token] - np.exp(student))
+    return gradient
+
+
+def test_opd_expected_gradient_is_trls_reverse_kl_gradient_at_temperature_one():
+    """Averaged over the student's own samples at temperature 1, the OPD update is the gradient of TRL's per-token
+    reverse KL (GKD / DistillationTrainer, beta=1) at that position; a single sample is a noisy estimate of it.
+    At another temperature it is neither that nor TRL's tempered divergence (docs/grpo-opd.md, "Where OPD differs
+    from TRL's distillation trainers"): the temperature only shapes sampling."""
+    rng = np.random.default_rng(17)
+    student_logits, teacher_logits = rng.normal(size=V), rng.normal(size=V) * 2
+    for temperature, same in ((1.0, True), (0.7, False)):
+        leaf = torch.tensor(student_logits, requires_grad=True)
+        trl_reverse_kl(leaf, torch.tensor(teacher_logits), temperature).backward()
+        ours = expected_opd_gradient(student_logits, teacher_logits, temperature)
+        if same:
+            np.testing.assert_allclose(ours, leaf.grad.numpy(), rtol=1e-10, atol=1e-14)
+        else:
+            assert np.abs(ours - leaf.grad.numpy()).max() > 1e-3

@@ -61,7 +61,7 @@ GRPO_DEFAULTS = {
     "scale_rewards": "group",  # TRL
     "loss_type": "dapo",  # TRL's current default
     "num_iterations": 1,  # TRL's mu
-    "max_completion_length": 256,  # TRL; completions are truncated to it; dr_grpo divides by it
+    "max_completion_length": 256,  # TRL through 1.9; completions are truncated to it; dr_grpo divides by it
     "reference": {"type": "frozen"},  # {type: ema} takes EMA_DEFAULTS
     "streaming": False,
     "base_adapter": None,  # a PEFT directory: weights-only warm start

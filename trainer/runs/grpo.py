@@ -445,7 +445,7 @@ def _audit(batch: _Batch, sums: list, config: dict) -> dict:
         "ratio_min": min(mins) if mins else None,
         "ratio_max": max(maxs) if maxs else None,
         "reward_mean": float(np.nanmean(rewards)),  # unscorable completions (NaN) left out, as TRL logs it
-        "reward_std": float(np.mean([g[4] for g in batch.groups])),  # TRL logs the mean group std
+        "reward_std": float(np.mean([g[4] for g in batch.groups])),  # mean group std, as TRL < 1.0 logged it
         "advantage_mean": float(advantages.mean()),
         "advantage_std": float(advantages.std()),
     }
