@@ -367,8 +367,10 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
     seed = admission.effective_seed
     loss_route = admission.identities["planning"]["sft_loss_route"]
     require_loss_route(loss_route, run_backend(admission))
-    config_now, records, raw, kind, base = _prepare(admission.request, settings)
-    if hashlib.sha256(raw).hexdigest() != admission.identities["dataset"]["sha256"]:
+    _, records, raw, _, base = _prepare(admission.request, settings)
+    digest = hashlib.sha256(raw).hexdigest()
+    del raw  # the run trains on the tokenized examples: the file's bytes and its records are not held while it does
+    if digest != admission.identities["dataset"]["sha256"]:
         raise AdmissionError("dataset_changed", "the dataset changed after admission")
     if base.identity != admission.identities["base"]["identity"]:
         raise AdmissionError("base_changed", "the base model changed after admission")
@@ -381,6 +383,7 @@ def run_sft(admission: SFTAdmission, settings: RunSettings, hooks=None) -> RunRe
         check_run_tokenizer(tokenizer, admission)
         examples = tokenize_examples(records, tokenizer, config["max_sequence_length"],
                                      model.config.maximum_context)
+        del records
         if config["quantization"]:
             model.quantize(block_size=config["quantization"]["block_size"],
                            double_quantization=config["quantization"]["double_quantization"])
