@@ -88,12 +88,22 @@ def without_bom(text: str) -> str:
     return text[1:] if text.startswith(BOM) else text
 
 
-def jsonl_lines(text: str) -> list:
-    """[(line number, line)] of JSONL TEXT's non-blank lines, numbered from 1 as an editor numbers them. A line ends
-    at "\n", "\r\n" or "\r" (no JSON string holds either character raw), as Python's universal newlines: never at
-    the U+2028, U+2029, U+0085 ... where str.splitlines() also ends one, which a JSON string may hold unescaped
-    (json.dumps(ensure_ascii=False) writes them so). A byte-order mark before the first line is not part of it."""
-    return [(number, line) for number, line in enumerate(LINE_END.split(without_bom(text)), 1) if line.strip()]
+def jsonl_lines(text: str):
+    """Yields (line number, line) for JSONL TEXT's non-blank lines, numbered from 1 as an editor numbers them. A line
+    ends at "\n", "\r\n" or "\r" (no JSON string holds either character raw), as Python's universal newlines: never
+    at the U+2028, U+2029, U+0085 ... where str.splitlines() also ends one, which a JSON string may hold unescaped
+    (json.dumps(ensure_ascii=False) writes them so). A byte-order mark before the first line is not part of it.
+    One line at a time: a list of every line would be a second copy of a file of hundreds of MB beside TEXT."""
+    text = without_bom(text)
+    start, number = 0, 1
+    for end in LINE_END.finditer(text):
+        line = text[start:end.start()]
+        if line.strip():
+            yield number, line
+        start, number = end.end(), number + 1
+    line = text[start:]
+    if line.strip():
+        yield number, line
 
 
 def data_loads(text: str, *, max_depth: int = MAX_DEPTH):

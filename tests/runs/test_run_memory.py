@@ -57,3 +57,33 @@ def test_an_sft_run_does_not_hold_its_dataset_file_while_it_trains(tmp_path):
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["held"] < measured["file_bytes"] * 0.5, measured
+
+
+SFT_ADMISSION_PEAK = r"""
+import json, sys, tracemalloc
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from test_sft import make_settings, request
+from trainer.runs.sft import admit_sft
+
+home = Path(sys.argv[1])
+settings = make_settings(home)
+path = home / "datasets" / "long.jsonl"
+filler = "lorem ipsum dolor sit amet " * 400
+with open(path, "w") as handle:
+    for i in range(400):
+        handle.write(json.dumps({"prompt": f"Record {i}:", "completion": filler}) + "\n")
+tracemalloc.start()
+admit_sft(request(str(path), epochs=1, max_sequence_length=32), settings)
+print(json.dumps({"file_bytes": path.stat().st_size, "peak": tracemalloc.get_traced_memory()[1]}))
+"""
+
+
+def test_sft_admission_reads_a_dataset_file_without_a_list_of_its_lines(tmp_path):
+    # the file's bytes, its text and its records are needed at once; a list of every line beside them was a fourth
+    # copy (peak 4.2x the file before, 3.2x after)
+    done = subprocess.run([sys.executable, "-c", SFT_ADMISSION_PEAK, str(tmp_path), str(HERE)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["peak"] < measured["file_bytes"] * 3.6, measured

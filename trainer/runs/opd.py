@@ -113,7 +113,7 @@ def read_prompts(request: dict, settings: RunSettings):
                 items = data_loads(text)
                 items = FileRecords(items) if isinstance(items, list) else items
             else:
-                numbered = jsonl_lines(text)
+                numbered = list(jsonl_lines(text))
                 items = FileRecords([data_loads(line) for _, line in numbered], [number for number, _ in numbered])
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise RequestError("dataset_path", f"is not a UTF-8 JSON list or JSONL of prompts: {error}") from None

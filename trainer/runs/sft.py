@@ -252,14 +252,15 @@ def _prepare(request: dict, settings: RunSettings):
 def admit_sft(request: dict, settings: RunSettings) -> SFTAdmission:
     """Validate the request and resolve what the run will be; refuse drift on resume."""
     config, records, raw, kind, base = _prepare(request, settings)
+    dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
+               "order": "source"}
+    del raw  # not held beside the records and their tokenized examples
     need = device_plan.sft_bytes(config, base)
     backend = admit_backend(config, settings, base, need_bytes=need)
     loss_route = select_loss_route(backend.resolved)
     tokenizer = admission_tokenizer(config, settings)
     examples = tokenize_examples(records, tokenizer, config["max_sequence_length"], base.config["maximum_context"])
     steps_per_epoch = _steps_per_epoch(len(examples), config)
-    dataset = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw), "records": len(records),
-               "order": "source"}
     identities = run_identities(config, base, tokenizer, dataset, settings, planning_identity(config, loss_route),
                                 backend)
     identities["base_adapter"] = base_adapter_identity(config)
