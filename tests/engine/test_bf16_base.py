@@ -261,6 +261,7 @@ def test_bf16_without_the_cpu_instructions_or_the_library_is_refused_with_the_re
         onednn._load.cache_clear()
 
 
+@pytest.mark.django_db  # kiln doctor reports the database too
 def test_kiln_doctor_reports_the_bf16_route(capsys, monkeypatch):
     from kiln_web.cli import main
 

@@ -343,6 +343,7 @@ SHARED_MEMORY_LIMITS = {99 << 10: {"training": 128, "decoding": 128}, 163 << 10:
 
 
 @pytest.mark.parametrize("per_block", sorted(SHARED_MEMORY_LIMITS))
+@pytest.mark.django_db  # kiln doctor reports the database too
 def test_the_probe_reports_each_devices_shared_memory_and_the_head_sizes_it_runs(capsys, monkeypatch, tmp_path,
                                                                                  per_block):
     """Each device's opt-in shared memory per block, as the library answers it, and the largest head size whose
@@ -394,6 +395,7 @@ def test_each_device_query_failure_is_its_coded_reason_naming_the_library(monkey
 
 @pytest.mark.parametrize("scenario", ["zero devices", "compute capability 7.5", "context out of memory",
                                       "driver too old"])
+@pytest.mark.django_db  # kiln doctor reports the database too
 def test_kiln_doctor_json_reports_the_device_query_failure(capsys, monkeypatch, tmp_path, scenario):
     from kiln_web.cli import main
 
@@ -409,6 +411,7 @@ def test_kiln_doctor_json_reports_the_device_query_failure(capsys, monkeypatch, 
     assert lines == [f"cuda       unavailable [{code}]: {reason}"]
 
 
+@pytest.mark.django_db  # kiln doctor reports the database too
 def test_kiln_doctor_json_has_the_cuda_object(capsys, no_override):
     from kiln_web.cli import main
 
@@ -423,6 +426,7 @@ def test_kiln_doctor_json_has_the_cuda_object(capsys, no_override):
     assert probe["available"] == cuda.probe()["available"]
 
 
+@pytest.mark.django_db  # kiln doctor reports the database too
 def test_kiln_doctor_text_names_the_cuda_reason(capsys, monkeypatch, tmp_path):
     from kiln_web.cli import main
 

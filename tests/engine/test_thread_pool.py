@@ -158,6 +158,7 @@ def test_threads_follows_threadpool_limits():
     assert blas.threads() == before
 
 
+@pytest.mark.django_db  # kiln doctor reports the database too
 def test_kiln_doctor_says_where_openblas_jobs_run(capsys):
     from kiln_web.cli import main
 
