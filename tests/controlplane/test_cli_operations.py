@@ -285,6 +285,13 @@ def test_train_list_refuses_an_unknown_status_as_a_usage_error(capsys):
         main(["train", "list", "--status", "done"])
     assert exited.value.code == 2
     assert "invalid choice: 'done'" in capsys.readouterr()[1]
+    # the remote CLI spells the statuses without importing Django's models: held to them here
+    from kiln_web.cli import build_parser
+    from kiln_web.jobs.models import JobStatus
+
+    train = next(a for a in build_parser()._subparsers._group_actions[0].choices["train"]._subparsers._group_actions)
+    status = next(a for a in train.choices["list"]._actions if a.dest == "status")
+    assert set(status.choices) == set(JobStatus.values)
 
 
 def test_kiln_help_names_the_server_settings_and_the_exit_statuses(capsys):
